@@ -1,0 +1,89 @@
+"""Benchmark harness shared by every bench/bench_*.py file.
+
+Each benchmark runs one provider (our op, or a torch baseline imported from
+python_tests/reference.py or written as the torch composition it replaces) for one problem, and
+records in ``benchmark.extra_info`` what ``bench/report.py`` needs to put providers side by side:
+the problem (``group``), the provider, the FLOPs and the bytes the problem needs. The report
+divides by the machine's measured peaks (``peaks`` fixture: a large matmul and a large copy).
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python_tests"))  # reference.py
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import ist_kernels  # noqa: E402,F401
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def device_name() -> str:
+    if DEVICE == "cuda":
+        return torch.cuda.get_device_name()
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _median_seconds(fn, reps=5):
+    import time
+
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+@pytest.fixture(scope="session")
+def peaks():
+    """Measured ceilings of this machine: dense matmul FLOP/s per dtype and copy bytes/s."""
+    n = 4096 if DEVICE == "cuda" else 1024
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if DEVICE == "cpu" and dtype == torch.float16:
+            continue
+        a = torch.randn(n, n, device=DEVICE).to(dtype)
+        b = torch.randn(n, n, device=DEVICE).to(dtype)
+        out[f"matmul_{dtype}".replace("torch.", "")] = 2 * n**3 / _median_seconds(lambda: a @ b)
+    numel = (256 if DEVICE == "cuda" else 32) * 2**20
+    src = torch.randn(numel, device=DEVICE)
+    dst = torch.empty_like(src)
+    out["copy_bytes"] = 2 * src.numel() * 4 / _median_seconds(lambda: dst.copy_(src))
+    return out
+
+
+def record(benchmark, *, group, provider, flops=0, bytes=0, dtype=None, peaks=None, **extra):
+    """Label one benchmark run for bench/report.py."""
+    benchmark.group = group
+    benchmark.extra_info.update(
+        provider=provider, flops=flops, bytes=bytes, device=device_name(),
+        dtype=str(dtype).replace("torch.", "") if dtype is not None else None, **extra)
+    if peaks is not None:
+        benchmark.extra_info["peaks"] = peaks
+
+
+def run(benchmark, fn, rounds=None):
+    """Time ``fn`` with device synchronisation; fewer rounds on CPU where kernels are slow."""
+    def call():
+        fn()
+        sync()
+
+    if rounds is None:
+        rounds = 20 if DEVICE == "cuda" else 3
+    return benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=1)

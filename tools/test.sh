@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up (tools/setup.sh) and run the whole test suite. Without a GPU, Triton kernels run under
+# the interpreter (TRITON_INTERPRET=1 is set by python_tests/conftest.py) and GPU-only tests skip.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash tools/setup.sh || exit 1
+PY=${PYTHON:-python3}
+"$PY" -m pytest python_tests -q -ra "$@"
+rc=$?
+if [ "$rc" -eq 5 ]; then
+  echo "tools/test.sh: pytest collected no tests; that is a failure" >&2
+fi
+exit "$rc"
