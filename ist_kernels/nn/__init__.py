@@ -1,0 +1,1 @@
+"""Drop-in modules over ist_kernels.functional."""

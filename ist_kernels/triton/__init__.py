@@ -1,0 +1,1 @@
+"""Triton kernels (CUDA tensors; CPU tensors under TRITON_INTERPRET=1)."""
