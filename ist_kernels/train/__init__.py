@@ -1,0 +1,1 @@
+"""The thin trainer: ist-train."""

@@ -1,0 +1,7 @@
+"""python -m ist_kernels.train: the ist-train command line."""
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

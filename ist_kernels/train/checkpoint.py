@@ -1,0 +1,120 @@
+"""Atomic checkpoints.
+
+Each process writes ``round-RRRRRR-rank-K.pt`` (temporary file + ``os.replace``) holding the round,
+its method state (models, optimizer states, plan generators of the workers it runs), the RNG states
+and, on rank 0, the metrics history. When every rank has written, rank 0 points ``latest.json`` at
+the round (again temporary file + ``os.replace``), then each rank removes its older files. A crash
+at any moment leaves ``latest.json`` naming a complete set of files. The folder must be visible to
+every rank (a shared filesystem across nodes).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import tempfile
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+
+from .config import ConfigError
+
+LATEST = "latest.json"
+_FILE = re.compile(r"^round-(\d+)-rank-(\d+)\.pt$")
+
+# Options that must not change between a checkpoint and its resumption.
+RESUME_MUST_MATCH = ("method", "model", "width", "depth", "dataset", "data_path", "seed", "batch_size",
+                     "local_steps", "options", "precision", "augment")
+
+
+def _atomic_write(path: str, write) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix="-" + os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_torch_save(obj: Any, path: str) -> None:
+    _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def atomic_json(obj: Any, path: str) -> None:
+    _atomic_write(path, lambda f: f.write(json.dumps(obj, indent=1).encode()))
+
+
+def rank_file(folder: str, round_: int, rank: int) -> str:
+    return os.path.join(folder, f"round-{round_:06d}-rank-{rank}.pt")
+
+
+def latest_round(folder: str) -> Optional[int]:
+    try:
+        with open(os.path.join(folder, LATEST)) as f:
+            return int(json.load(f)["round"])
+    except FileNotFoundError:
+        return None
+
+
+def rng_state() -> Dict[str, Any]:
+    s = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
+
+
+def set_rng_state(s: Dict[str, Any]) -> None:
+    torch.set_rng_state(s["torch"])
+    np.random.set_state(s["numpy"])
+    random.setstate(s["python"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def save(folder: str, round_: int, rank: int, world_size: int, payload: Dict[str, Any], barrier=None) -> None:
+    """Write this rank's file for ``round_``; all ranks call it (``barrier`` syncs them)."""
+    atomic_torch_save(dict(payload, round=round_, rank=rank, world_size=world_size),
+                      rank_file(folder, round_, rank))
+    if barrier:
+        barrier()
+    if rank == 0:
+        atomic_json({"round": round_, "world_size": world_size}, os.path.join(folder, LATEST))
+    if barrier:
+        barrier()
+    for name in os.listdir(folder):  # older rounds of this rank: latest.json no longer names them
+        m = _FILE.match(name)
+        if m and int(m.group(2)) == rank and int(m.group(1)) != round_:
+            os.unlink(os.path.join(folder, name))
+
+
+def load(folder: str, rank: int, world_size: int, cfg) -> Dict[str, Any]:
+    round_ = latest_round(folder)
+    if round_ is None:
+        raise ConfigError("resume", f"no checkpoint in {folder!r}")
+    with open(os.path.join(folder, LATEST)) as f:
+        saved_world = json.load(f)["world_size"]
+    if saved_world != world_size:
+        raise ConfigError("resume", f"checkpoint in {folder!r} was written by {saved_world} process(es), "
+                          f"this run has {world_size}")
+    path = rank_file(folder, round_, rank)
+    if not os.path.isfile(path):
+        raise ConfigError("resume", f"{path!r} is missing (latest.json names round {round_})")
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    saved = payload["config"]
+    now = cfg.to_dict()
+    for key in RESUME_MUST_MATCH:
+        if saved.get(key) != now.get(key):
+            raise ConfigError(key, f"is {now.get(key)!r} but the checkpoint in {folder!r} was made with "
+                              f"{saved.get(key)!r}; it must not change on resume")
+    if payload["num_workers"] != cfg.num_workers:
+        raise ConfigError("workers", f"the checkpoint has {payload['num_workers']} workers, this run {cfg.num_workers}")
+    return payload

@@ -1,0 +1,139 @@
+"""ist-train: the command line (also ``python -m ist_kernels.train``).
+
+Options come from, in increasing precedence: the defaults, the ``--demo`` preset, a ``--config``
+file (YAML or TOML), and flags. Everything is validated before any work starts; an invalid option
+exits with status 2 and a message naming it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import typing
+from typing import Any, Dict, List, Optional, Sequence
+
+from .config import ConfigError, TrainConfig, demo_preset, load_config_file
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ist-train", description=__doc__.split("\n\n")[0],
+        epilog="launch: torchrun --nproc_per_node=S -m ist_kernels.train ... | ist-train --workers S ... "
+               "(starts S local processes) | ist-train --simulate S ... (one process)")
+    p.add_argument("--config", help="YAML (.yaml/.yml) or TOML (.toml) file of options")
+    p.add_argument("--list-methods", action="store_true", help="print the available methods and exit")
+    p.add_argument("--list-datasets", action="store_true", help="print the available datasets and exit")
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        tp = hints[f.name]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        base = args[0] if typing.get_origin(tp) is typing.Union else tp
+        help_ = f.metadata.get("help", "")
+        if f.name == "options":
+            p.add_argument("--option", dest="options", action="append", metavar="KEY=VALUE", help=help_,
+                           default=argparse.SUPPRESS)
+        elif base is bool:
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_,
+                           default=argparse.SUPPRESS)
+        elif typing.get_origin(base) in (list, List):
+            p.add_argument(flag, dest=f.name, nargs="+", type=str, help=help_, default=argparse.SUPPRESS)
+        else:
+            p.add_argument(flag, dest=f.name, type=str, help=help_, default=argparse.SUPPRESS,
+                           metavar=f.name.upper() if f.name != "simulate" else "S")
+    return p
+
+
+def _parse_options(items: Sequence[str]) -> Dict[str, Any]:
+    import yaml
+
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError("options", f"expected KEY=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+    return out
+
+
+def build_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
+    """The config the command line describes (not yet validated)."""
+    ns = vars(_parser().parse_args(argv))
+    flags = {k: v for k, v in ns.items() if k not in ("config", "list_methods", "list_datasets")}
+    if "options" in flags:
+        flags["options"] = _parse_options(flags["options"])
+    cfg = TrainConfig()
+    demo = flags.get("demo", False)
+    if ns.get("config"):
+        file_values = load_config_file(ns["config"])
+        demo = flags.get("demo", file_values.get("demo", False))
+    if demo:
+        cfg.update(demo_preset(quick=flags.get("quick", False)), "the --demo preset")
+    if ns.get("config"):
+        cfg.update(file_values, ns["config"])
+    cfg.update(flags, "flags")
+    return cfg
+
+
+def _baseline_config(cfg: TrainConfig) -> TrainConfig:
+    """Local SGD with the same budget: workers, rounds, local steps, batch size, schedule."""
+    out = cfg.resolved_out_dir()
+    return dataclasses.replace(
+        cfg, method="localsgd", options={}, baseline=False, resume=False, stop_after=None,
+        out_dir=os.path.join(out, "localsgd"),
+        checkpoint_dir=os.path.join(cfg.checkpoint_dir, "localsgd") if cfg.checkpoint_dir else None)
+
+
+def _run_configs(cfg: TrainConfig) -> List[TrainConfig]:
+    if not cfg.baseline or cfg.method == "localsgd":
+        return [cfg]
+    out = cfg.resolved_out_dir()
+    main = dataclasses.replace(cfg, out_dir=os.path.join(out, cfg.method),
+                               checkpoint_dir=os.path.join(cfg.checkpoint_dir, cfg.method) if cfg.checkpoint_dir else None)
+    return [main, _baseline_config(cfg)]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ns = vars(_parser().parse_args(argv))
+    if ns["list_methods"] or ns["list_datasets"]:
+        from .datasets import available_datasets
+        from .methods import available_methods
+
+        print("\n".join(available_methods() if ns["list_methods"] else available_datasets()))
+        return 0
+    try:
+        cfg = build_config(argv)
+        runs = _run_configs(cfg)
+        for c in runs:
+            c.validate()
+    except ConfigError as e:
+        print(f"ist-train: error: {e}", file=sys.stderr)
+        return 2
+
+    from .launch import launch
+    from .output import read_metrics, summary_table, write_plots
+
+    summaries = [launch(c) for c in runs]
+    if summaries[0] is None:  # a rank > 0 under torchrun
+        return 0
+    out_dir = cfg.resolved_out_dir()
+    table = summary_table(summaries)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(table + "\n")
+    plots = []
+    if cfg.plots:
+        plots = write_plots({f"{s['method']} S={s['workers']}": read_metrics(os.path.join(s["out_dir"], "metrics.jsonl"))
+                             for s in summaries}, out_dir)
+    print(table)
+    print(f"\noutputs in {os.path.abspath(out_dir)}: summary.md"
+          + "".join(f", {os.path.basename(p)}" for p in plots)
+          + "; per run: metrics.jsonl, summary.json, model.pt, checkpoints/")
+    if cfg.stop_after is not None and not all(s["finished"] for s in summaries):
+        print(f"stopped after round {summaries[0]['rounds']}; continue with --resume")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""The trainer's configuration: one dataclass, loaded from a YAML/TOML file and/or flags.
+
+Every option has a default; ``TrainConfig.validate()`` checks everything that can be checked
+without loading data, and raises :class:`ConfigError` naming the option, before any work starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional
+
+PRECISIONS = ("fp32", "bf16")
+LR_SCHEDULES = ("constant", "cosine", "step")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+class ConfigError(ValueError):
+    """An invalid option: the message names it and says what was expected."""
+
+    def __init__(self, option: str, message: str):
+        self.option = option
+        super().__init__(f"invalid option {option!r}: {message}")
+
+
+def _opt(default, help: str, **kw):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainConfig:
+    # what to train
+    method: str = _opt("localsgd", "training method (see --list-methods)")
+    model: str = _opt("mlp", "model: mlp, or a name from ist_kernels.models (e.g. preact_resnet18)")
+    width: int = _opt(128, "hidden width of the mlp model")
+    depth: int = _opt(1, "hidden layers of the mlp model")
+    dataset: str = _opt("digits", "dataset (see --list-datasets)")
+    data_path: Optional[str] = _opt(None, "folder of the dataset files (CIFAR python-pickle folder)")
+    augment: Optional[bool] = _opt(None, "random crop + flip for image batches (default: on for CIFAR)")
+    # workers
+    workers: Optional[int] = _opt(None, "number of workers S (processes); default: WORLD_SIZE under torchrun, else 2")
+    simulate: int = _opt(0, "train S workers/subnetworks one after another in one process (0: off)")
+    backend: str = _opt("auto", "torch.distributed backend: auto (nccl on CUDA, gloo on CPU), gloo, nccl")
+    timeout_s: float = _opt(600.0, "collective timeout in seconds")
+    # schedule
+    local_steps: int = _opt(4, "local SGD steps per round (tau / l)")
+    rounds: Optional[int] = _opt(None, "communication rounds (default 20; exclusive with epochs)")
+    epochs: Optional[float] = _opt(None, "passes over each worker's shard, converted to rounds")
+    batch_size: int = _opt(32, "batch size per worker")
+    eval_batch_size: int = _opt(512, "batch size for evaluation")
+    lr: float = _opt(0.05, "base learning rate")
+    lr_schedule: str = _opt("constant", "constant, cosine (over all steps) or step (x lr_gamma at lr_milestones)")
+    lr_warmup_rounds: int = _opt(0, "linear learning-rate warm-up over this many rounds")
+    lr_milestones: List[int] = _opt([], "rounds at which the step schedule multiplies lr by lr_gamma (default: 50%, 75%)")
+    lr_gamma: float = _opt(0.1, "factor of the step schedule")
+    momentum: float = _opt(0.9, "SGD momentum")
+    nesterov: bool = _opt(False, "Nesterov momentum")
+    weight_decay: float = _opt(5e-4, "SGD weight decay")
+    prune_ratio: float = _opt(0.0, "fraction of filters/weights pruned by methods that prune (loft, masked)")
+    options: Dict[str, Any] = _opt({}, "method-specific options, KEY=VALUE (see the method's docs)")
+    # run
+    seed: int = _opt(0, "seed of the model initialisation, data shards and plans")
+    device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
+    precision: str = _opt("fp32", "fp32, or bf16 (autocast)")
+    eval_interval: int = _opt(1, "evaluate every this many rounds (0: only at the end)")
+    out_dir: Optional[str] = _opt(None, "output folder (default runs/<method>-<model>-<dataset>-S<S>)")
+    checkpoint_dir: Optional[str] = _opt(None, "checkpoint folder (default <out_dir>/checkpoints)")
+    checkpoint_interval: int = _opt(0, "checkpoint every this many rounds (0: only at the end)")
+    resume: bool = _opt(False, "resume from the latest checkpoint in checkpoint_dir")
+    stop_after: Optional[int] = _opt(None, "stop (after a checkpoint) once this many rounds are done")
+    baseline: bool = _opt(False, "also run local SGD with the same budget and compare")
+    progress: bool = _opt(True, "progress bar on rank 0")
+    plots: bool = _opt(True, "write PNG plots")
+    demo: bool = _opt(False, "the demo: LOFT on digits with 2 workers vs local SGD (README)")
+    quick: bool = _opt(False, "tiny sizes for smoke tests and CI")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def field_names(cls) -> List[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> "TrainConfig":
+        cfg = cls()
+        cfg.update(values, source)
+        return cfg
+
+    def update(self, values: Mapping[str, Any], source: str = "config") -> "TrainConfig":
+        names = self.field_names()
+        hints = typing.get_type_hints(type(self))
+        for key, value in values.items():
+            name = str(key).replace("-", "_")
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(name, f"unknown option (from {source}){hint}")
+            setattr(self, name, _coerce(name, hints[name], value))
+        return self
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def under_torchrun(self) -> bool:
+        return under_torchrun()
+
+    @property
+    def num_workers(self) -> int:
+        """S: the number of workers (subnetworks), real or simulated."""
+        if self.simulate:
+            return self.simulate
+        if self.workers is not None:
+            return self.workers
+        if under_torchrun():
+            return int(os.environ["WORLD_SIZE"])
+        return 2
+
+    def resolved_out_dir(self) -> str:
+        if self.out_dir:
+            return self.out_dir
+        return os.path.join("runs", f"{self.method}-{self.model}-{self.dataset}-S{self.num_workers}")
+
+    def resolved_checkpoint_dir(self) -> str:
+        return self.checkpoint_dir or os.path.join(self.resolved_out_dir(), "checkpoints")
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> "TrainConfig":
+        """Raise ConfigError naming the first invalid option; checks method/dataset/model names too."""
+        _positive_int(self, "width")
+        _positive_int(self, "depth")
+        _positive_int(self, "local_steps")
+        _positive_int(self, "batch_size")
+        _positive_int(self, "eval_batch_size")
+        if self.simulate < 0:
+            raise ConfigError("simulate", f"must be >= 0 (0: off), got {self.simulate}")
+        if self.workers is not None and self.workers < 1:
+            raise ConfigError("workers", f"must be >= 1, got {self.workers}")
+        if self.simulate and self.workers is not None and self.workers not in (1, self.simulate):
+            raise ConfigError("workers", f"--simulate {self.simulate} runs in one process; "
+                              f"--workers {self.workers} conflicts with it")
+        if self.simulate and under_torchrun():
+            raise ConfigError("simulate", "runs in one process; do not launch it with torchrun")
+        if under_torchrun() and self.workers is not None and self.workers != int(os.environ["WORLD_SIZE"]):
+            raise ConfigError("workers", f"is {self.workers} but torchrun started WORLD_SIZE="
+                              f"{os.environ['WORLD_SIZE']} processes")
+        if self.rounds is not None and self.epochs is not None:
+            raise ConfigError("rounds", "give rounds or epochs, not both")
+        if self.rounds is not None and self.rounds < 1:
+            raise ConfigError("rounds", f"must be >= 1, got {self.rounds}")
+        if self.epochs is not None and not (self.epochs > 0 and math.isfinite(self.epochs)):
+            raise ConfigError("epochs", f"must be a finite number > 0, got {self.epochs}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError("lr", f"must be a finite number > 0, got {self.lr}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError("lr_schedule", f"must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if self.lr_warmup_rounds < 0:
+            raise ConfigError("lr_warmup_rounds", f"must be >= 0, got {self.lr_warmup_rounds}")
+        if any(m < 0 for m in self.lr_milestones) or list(self.lr_milestones) != sorted(self.lr_milestones):
+            raise ConfigError("lr_milestones", f"must be increasing round numbers >= 0, got {self.lr_milestones}")
+        if not (0 < self.lr_gamma <= 1):
+            raise ConfigError("lr_gamma", f"must be in (0, 1], got {self.lr_gamma}")
+        if not (0 <= self.momentum < 1):
+            raise ConfigError("momentum", f"must be in [0, 1), got {self.momentum}")
+        if self.nesterov and self.momentum == 0:
+            raise ConfigError("nesterov", "needs momentum > 0")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ConfigError("weight_decay", f"must be a finite number >= 0, got {self.weight_decay}")
+        if not (0 <= self.prune_ratio < 1):
+            raise ConfigError("prune_ratio", f"must be in [0, 1), got {self.prune_ratio}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError("precision", f"must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError("backend", f"must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if not (self.timeout_s > 0):
+            raise ConfigError("timeout_s", f"must be > 0, got {self.timeout_s}")
+        if self.eval_interval < 0:
+            raise ConfigError("eval_interval", f"must be >= 0 (0: only at the end), got {self.eval_interval}")
+        if self.checkpoint_interval < 0:
+            raise ConfigError("checkpoint_interval", f"must be >= 0 (0: only at the end), got {self.checkpoint_interval}")
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ConfigError("stop_after", f"must be >= 1, got {self.stop_after}")
+        _validate_device(self)
+        # names: datasets, models and methods know their own lists
+        from .datasets import check_dataset
+        from .methods import get_method
+        from .models import check_model
+
+        check_dataset(self)
+        check_model(self)
+        method = get_method(self.method)
+        self.options = method.resolve_options(self.options)
+        method.validate(self)
+        if self.resume:
+            from .checkpoint import latest_round
+
+            if latest_round(self.resolved_checkpoint_dir()) is None:
+                raise ConfigError("resume", f"no checkpoint in {self.resolved_checkpoint_dir()!r}")
+        return self
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+
+
+def _positive_int(cfg, name):
+    v = getattr(cfg, name)
+    if v < 1:
+        raise ConfigError(name, f"must be >= 1, got {v}")
+
+
+def _validate_device(cfg):
+    import torch
+
+    d = cfg.device
+    if d in ("auto", "cpu"):
+        pass
+    elif d == "cuda" or d.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise ConfigError("device", f"{d!r} asked for but CUDA is not available")
+        if d.startswith("cuda:"):
+            try:
+                idx = int(d.split(":", 1)[1])
+            except ValueError:
+                raise ConfigError("device", f"expected cuda:N, got {d!r}") from None
+            if not 0 <= idx < torch.cuda.device_count():
+                raise ConfigError("device", f"{d!r}: only {torch.cuda.device_count()} CUDA devices")
+        n = cfg.num_workers
+        if not cfg.simulate and not under_torchrun() and n > torch.cuda.device_count():
+            raise ConfigError("device", f"{n} local workers on CUDA need {n} GPUs, "
+                              f"found {torch.cuda.device_count()} (use --device cpu or --simulate)")
+    else:
+        raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N, got {d!r}")
+    if cfg.backend == "nccl" and (d == "cpu" or not torch.cuda.is_available()):
+        raise ConfigError("backend", "nccl needs CUDA devices")
+
+
+def _coerce(name: str, tp, value):
+    """Check/convert a value from a file or a flag to the option's declared type."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union and type(None) in args:
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        tp = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+            return value.lower() in ("true", "yes", "on", "1")
+        raise ConfigError(name, f"expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(name, f"expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(name, f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(name, f"expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(name, f"expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(name, f"expected a string, got {value!r}")
+    if origin in (list, List):
+        if isinstance(value, str):
+            value = [v for v in value.replace(",", " ").split()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(name, f"expected a list, got {value!r}")
+        return [_coerce(name, args[0], v) for v in value]
+    if origin in (dict, Dict):
+        if not isinstance(value, Mapping):
+            raise ConfigError(name, f"expected a table/mapping, got {value!r}")
+        return {str(k): v for k, v in value.items()}
+    return value  # pragma: no cover
+
+
+def load_config_file(path: str) -> Dict[str, Any]:
+    """Read a YAML (.yaml/.yml) or TOML (.toml) file into a dict of options."""
+    if not os.path.isfile(path):
+        raise ConfigError("config", f"file {path!r} not found")
+    ext = os.path.splitext(path)[1].lower()
+    try:
+        if ext == ".toml":
+            import tomllib
+
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        elif ext in (".yaml", ".yml"):
+            import yaml
+
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        else:
+            raise ConfigError("config", f"{path!r}: expected a .yaml, .yml or .toml file")
+    except ConfigError:
+        raise
+    except Exception as e:  # parse errors: say which file
+        raise ConfigError("config", f"cannot parse {path!r}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"{path!r} must hold a mapping of option: value")
+    return data
+
+
+def demo_preset(quick: bool) -> Dict[str, Any]:
+    """The README's main-job command: LOFT on digits with 2 workers and a small preact ResNet
+    (pre-train, prune 50%, fine-tune), against local SGD with the same budget."""
+    return dict(method="loft", model="preact_resnet18", dataset="digits", workers=2, prune_ratio=0.5,
+                local_steps=4 if quick else 8, rounds=4 if quick else 30, batch_size=32, lr=0.05,
+                lr_schedule="cosine", eval_interval=1 if quick else 5, baseline=True,
+                out_dir=os.path.join("runs", "demo"))

@@ -1,0 +1,272 @@
+"""Datasets for the trainer (nothing downloads) and the per-worker shards and batches.
+
+- ``digits``: sklearn's bundled 8x8 digits (1797 images, 10 classes), a fixed stratified 80/20 split.
+- ``cifar10`` / ``cifar100``: the standard python-pickle folder at ``data_path``
+  (``data_batch_1..5`` + ``test_batch``; ``train`` + ``test`` for CIFAR-100), kept as uint8 and
+  normalised per batch.
+
+Each worker s of S sees its own shard: a seed-determined permutation of the training set cut into S
+disjoint near-equal parts. Batches are a pure function of (seed, worker, step): the worker's stream
+is its shard reshuffled every epoch, cut into full batches. So the simulated and the distributed
+runs see the same batches, and resuming needs no data-loader state.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .config import ConfigError
+
+
+@dataclass
+class Dataset:
+    name: str
+    task: str  # "classification" or "regression"
+    train_x: Tensor
+    train_y: Tensor
+    test_x: Tensor
+    test_y: Tensor
+    num_outputs: int  # classes, or regression targets
+    mean: Optional[Tensor] = None  # per-channel normalisation of uint8 images (0..1 scale)
+    std: Optional[Tensor] = None
+    image: bool = False
+
+    @property
+    def input_shape(self) -> Tuple[int, ...]:
+        return tuple(self.train_x.shape[1:])
+
+    def to(self, device) -> "Dataset":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Dataset(self.name, self.task, move(self.train_x), move(self.train_y), move(self.test_x),
+                       move(self.test_y), self.num_outputs, move(self.mean), move(self.std), self.image)
+
+    def prepare(self, x: Tensor) -> Tensor:
+        """A float batch for the model (uint8 images are scaled and normalised here)."""
+        if x.dtype == torch.uint8:
+            x = x.float().div_(255.0)
+            if self.mean is not None:
+                x = (x - self.mean.view(1, -1, 1, 1)) / self.std.view(1, -1, 1, 1)
+        return x
+
+
+# ---------------------------------------------------------------- loaders
+
+def _load_digits(cfg) -> Dataset:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    d = load_digits()
+    x = d.images.astype(np.float32) / 16.0
+    y = d.target.astype(np.int64)
+    # The split is fixed (not cfg.seed): every run is scored on the same test set.
+    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    mean, std = xtr.mean(), xtr.std()
+    norm = lambda a: torch.from_numpy((a - mean) / std).unsqueeze(1).contiguous()  # noqa: E731
+    return Dataset("digits", "classification", norm(xtr), torch.from_numpy(ytr), norm(xte),
+                   torch.from_numpy(yte), 10, image=True)
+
+
+_CIFAR = {
+    "cifar10": dict(train=[f"data_batch_{i}" for i in range(1, 6)], test=["test_batch"], label=b"labels",
+                    classes=10, mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616)),
+    "cifar100": dict(train=["train"], test=["test"], label=b"fine_labels", classes=100,
+                     mean=(0.5071, 0.4865, 0.4409), std=(0.2673, 0.2564, 0.2762)),
+}
+
+
+def _cifar_files(name: str, path: Optional[str]) -> Tuple[List[str], List[str]]:
+    spec = _CIFAR[name]
+    if not path:
+        raise ConfigError("data_path", f"{name} needs data_path: the python-pickle folder "
+                          f"(with {', '.join(spec['train'] + spec['test'])}); nothing is downloaded")
+    if not os.path.isdir(path):
+        raise ConfigError("data_path", f"{path!r} is not a folder ({name} python-pickle folder expected)")
+    missing = [f for f in spec["train"] + spec["test"] if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        raise ConfigError("data_path", f"{path!r} lacks {name} file(s) {', '.join(missing)} "
+                          f"(expected the python-pickle folder, e.g. cifar-10-batches-py)")
+    j = lambda fs: [os.path.join(path, f) for f in fs]  # noqa: E731
+    return j(spec["train"]), j(spec["test"])
+
+
+def _read_cifar(files: List[str], label_key: bytes, num_classes: int) -> Tuple[Tensor, Tensor]:
+    xs, ys = [], []
+    for f in files:
+        with open(f, "rb") as fh:
+            try:
+                d = pickle.load(fh, encoding="bytes")
+            except Exception as e:
+                raise ConfigError("data_path", f"cannot read {f!r} as a CIFAR pickle: {e}") from e
+        d = {(k.encode() if isinstance(k, str) else k): v for k, v in d.items()}
+        if b"data" not in d or label_key not in d:
+            raise ConfigError("data_path", f"{f!r} lacks the keys 'data' and {label_key.decode()!r}")
+        data = np.asarray(d[b"data"], dtype=np.uint8)
+        labels = np.asarray(d[label_key], dtype=np.int64)
+        if data.ndim != 2 or data.shape[1] != 3072 or len(labels) != len(data):
+            raise ConfigError("data_path", f"{f!r}: expected data of shape (N, 3072) and N labels, "
+                              f"got {data.shape} and {len(labels)}")
+        if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
+            raise ConfigError("data_path", f"{f!r}: labels outside 0..{num_classes - 1}")
+        xs.append(data.reshape(-1, 3, 32, 32))
+        ys.append(labels)
+    return torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
+
+
+def _load_cifar(name):
+    def load(cfg) -> Dataset:
+        spec = _CIFAR[name]
+        train_files, test_files = _cifar_files(name, cfg.data_path)
+        xtr, ytr = _read_cifar(train_files, spec["label"], spec["classes"])
+        xte, yte = _read_cifar(test_files, spec["label"], spec["classes"])
+        return Dataset(name, "classification", xtr, ytr, xte, yte, spec["classes"],
+                       torch.tensor(spec["mean"]), torch.tensor(spec["std"]), image=True)
+
+    return load
+
+
+def _check_cifar(name):
+    return lambda cfg: _cifar_files(name, cfg.data_path)
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    loader: Callable  # cfg -> Dataset
+    check: Optional[Callable] = None  # cfg -> None, raising ConfigError before any work starts
+    augment: bool = False  # random crop + flip by default
+    image: bool = True  # inputs are (C, H, W) images (CNN models need that)
+
+
+DATASETS: Dict[str, DatasetSpec] = {
+    "digits": DatasetSpec(_load_digits),
+    "cifar10": DatasetSpec(_load_cifar("cifar10"), _check_cifar("cifar10"), augment=True),
+    "cifar100": DatasetSpec(_load_cifar("cifar100"), _check_cifar("cifar100"), augment=True),
+}
+
+
+def register_dataset(name: str, spec: DatasetSpec) -> None:
+    DATASETS[name] = spec
+
+
+def available_datasets() -> List[str]:
+    return sorted(DATASETS)
+
+
+def check_dataset(cfg) -> None:
+    if cfg.dataset not in DATASETS:
+        raise ConfigError("dataset", f"unknown dataset {cfg.dataset!r}; available: {', '.join(available_datasets())}")
+    spec = DATASETS[cfg.dataset]
+    if spec.check is not None:
+        spec.check(cfg)
+
+
+def load_dataset(cfg) -> Dataset:
+    check_dataset(cfg)
+    return DATASETS[cfg.dataset].loader(cfg)
+
+
+def augment_default(cfg) -> bool:
+    return DATASETS[cfg.dataset].augment if cfg.augment is None else cfg.augment
+
+
+# ---------------------------------------------------------------- shards and batches
+
+def _mix(*xs: int) -> int:
+    """A 63-bit seed from integers (splitmix64-style), identical on every rank and platform."""
+    h = 0x9E3779B97F4A7C15
+    for x in xs:
+        h = (h ^ (int(x) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+def shard_indices(n: int, num_workers: int, seed: int) -> List[Tensor]:
+    """S disjoint shards covering range(n): a seeded permutation cut into near-equal parts."""
+    if num_workers > n:
+        raise ConfigError("workers", f"{num_workers} workers but only {n} training samples")
+    g = torch.Generator().manual_seed(_mix(seed, 0x5A4D))
+    perm = torch.randperm(n, generator=g)
+    return [c.clone() for c in torch.tensor_split(perm, num_workers)]
+
+
+@dataclass
+class WorkerBatches:
+    """The batch stream of one worker: its shard, reshuffled each epoch, cut into full batches."""
+
+    shard: Tensor
+    batch_size: int
+    seed: int
+    worker: int
+    _cache: Dict[int, Tensor] = field(default_factory=dict)
+
+    def _epoch(self, e: int) -> Tensor:
+        if e not in self._cache:
+            if len(self._cache) > 4:
+                self._cache.clear()
+            g = torch.Generator().manual_seed(_mix(self.seed, self.worker, e, 0xB47C))
+            self._cache[e] = self.shard[torch.randperm(len(self.shard), generator=g)]
+        return self._cache[e]
+
+    def indices(self, step: int) -> Tensor:
+        """Sample indices of global step ``step`` (0-based) of this worker."""
+        n = len(self.shard)
+        start = step * self.batch_size
+        parts, need = [], self.batch_size
+        while need:
+            e, off = divmod(start, n)
+            take = min(need, n - off)
+            parts.append(self._epoch(e)[off:off + take])
+            start += take
+            need -= take
+        return torch.cat(parts)
+
+
+class ShardedData:
+    """The dataset on the run's device, the S shards, and batches as a function of (worker, step)."""
+
+    def __init__(self, dataset: Dataset, num_workers: int, batch_size: int, seed: int, device,
+                 augment: bool = False):
+        self.dataset = dataset.to(device)
+        self.device = torch.device(device)
+        self.num_workers = num_workers
+        self.seed = seed
+        self.augment = augment and dataset.image
+        self.shards = shard_indices(len(dataset.train_y), num_workers, seed)
+        self.streams = [WorkerBatches(s, batch_size, seed, w) for w, s in enumerate(self.shards)]
+
+    @property
+    def shard_size(self) -> int:
+        return min(len(s) for s in self.shards)
+
+    def batch(self, worker: int, step: int) -> Tuple[Tensor, Tensor]:
+        idx = self.streams[worker].indices(step).to(self.device)
+        x = self.dataset.prepare(self.dataset.train_x[idx])
+        if self.augment:
+            x = _augment(x, _mix(self.seed, worker, step, 0xA06))
+        return x, self.dataset.train_y[idx]
+
+    def test_batches(self, batch_size: int):
+        d = self.dataset
+        for i in range(0, len(d.test_y), batch_size):
+            yield d.prepare(d.test_x[i:i + batch_size]), d.test_y[i:i + batch_size]
+
+
+def _augment(x: Tensor, seed: int) -> Tensor:
+    """Random crop (zero padding H/8) and horizontal flip, drawn on the CPU from ``seed``."""
+    n, _, h, w = x.shape
+    pad = max(1, h // 8)
+    g = torch.Generator().manual_seed(seed)
+    flip = torch.rand(n, generator=g) < 0.5
+    dy = torch.randint(0, 2 * pad + 1, (n,), generator=g)
+    dx = torch.randint(0, 2 * pad + 1, (n,), generator=g)
+    xp = torch.nn.functional.pad(x, (pad, pad, pad, pad))
+    rows = (dy.view(n, 1) + torch.arange(h)).to(x.device)  # n x h
+    cols = (dx.view(n, 1) + torch.arange(w)).to(x.device)  # n x w
+    out = xp[torch.arange(n, device=x.device).view(n, 1, 1, 1), torch.arange(x.shape[1], device=x.device).view(1, -1, 1, 1),
+             rows.view(n, 1, h, 1), cols.view(n, 1, 1, w)]
+    return torch.where(flip.to(x.device).view(n, 1, 1, 1), out.flip(3), out)

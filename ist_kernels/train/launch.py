@@ -1,0 +1,88 @@
+"""Launch modes.
+
+- under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR set): this process is one worker;
+  the default process group is initialised from the environment (multi-node works the same way);
+- ``--workers S`` (S > 1) otherwise: start S local processes with torch.multiprocessing (spawn),
+  gloo on CPU, NCCL when there are S GPUs;
+- ``--simulate S``: one process trains the S workers one after another;
+- S = 1: one process, no process group.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from .config import TrainConfig, under_torchrun
+from .runner import World, train
+
+
+def resolve_device(cfg: TrainConfig, local_rank: int, processes: int) -> torch.device:
+    d = cfg.device
+    if d == "auto":
+        use_cuda = torch.cuda.is_available() and (processes == 1 or under_torchrun()
+                                                  or torch.cuda.device_count() >= processes)
+        d = "cuda" if use_cuda else "cpu"
+    if d == "cpu":
+        return torch.device("cpu")
+    if processes > 1:  # one GPU per process
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device(d if ":" in d else "cuda")
+
+
+def resolve_backend(cfg: TrainConfig, device: torch.device) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_rank(cfg: TrainConfig, rank: int, world_size: int, local_rank: int, init_method: Optional[str]):
+    device = resolve_device(cfg, local_rank, world_size)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // min(world_size, os.cpu_count() or 1)))
+    backend = resolve_backend(cfg, device)
+    kw = dict(backend=backend, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    if init_method is None:  # torchrun: env://
+        dist.init_process_group(**kw)
+    else:
+        dist.init_process_group(init_method=init_method, rank=rank, world_size=world_size, **kw)
+    try:
+        return train(cfg, World(rank, world_size, local_rank, simulated=False, device=device))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(local_rank: int, cfg: TrainConfig, world_size: int, init_method: str):
+    _run_rank(cfg, local_rank, world_size, local_rank, init_method)
+
+
+def launch(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
+    """Run ``cfg`` (already validated) in the mode it asks for; returns the summary in the calling
+    process (None on ranks > 0 under torchrun)."""
+    if under_torchrun():
+        return _run_rank(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                         int(os.environ["LOCAL_RANK"]), None)
+    if cfg.simulate:
+        return train(cfg, World(simulated=True, device=resolve_device(cfg, 0, 1)))
+    s = cfg.num_workers
+    if s == 1:
+        return train(cfg, World(device=resolve_device(cfg, 0, 1)))
+    import torch.multiprocessing as mp
+
+    mp.spawn(_spawned, args=(cfg, s, f"tcp://127.0.0.1:{_free_port()}"), nprocs=s, join=True,
+             start_method="spawn")
+    with open(os.path.join(cfg.resolved_out_dir(), "summary.json")) as f:
+        return json.load(f)

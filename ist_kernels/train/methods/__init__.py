@@ -1,0 +1,161 @@
+"""The trainer's methods and their registry.
+
+A method lives in ``ist_kernels/train/methods/<name>.py`` and registers itself::
+
+    from . import Method, Option, RoundResult, register_method
+
+    @register_method("name")
+    class Name(Method):
+        options = {"xi": Option(0.5, float, "keep probability", check=lambda v: 0 < v <= 1)}
+
+        @classmethod
+        def validate(cls, cfg): ...           # optional: raise ConfigError(option, why)
+
+        def __init__(self, ctx): ...          # setup: models, optimizers, plans (every rank)
+        def run_round(self, r): ...           # tau local steps + aggregation -> RoundResult
+        def global_model(self): ...           # the full model for evaluation (every rank calls)
+        def state_dict(self): ...             # everything resume needs (models, optimizers,
+        def load_state_dict(self, state): ... #   plan generators) of the workers this process runs
+
+``get_method(name)`` imports ``methods/<name>.py`` on first use, so adding a method is adding that
+file. The trainer (``ist_kernels.train.runner``) owns everything else: data shards, the learning
+rate schedule (``ctx.lr_at``), evaluation, metrics, checkpoints, launching.
+
+One class serves both launch modes. ``ctx.local_workers`` lists the workers this process trains:
+``[ctx.rank]`` when distributed (one process per worker), ``range(S)`` when simulated (S workers one
+after another in one process). Aggregation across processes goes through ``ctx.distributed``
+(torch.distributed initialised, default group); simulated, the same math runs over the local
+copies. A distributed and a simulated run of the same config must give the same model.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Optional, Type
+
+from ..config import ConfigError
+
+# Every method issue 6 names; those without a module here are "not available" in this build.
+KNOWN_METHODS = ("ist", "masked", "loft", "resist", "grelu", "localsgd", "ddp")
+
+_REGISTRY: Dict[str, Type["Method"]] = {}
+
+
+@dataclass(frozen=True)
+class Option:
+    """A method-specific option (``--option NAME=VALUE`` or ``options:`` in a config file)."""
+
+    default: Any
+    type: Callable[[Any], Any]
+    help: str = ""
+    check: Optional[Callable[[Any], bool]] = None
+    expected: str = ""  # what check wants, for the error message
+
+
+@dataclass
+class RoundResult:
+    """What one round did on this process, summed over ``ctx.local_workers``.
+
+    loss_sum / steps: the training loss summed over the local steps of the local workers and the
+    number of those steps; bytes_sent: bytes this process passed to collectives this round (the
+    simulated form reports what its S workers would have sent). The trainer sums both over ranks.
+    """
+
+    loss_sum: float
+    steps: int
+    bytes_sent: int = 0
+    extra: Optional[Dict[str, float]] = None  # per-round scalars to log (same on every rank)
+
+
+class Method:
+    name: str = ""
+    #: method-specific options: name -> Option
+    options: Dict[str, Option] = {}
+    #: the method can train with a single worker (S = 1)
+    allows_single_worker: bool = True
+
+    # ---- configuration (before any work starts) ----
+    @classmethod
+    def resolve_options(cls, given: Mapping[str, Any]) -> Dict[str, Any]:
+        """Defaults filled in, values converted, unknown names and failed checks rejected."""
+        out = {}
+        for key in given:
+            if key not in cls.options:
+                known = ", ".join(sorted(cls.options)) or "none"
+                raise ConfigError(f"options.{key}", f"method {cls.name!r} has no such option (it has: {known})")
+        for key, opt in cls.options.items():
+            value = given.get(key, opt.default)
+            if key in given:
+                try:
+                    value = opt.type(value)
+                except (TypeError, ValueError):
+                    raise ConfigError(f"options.{key}", f"expected {opt.type.__name__}, got {value!r}") from None
+                if opt.check is not None and not opt.check(value):
+                    raise ConfigError(f"options.{key}", f"expected {opt.expected or 'a valid value'}, got {value!r}")
+            out[key] = value
+        return out
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        """Method-specific checks of the whole config; raise ConfigError(option, why)."""
+        if not cls.allows_single_worker and cfg.num_workers < 2:
+            raise ConfigError("workers", f"method {cls.name!r} needs at least 2 workers, got {cfg.num_workers}")
+
+    # ---- training ----
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def run_round(self, r: int) -> RoundResult:
+        raise NotImplementedError
+
+    def global_model(self):
+        """The full model for evaluation and the final save; every rank calls it (it may be a
+        collective). Must return the model on rank 0; other ranks may return None."""
+        raise NotImplementedError
+
+    def state_dict(self) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def summary(self) -> Dict[str, Any]:
+        """Extra entries for the final summary (e.g. the pruned model's size); optional."""
+        return {}
+
+
+def register_method(name: str):
+    """Class decorator: make ``name`` available to ``--method``."""
+
+    def deco(cls):
+        if not (isinstance(cls, type) and issubclass(cls, Method)):
+            raise TypeError(f"register_method({name!r}): {cls!r} is not a Method subclass")
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"method {name!r} is already registered by {_REGISTRY[name].__module__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def _module_names():
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+
+
+def available_methods():
+    """Names a user can pass to --method in this build."""
+    return sorted(set(_REGISTRY) | set(_module_names()))
+
+
+def get_method(name: str) -> Type[Method]:
+    if name not in _REGISTRY and name in _module_names():
+        importlib.import_module(f"{__name__}.{name}")
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    avail = ", ".join(available_methods())
+    if name in KNOWN_METHODS:
+        raise ConfigError("method", f"{name!r} is not available in this build "
+                          f"(no ist_kernels/train/methods/{name}.py); available: {avail}")
+    raise ConfigError("method", f"unknown method {name!r}; available: {avail}")

@@ -1,0 +1,58 @@
+"""Synchronous data parallel SGD (torch DistributedDataParallel): the gradient of every step is
+averaged over the S workers. One round is ``local_steps`` synchronous steps, so rounds and budgets
+compare with the local-step methods. Simulated: one process, one model, each step on the S workers'
+batches concatenated (the same gradient up to float rounding; BatchNorm statistics then cover the
+S-fold batch instead of rank 0's batch)."""
+from __future__ import annotations
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from . import Method, RoundResult, register_method
+
+
+@register_method("ddp")
+class DDP(Method):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.model = ctx.build_model()
+        self.net = self.model
+        if ctx.distributed:
+            dev = [ctx.device] if ctx.device.type == "cuda" else None
+            self.net = DistributedDataParallel(self.model, device_ids=dev)
+        self.optimizer = ctx.make_optimizer(self.model.parameters())
+        grads = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
+        # per step: every worker all_reduces its gradients; rank 0 broadcasts the buffers
+        # (DDP's broadcast_buffers) when there are several processes or simulated workers.
+        self._bytes_per_step = dict(grads=grads, buffers=buffers if ctx.num_workers > 1 else 0)
+
+    def run_round(self, r: int) -> RoundResult:
+        ctx, tau = self.ctx, self.ctx.cfg.local_steps
+        self.net.train()
+        total = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        for i in range(tau):
+            ctx.set_lr(self.optimizer, r, i)
+            batches = [ctx.batch(s, r, i) for s in ctx.local_workers]
+            x = torch.cat([b[0] for b in batches])
+            y = torch.cat([b[1] for b in batches])
+            self.optimizer.zero_grad(set_to_none=True)
+            with ctx.autocast():
+                out = self.net(x)
+            loss = ctx.loss(out, y)
+            loss.backward()
+            self.optimizer.step()
+            total += loss.detach() * len(batches)  # the mean of the workers' losses, once per worker
+        n = len(ctx.local_workers)
+        sent = tau * (n * self._bytes_per_step["grads"] + (self._bytes_per_step["buffers"] if ctx.rank == 0 else 0))
+        return RoundResult(loss_sum=float(total), steps=n * tau, bytes_sent=sent)
+
+    def global_model(self):
+        return self.model
+
+    def state_dict(self):
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state):
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])

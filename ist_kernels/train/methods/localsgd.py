@@ -1,0 +1,68 @@
+"""Local SGD, the baseline of papers 000 (Table 1) and 003 (Tables 1-9): every worker trains the
+whole model for tau local steps on its own shard, then the full model is averaged with one flat
+all_reduce. Momentum buffers stay local to each worker (as in the reference codes)."""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import Method, RoundResult, register_method
+
+
+def averaged_tensors(model: torch.nn.Module) -> List[Tensor]:
+    """Parameters and floating-point buffers (BN running statistics); integer buffers such as
+    num_batches_tracked are equal on every worker and are not sent."""
+    return [t for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()]
+
+
+def flat_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in averaged_tensors(model))
+
+
+def average_models(models, distributed: bool, num_workers: int) -> int:
+    """Average the full models: sum this process's copies, one all_reduce(SUM) over processes,
+    divide by S, write back. Returns the bytes this process passed to the collective (the simulated
+    form counts one buffer per worker, what S processes would pass)."""
+    tensors = [averaged_tensors(m) for m in models]
+    with torch.no_grad():
+        total = torch.cat([t.reshape(-1) for t in tensors[0]])
+        for ts in tensors[1:]:
+            total += torch.cat([t.reshape(-1) for t in ts])
+        if distributed:
+            dist.all_reduce(total)
+        total /= num_workers
+        for ts in tensors:
+            offset = 0
+            for t in ts:
+                t.copy_(total[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+    return len(models) * total.numel() * total.element_size()
+
+
+@register_method("localsgd")
+class LocalSGD(Method):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.workers = ctx.local_workers
+        self.models = {s: ctx.build_model() for s in self.workers}
+        self.optimizers = {s: ctx.make_optimizer(self.models[s].parameters()) for s in self.workers}
+
+    def run_round(self, r: int) -> RoundResult:
+        loss = sum(self.ctx.train_local(self.models[s], self.optimizers[s], s, r) for s in self.workers)
+        sent = average_models([self.models[s] for s in self.workers], self.ctx.distributed, self.ctx.num_workers)
+        return RoundResult(loss_sum=loss, steps=len(self.workers) * self.ctx.cfg.local_steps, bytes_sent=sent)
+
+    def global_model(self):
+        return self.models[self.workers[0]]
+
+    def state_dict(self):
+        return {"models": {s: m.state_dict() for s, m in self.models.items()},
+                "optimizers": {s: o.state_dict() for s, o in self.optimizers.items()}}
+
+    def load_state_dict(self, state):
+        for s in self.workers:
+            self.models[s].load_state_dict(state["models"][s])
+            self.optimizers[s].load_state_dict(state["optimizers"][s])

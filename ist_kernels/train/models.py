@@ -1,0 +1,78 @@
+"""Models the trainer can build: ``mlp`` here, every other name from ``ist_kernels.models``
+(``preact_resnet18``, ``resnet18``, ... called with ``num_classes`` and ``in_channels``).
+
+``build_model(cfg, dataset)`` initialises from ``cfg.seed`` inside a forked RNG, so every rank
+and the simulated run start from the same model, whatever ran before.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Callable, Dict
+
+import torch
+from torch import nn
+
+from .config import ConfigError
+
+MODELS: Dict[str, Callable] = {}
+
+
+def register_model(name: str):
+    """Decorator: ``fn(cfg, input_shape, num_outputs) -> nn.Module`` becomes ``--model name``."""
+
+    def deco(fn):
+        MODELS[name] = fn
+        return fn
+
+    return deco
+
+
+@register_model("mlp")
+def mlp(cfg, input_shape, num_outputs) -> nn.Module:
+    """Flatten, ``depth`` hidden ReLU layers of ``width`` neurons, a linear output layer."""
+    layers = [nn.Flatten()]
+    fan_in = math.prod(input_shape)
+    for _ in range(cfg.depth):
+        layers += [nn.Linear(fan_in, cfg.width), nn.ReLU()]
+        fan_in = cfg.width
+    layers.append(nn.Linear(fan_in, num_outputs))
+    return nn.Sequential(*layers)
+
+
+def _zoo():
+    try:
+        return importlib.import_module("ist_kernels.models")
+    except ModuleNotFoundError as e:
+        if e.name != "ist_kernels.models":
+            raise
+        return None
+
+
+def check_model(cfg) -> None:
+    if cfg.model in MODELS:
+        return
+    zoo = _zoo()
+    if zoo is not None and callable(getattr(zoo, cfg.model, None)) and not cfg.model.startswith("_"):
+        from .datasets import DATASETS
+
+        spec = DATASETS.get(cfg.dataset)
+        if spec is not None and not spec.image:
+            raise ConfigError("model", f"{cfg.model!r} is a CNN; dataset {cfg.dataset!r} is not images (use mlp)")
+        return
+    names = sorted(MODELS) + (sorted(n for n in getattr(zoo, "__all__", ()) if callable(getattr(zoo, n)))
+                              if zoo is not None else [])
+    where = "" if zoo is not None else " (ist_kernels.models is not in this build)"
+    raise ConfigError("model", f"unknown model {cfg.model!r}{where}; available: {', '.join(names)}")
+
+
+def build_model(cfg, dataset) -> nn.Module:
+    check_model(cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        if cfg.model in MODELS:
+            return MODELS[cfg.model](cfg, dataset.input_shape, dataset.num_outputs)
+        if not dataset.image or len(dataset.input_shape) != 3:
+            raise ConfigError("model", f"{cfg.model!r} is a CNN; dataset {dataset.name!r} has inputs of shape "
+                              f"{dataset.input_shape}, not images")
+        return getattr(_zoo(), cfg.model)(num_classes=dataset.num_outputs, in_channels=dataset.input_shape[0])

@@ -1,0 +1,107 @@
+"""What a run leaves behind: metrics.jsonl (one line per round), summary.json, the comparison table,
+and PNG plots of accuracy and loss against rounds and against bytes sent."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional, Sequence
+
+
+class MetricsLog:
+    """metrics.jsonl on rank 0; on resume it is rewritten from the checkpoint's history first, so the
+    file always describes exactly the rounds the model went through."""
+
+    def __init__(self, path: str, history: Optional[List[Dict[str, Any]]] = None):
+        self.path = path
+        self.history = list(history or [])
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            for rec in self.history:
+                f.write(json.dumps(rec) + "\n")
+
+    def append(self, rec: Dict[str, Any]) -> None:
+        self.history.append(rec)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def read_metrics(path: str) -> List[Dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def progress_bar(total: int, initial: int, enabled: bool, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, unit="round", dynamic_ncols=True)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1000.0
+    return str(n)  # pragma: no cover
+
+
+def summary_table(summaries: Sequence[Dict[str, Any]]) -> str:
+    """Markdown table: method, workers, rounds, accuracy, test loss, time, total bytes, and the byte
+    and time ratios to the local-SGD run among ``summaries`` when there is one."""
+    base = next((s for s in summaries if s["method"] == "localsgd"), None)
+    head = ["method", "model", "workers", "rounds", "accuracy", "test loss", "train time (s)", "bytes sent"]
+    if base is not None:
+        head += ["bytes / local SGD", "time / local SGD"]
+    rows = []
+    for s in summaries:
+        acc = "-" if s.get("accuracy") is None else f"{100 * s['accuracy']:.2f}%"
+        loss = "-" if s.get("test_loss") is None else f"{s['test_loss']:.4f}"
+        row = [s["method"], s["model"], f"{s['workers']} ({s['mode']})", str(s["rounds"]), acc, loss,
+               f"{s['train_time']:.1f}", human_bytes(s["total_bytes"])]
+        if base is not None:
+            row.append(f"{s['total_bytes'] / base['total_bytes']:.3f}" if base["total_bytes"] else "-")
+            row.append(f"{s['train_time'] / base['train_time']:.2f}" if base["train_time"] else "-")
+        rows.append(row)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+
+
+def write_plots(runs: Dict[str, List[Dict[str, Any]]], out_dir: str) -> List[str]:
+    """accuracy.png and loss.png, each with two panels: against rounds and against bytes sent.
+    ``runs``: label -> metrics history. Returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for key, ylabel, fname in (("accuracy", "test accuracy", "accuracy.png"), ("test_loss", "test loss", "loss.png")):
+        if not any(r.get(key) is not None for h in runs.values() for r in h):
+            continue
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for label, hist in runs.items():
+            pts = [r for r in hist if r.get(key) is not None]
+            if key == "test_loss":  # also the training loss, dashed
+                tr = [r for r in hist if r.get("train_loss") is not None]
+                axes[0].plot([r["round"] for r in tr], [r["train_loss"] for r in tr], "--", alpha=0.6,
+                             label=f"{label} (train)")
+                axes[1].plot([r["total_bytes"] for r in tr], [r["train_loss"] for r in tr], "--", alpha=0.6,
+                             label=f"{label} (train)")
+            axes[0].plot([r["round"] for r in pts], [r[key] for r in pts], "o-", ms=3, label=label)
+            axes[1].plot([r["total_bytes"] for r in pts], [r[key] for r in pts], "o-", ms=3, label=label)
+        axes[0].set_xlabel("round")
+        axes[1].set_xlabel("bytes sent (all workers)")
+        for ax in axes:
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        if key == "test_loss":
+            for ax in axes:
+                ax.set_yscale("log")
+        fig.tight_layout()
+        path = os.path.join(out_dir, fname)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths

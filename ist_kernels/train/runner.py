@@ -1,0 +1,256 @@
+"""The training loop every method shares: data shards -> method rounds -> evaluation, metrics,
+checkpoints. Methods see it through :class:`RunContext`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import checkpoint
+from .datasets import ShardedData, augment_default, load_dataset
+from .methods import get_method
+from .models import build_model
+
+
+@dataclass
+class World:
+    """Where this process stands: rank among ``world_size`` processes; ``simulated``: one process
+    trains all S workers. ``distributed``: torch.distributed is initialised with > 1 process."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    simulated: bool = False
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def lr_at(cfg, rounds: int, r: int, i: int) -> float:
+    """Learning rate of local step i of round r (0-based) of a run of ``rounds`` rounds."""
+    tau = cfg.local_steps
+    t, total = r * tau + i, rounds * tau
+    lr = cfg.lr
+    if cfg.lr_schedule == "cosine":
+        lr *= 0.5 * (1.0 + math.cos(math.pi * t / total))
+    elif cfg.lr_schedule == "step":
+        milestones = cfg.lr_milestones or [int(0.5 * rounds), int(0.75 * rounds)]
+        lr *= cfg.lr_gamma ** sum(1 for m in milestones if r >= m)
+    if cfg.lr_warmup_rounds and r < cfg.lr_warmup_rounds:
+        lr *= (t + 1) / (cfg.lr_warmup_rounds * tau)
+    return lr
+
+
+class RunContext:
+    """Everything a method needs; built once per process by :func:`train`."""
+
+    def __init__(self, cfg, world: World, data: ShardedData, rounds: int):
+        self.cfg = cfg
+        self.world = world
+        self.data = data
+        self.dataset = data.dataset
+        self.rounds = rounds
+        self.options: Dict[str, Any] = cfg.options
+        self.num_workers = cfg.num_workers
+        self.device = world.device
+
+    # who am I
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def distributed(self) -> bool:
+        return self.world.distributed
+
+    @property
+    def simulated(self) -> bool:
+        return self.world.simulated
+
+    @property
+    def local_workers(self) -> List[int]:
+        """The workers this process trains: all S when simulated, its own rank otherwise."""
+        return list(range(self.num_workers)) if self.world.simulated else [self.world.rank]
+
+    # building blocks
+    def build_model(self) -> nn.Module:
+        """A fresh global model, initialised from cfg.seed (identical on every rank), on the device."""
+        return build_model(self.cfg, self.dataset).to(self.device)
+
+    def make_optimizer(self, params) -> torch.optim.Optimizer:
+        c = self.cfg
+        return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay,
+                               nesterov=c.nesterov)
+
+    def lr_at(self, r: int, i: int) -> float:
+        return lr_at(self.cfg, self.rounds, r, i)
+
+    def set_lr(self, optimizer, r: int, i: int) -> float:
+        lr = self.lr_at(r, i)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def autocast(self):
+        if self.cfg.precision == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def loss(self, out, y):
+        if self.dataset.task == "classification":
+            return F.cross_entropy(out.float(), y)
+        return F.mse_loss(out.float().reshape(y.shape), y)
+
+    def batch(self, worker: int, r: int, i: int):
+        """Batch of local step i of round r for ``worker`` (the same in every launch mode)."""
+        return self.data.batch(worker, r * self.cfg.local_steps + i)
+
+    def train_local(self, model: nn.Module, optimizer, worker: int, r: int, steps: Optional[int] = None) -> float:
+        """``steps`` (default local_steps) SGD steps of ``worker`` in round r; returns the summed loss."""
+        model.train()
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        for i in range(self.cfg.local_steps if steps is None else steps):
+            self.set_lr(optimizer, r, i)
+            x, y = self.batch(worker, r, i)
+            optimizer.zero_grad(set_to_none=True)
+            with self.autocast():
+                out = model(x)
+            loss = self.loss(out, y)
+            loss.backward()
+            optimizer.step()
+            total += loss.detach()
+        return float(total)
+
+
+@torch.no_grad()
+def evaluate(ctx: RunContext, model: nn.Module) -> Dict[str, float]:
+    was_training = model.training
+    model.eval()
+    loss_sum, correct, n = 0.0, 0, 0
+    for x, y in ctx.data.test_batches(ctx.cfg.eval_batch_size):
+        with ctx.autocast():
+            out = model(x)
+        loss_sum += float(ctx.loss(out, y)) * len(y)
+        if ctx.dataset.task == "classification":
+            correct += int((out.argmax(1) == y).sum())
+        n += len(y)
+    model.train(was_training)
+    res = {"test_loss": loss_sum / max(n, 1)}
+    if ctx.dataset.task == "classification":
+        res["accuracy"] = correct / max(n, 1)
+    return res
+
+
+def resolve_rounds(cfg, shard_size: int) -> int:
+    if cfg.rounds is not None:
+        rounds = cfg.rounds
+    elif cfg.epochs is not None:
+        rounds = max(1, math.ceil(cfg.epochs * shard_size / (cfg.batch_size * cfg.local_steps)))
+    else:
+        rounds = 20
+    return min(rounds, 3) if cfg.quick and not cfg.demo else rounds
+
+
+def _barrier(world: World):
+    if world.distributed:
+        dist.barrier()
+
+
+def train(cfg, world: World) -> Optional[Dict[str, Any]]:
+    """Run one config on this process; returns the summary on rank 0 (None elsewhere)."""
+    from .output import MetricsLog, progress_bar
+
+    method_cls = get_method(cfg.method)
+    dataset = load_dataset(cfg)
+    data = ShardedData(dataset, cfg.num_workers, cfg.batch_size, cfg.seed, world.device, augment_default(cfg))
+    rounds = resolve_rounds(cfg, data.shard_size)
+    ctx = RunContext(cfg, world, data, rounds)
+    method = method_cls(ctx)
+    rank0 = world.rank == 0
+    out_dir = cfg.resolved_out_dir()
+    ckpt_dir = cfg.resolved_checkpoint_dir()
+
+    start, history, train_time, wall0 = 0, [], 0.0, 0.0
+    if cfg.resume:
+        payload = checkpoint.load(ckpt_dir, world.rank, world.world_size, cfg)
+        method.load_state_dict(payload["method"])
+        checkpoint.set_rng_state(payload["rng"])
+        start, history = payload["round"], payload.get("history", [])
+        train_time, wall0 = payload["train_time"], payload["wall_time"]
+        if start > rounds:
+            from .config import ConfigError
+
+            raise ConfigError("rounds", f"the checkpoint is at round {start}, past rounds={rounds}")
+    log = MetricsLog(os.path.join(out_dir, "metrics.jsonl"), history) if rank0 else None
+    t_start = time.perf_counter() - wall0
+    total_bytes = history[-1]["total_bytes"] if history else 0
+
+    def eval_record(r):
+        model = method.global_model()
+        return evaluate(ctx, model) if rank0 else {}
+
+    if start == 0:
+        rec = {"round": 0, "train_loss": None, "bytes_sent": 0, "total_bytes": 0, "train_time": 0.0,
+               "wall_time": 0.0, "lr": ctx.lr_at(0, 0), **eval_record(0)}
+        if rank0:
+            log.append(rec)
+
+    end = rounds if cfg.stop_after is None else min(rounds, cfg.stop_after)
+    bar = progress_bar(rounds, start, rank0 and cfg.progress, desc=f"{cfg.method} S={cfg.num_workers}")
+    for r in range(start, end):
+        t0 = time.perf_counter()
+        res = method.run_round(r)
+        if world.device.type == "cuda":
+            torch.cuda.synchronize(world.device)
+        train_time += time.perf_counter() - t0
+        stats = torch.tensor([res.loss_sum, res.steps, res.bytes_sent], dtype=torch.float64, device=world.device)
+        if world.distributed:
+            dist.all_reduce(stats)
+        loss_sum, steps, bytes_sent = stats.tolist()
+        total_bytes += int(bytes_sent)
+        done = r + 1
+        rec = {"round": done, "train_loss": loss_sum / max(steps, 1), "bytes_sent": int(bytes_sent),
+               "total_bytes": total_bytes, "train_time": train_time, "lr": ctx.lr_at(r, 0), **(res.extra or {})}
+        last = done == end
+        if (cfg.eval_interval and done % cfg.eval_interval == 0) or last:
+            rec.update(eval_record(done))
+        rec["wall_time"] = time.perf_counter() - t_start
+        if rank0:
+            log.append(rec)
+            bar.update(1)
+            bar.set_postfix({k: f"{rec[k]:.4g}" for k in ("train_loss", "accuracy") if rec.get(k) is not None})
+        if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or last:
+            checkpoint.save(ckpt_dir, done, world.rank, world.world_size, {
+                "config": cfg.to_dict(), "num_workers": cfg.num_workers, "method": method.state_dict(),
+                "rng": checkpoint.rng_state(), "history": log.history if rank0 else [],
+                "train_time": train_time, "wall_time": rec["wall_time"]}, barrier=lambda: _barrier(world))
+    bar.close()
+
+    model = method.global_model()
+    if not rank0:
+        return None
+    final = log.history[-1]
+    summary = {
+        "method": cfg.method, "model": cfg.model, "dataset": cfg.dataset, "workers": cfg.num_workers,
+        "mode": "simulated" if world.simulated else ("distributed" if world.distributed else "single"),
+        "rounds": final["round"], "finished": final["round"] == rounds,
+        "accuracy": final.get("accuracy"), "test_loss": final.get("test_loss"),
+        "train_loss": final.get("train_loss"), "train_time": final["train_time"],
+        "total_bytes": final["total_bytes"], "out_dir": out_dir, **method.summary(),
+    }
+    from .checkpoint import atomic_json, atomic_torch_save
+
+    atomic_torch_save({k: v.detach().cpu() for k, v in model.state_dict().items()}, os.path.join(out_dir, "model.pt"))
+    atomic_json(summary, os.path.join(out_dir, "summary.json"))
+    return summary
