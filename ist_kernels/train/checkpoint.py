@@ -87,7 +87,8 @@ def save(folder: str, round_: int, rank: int, world_size: int, payload: Dict[str
     if barrier:
         barrier()
     if rank == 0:
-        atomic_json({"round": round_, "world_size": world_size}, os.path.join(folder, LATEST))
+        atomic_json({"round": round_, "world_size": world_size, "num_workers": payload["num_workers"],
+                     "config": payload["config"]}, os.path.join(folder, LATEST))
     if barrier:
         barrier()
     for name in os.listdir(folder):  # older rounds of this rank: latest.json no longer names them
@@ -96,25 +97,34 @@ def save(folder: str, round_: int, rank: int, world_size: int, payload: Dict[str
             os.unlink(os.path.join(folder, name))
 
 
-def load(folder: str, rank: int, world_size: int, cfg) -> Dict[str, Any]:
-    round_ = latest_round(folder)
-    if round_ is None:
-        raise ConfigError("resume", f"no checkpoint in {folder!r}")
-    with open(os.path.join(folder, LATEST)) as f:
-        saved_world = json.load(f)["world_size"]
-    if saved_world != world_size:
-        raise ConfigError("resume", f"checkpoint in {folder!r} was written by {saved_world} process(es), "
-                          f"this run has {world_size}")
-    path = rank_file(folder, round_, rank)
-    if not os.path.isfile(path):
-        raise ConfigError("resume", f"{path!r} is missing (latest.json names round {round_})")
-    payload = torch.load(path, map_location="cpu", weights_only=False)
-    saved = payload["config"]
-    now = cfg.to_dict()
+def check_resumable(folder: str, cfg, world_size: Optional[int] = None) -> int:
+    """Raise ConfigError unless ``folder`` holds a checkpoint this config can resume; returns its
+    round. Reads only latest.json, so the CLI checks it before any work starts."""
+    try:
+        with open(os.path.join(folder, LATEST)) as f:
+            latest = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError("resume", f"no checkpoint in {folder!r}") from None
+    saved, now = latest["config"], cfg.to_dict()
     for key in RESUME_MUST_MATCH:
         if saved.get(key) != now.get(key):
             raise ConfigError(key, f"is {now.get(key)!r} but the checkpoint in {folder!r} was made with "
                               f"{saved.get(key)!r}; it must not change on resume")
-    if payload["num_workers"] != cfg.num_workers:
-        raise ConfigError("workers", f"the checkpoint has {payload['num_workers']} workers, this run {cfg.num_workers}")
-    return payload
+    if latest["num_workers"] != cfg.num_workers:
+        raise ConfigError("workers", f"the checkpoint in {folder!r} has {latest['num_workers']} workers, "
+                          f"this run {cfg.num_workers}")
+    if bool(saved.get("simulate")) != bool(now.get("simulate")):
+        raise ConfigError("simulate", f"the checkpoint in {folder!r} was made "
+                          f"{'simulated' if saved.get('simulate') else 'with one process per worker'}; resume it the same way")
+    if world_size is not None and latest["world_size"] != world_size:
+        raise ConfigError("resume", f"the checkpoint in {folder!r} was written by {latest['world_size']} "
+                          f"process(es), this run has {world_size}")
+    return int(latest["round"])
+
+
+def load(folder: str, rank: int, world_size: int, cfg) -> Dict[str, Any]:
+    round_ = check_resumable(folder, cfg, world_size)
+    path = rank_file(folder, round_, rank)
+    if not os.path.isfile(path):
+        raise ConfigError("resume", f"{path!r} is missing (latest.json names round {round_})")
+    return torch.load(path, map_location="cpu", weights_only=False)

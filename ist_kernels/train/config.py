@@ -197,10 +197,9 @@ class TrainConfig:
         self.options = method.resolve_options(self.options)
         method.validate(self)
         if self.resume:
-            from .checkpoint import latest_round
+            from .checkpoint import check_resumable
 
-            if latest_round(self.resolved_checkpoint_dir()) is None:
-                raise ConfigError("resume", f"no checkpoint in {self.resolved_checkpoint_dir()!r}")
+            check_resumable(self.resolved_checkpoint_dir(), self)
         return self
 
 

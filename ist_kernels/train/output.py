@@ -47,7 +47,7 @@ def human_bytes(n: float) -> str:
 def summary_table(summaries: Sequence[Dict[str, Any]]) -> str:
     """Markdown table: method, workers, rounds, accuracy, test loss, time, total bytes, and the byte
     and time ratios to the local-SGD run among ``summaries`` when there is one."""
-    base = next((s for s in summaries if s["method"] == "localsgd"), None)
+    base = next((s for s in summaries if s["method"] == "localsgd"), None) if len(summaries) > 1 else None
     head = ["method", "model", "workers", "rounds", "accuracy", "test loss", "train time (s)", "bytes sent"]
     if base is not None:
         head += ["bytes / local SGD", "time / local SGD"]

@@ -206,6 +206,7 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
         if rank0:
             log.append(rec)
 
+    # stop_after: stop once that many rounds are done (a checkpoint is written), resume later
     end = rounds if cfg.stop_after is None else min(rounds, cfg.stop_after)
     bar = progress_bar(rounds, start, rank0 and cfg.progress, desc=f"{cfg.method} S={cfg.num_workers}")
     for r in range(start, end):
@@ -222,15 +223,14 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
         done = r + 1
         rec = {"round": done, "train_loss": loss_sum / max(steps, 1), "bytes_sent": int(bytes_sent),
                "total_bytes": total_bytes, "train_time": train_time, "lr": ctx.lr_at(r, 0), **(res.extra or {})}
-        last = done == end
-        if (cfg.eval_interval and done % cfg.eval_interval == 0) or last:
+        if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == rounds:
             rec.update(eval_record(done))
         rec["wall_time"] = time.perf_counter() - t_start
         if rank0:
             log.append(rec)
             bar.update(1)
             bar.set_postfix({k: f"{rec[k]:.4g}" for k in ("train_loss", "accuracy") if rec.get(k) is not None})
-        if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or last:
+        if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == end:
             checkpoint.save(ckpt_dir, done, world.rank, world.world_size, {
                 "config": cfg.to_dict(), "num_workers": cfg.num_workers, "method": method.state_dict(),
                 "rng": checkpoint.rng_state(), "history": log.history if rank0 else [],
@@ -241,6 +241,8 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
     if not rank0:
         return None
     final = log.history[-1]
+    if "test_loss" not in final:  # stopped between evaluations (stop_after): score the model now,
+        final = {**final, **evaluate(ctx, model)}  # outside metrics.jsonl, which resume continues
     summary = {
         "method": cfg.method, "model": cfg.model, "dataset": cfg.dataset, "workers": cfg.num_workers,
         "mode": "simulated" if world.simulated else ("distributed" if world.distributed else "single"),
