@@ -379,3 +379,20 @@ def test_augment_is_a_crop_and_flip():
 def test_demo_quick(tmp_path):
     assert cli.main(["--demo", "--quick", "--no-progress", "--out-dir", str(tmp_path)]) == 0
     assert (tmp_path / "summary.md").is_file() and (tmp_path / "accuracy.png").is_file()
+
+
+def test_context_seeds_models_and_generators():
+    from ist_kernels.train.runner import RunContext, World
+
+    cfg = TrainConfig(seed=3, width=8).validate()
+    ctx = RunContext(cfg, World(simulated=True), datasets.ShardedData(datasets.load_dataset(cfg), 2, 4, 3, "cpu"), 5)
+    torch.manual_seed(123)
+    a = ctx.build_model()
+    torch.rand(7)  # whatever ran before does not change the initialisation
+    b = ctx.build_model()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    f = lambda: torch.nn.Linear(ctx.in_features, ctx.num_outputs)  # noqa: E731
+    assert torch.equal(ctx.build_model(f).weight, ctx.build_model(f).weight) and ctx.in_features == 64
+    assert torch.equal(torch.randperm(9, generator=ctx.generator(1, 4)), torch.randperm(9, generator=ctx.generator(1, 4)))
+    assert not torch.equal(torch.rand(9, generator=ctx.generator(1, 4)), torch.rand(9, generator=ctx.generator(1, 5)))
+    assert ctx.local_workers == [0, 1]

@@ -8,7 +8,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint
-from .datasets import ShardedData, augment_default, load_dataset
+from .datasets import ShardedData, _mix, augment_default, load_dataset
 from .methods import get_method
 from .models import build_model
 
@@ -83,10 +83,41 @@ class RunContext:
         """The workers this process trains: all S when simulated, its own rank otherwise."""
         return list(range(self.num_workers)) if self.world.simulated else [self.world.rank]
 
+    def all_reduce_(self, tensor, what: str, r: int):
+        """In-place SUM over the processes (no-op simulated or with one process). A dead or stalled
+        rank becomes an error naming the collective and the round, within cfg.timeout_s."""
+        if not self.distributed:
+            return tensor
+        try:
+            dist.all_reduce(tensor)
+        except Exception as e:
+            raise RuntimeError(f"ist-train rank {self.rank}: all_reduce of {what} in round {r + 1} failed "
+                               f"(a rank died or stalled? timeout {self.cfg.timeout_s:g}s): {e}") from e
+        return tensor
+
     # building blocks
-    def build_model(self) -> nn.Module:
-        """A fresh global model, initialised from cfg.seed (identical on every rank), on the device."""
-        return build_model(self.cfg, self.dataset).to(self.device)
+    @property
+    def in_features(self) -> int:
+        """Inputs per sample, flattened (an MLP's first layer)."""
+        return math.prod(self.dataset.input_shape)
+
+    @property
+    def num_outputs(self) -> int:
+        return self.dataset.num_outputs
+
+    def build_model(self, factory: Optional[Callable[[], nn.Module]] = None) -> nn.Module:
+        """A fresh global model, initialised from cfg.seed (identical on every rank and launch
+        mode), on the device: cfg.model by default, or ``factory()`` (e.g. a SubnetMLP)."""
+        if factory is None:
+            return build_model(self.cfg, self.dataset).to(self.device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.seed)
+            return factory().to(self.device)
+
+    def generator(self, *tags: int) -> torch.Generator:
+        """A CPU generator seeded from (cfg.seed, *tags): every rank derives the same one, so plans
+        are never sent. ``ctx.generator(PLAN, r)`` gives round r's plan without any saved state."""
+        return torch.Generator().manual_seed(_mix(self.cfg.seed, *tags))
 
     def make_optimizer(self, params) -> torch.optim.Optimizer:
         c = self.cfg
@@ -198,7 +229,7 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
 
     def eval_record(r):
         model = method.global_model()
-        return evaluate(ctx, model) if rank0 else {}
+        return method.evaluate(model) if rank0 else {}
 
     if start == 0:
         rec = {"round": 0, "train_loss": None, "bytes_sent": 0, "total_bytes": 0, "train_time": 0.0,
@@ -216,8 +247,7 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
             torch.cuda.synchronize(world.device)
         train_time += time.perf_counter() - t0
         stats = torch.tensor([res.loss_sum, res.steps, res.bytes_sent], dtype=torch.float64, device=world.device)
-        if world.distributed:
-            dist.all_reduce(stats)
+        ctx.all_reduce_(stats, "the round's metrics", r)
         loss_sum, steps, bytes_sent = stats.tolist()
         total_bytes += int(bytes_sent)
         done = r + 1
@@ -242,7 +272,7 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
         return None
     final = log.history[-1]
     if "test_loss" not in final:  # stopped between evaluations (stop_after): score the model now,
-        final = {**final, **evaluate(ctx, model)}  # outside metrics.jsonl, which resume continues
+        final = {**final, **method.evaluate(model)}  # outside metrics.jsonl, which resume continues
     summary = {
         "method": cfg.method, "model": cfg.model, "dataset": cfg.dataset, "workers": cfg.num_workers,
         "mode": "simulated" if world.simulated else ("distributed" if world.distributed else "single"),

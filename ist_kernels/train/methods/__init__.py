@@ -1,31 +1,37 @@
 """The trainer's methods and their registry.
 
-A method lives in ``ist_kernels/train/methods/<name>.py`` and registers itself::
+A method lives in ``ist_kernels/train/methods/<name>.py`` (the module name is the method name) and
+registers itself; ``get_method(name)`` imports that module on first use, so adding a method is
+adding that file::
 
     from . import Method, Option, RoundResult, register_method
 
     @register_method("name")
     class Name(Method):
-        options = {"xi": Option(0.5, float, "keep probability", check=lambda v: 0 < v <= 1)}
+        options = {"xi": Option(0.5, float, "keep probability", check=lambda v: 0 < v <= 1,
+                                expected="a probability in (0, 1]")}   # --option xi=0.3
 
         @classmethod
-        def validate(cls, cfg): ...           # optional: raise ConfigError(option, why)
+        def validate(cls, cfg): ...           # optional; raise ConfigError(option, why)
 
-        def __init__(self, ctx): ...          # setup: models, optimizers, plans (every rank)
+        def __init__(self, ctx): ...          # setup on every rank: models, optimizers
         def run_round(self, r): ...           # tau local steps + aggregation -> RoundResult
-        def global_model(self): ...           # the full model for evaluation (every rank calls)
-        def state_dict(self): ...             # everything resume needs (models, optimizers,
-        def load_state_dict(self, state): ... #   plan generators) of the workers this process runs
+        def global_model(self): ...           # the full model; every rank calls it (may gather)
+        def state_dict(self): ...             # all resume needs for this process's workers:
+        def load_state_dict(self, state): ... #   models, optimizer states, plan generator states
+        def evaluate(self, model): ...        # optional; default: test loss (+ accuracy)
+        def summary(self): ...                # optional; extra entries for summary.json
 
-``get_method(name)`` imports ``methods/<name>.py`` on first use, so adding a method is adding that
-file. The trainer (``ist_kernels.train.runner``) owns everything else: data shards, the learning
-rate schedule (``ctx.lr_at``), evaluation, metrics, checkpoints, launching.
+The trainer (``ist_kernels.train.runner``) owns everything else: data shards and batches
+(``ctx.batch(worker, r, i)``), the learning-rate schedule (``ctx.set_lr``), ``ctx.train_local``
+(tau SGD steps of one worker), seeded models (``ctx.build_model(factory)``) and generators
+(``ctx.generator(*tags)``), evaluation, metrics, checkpoints and launching.
 
 One class serves both launch modes. ``ctx.local_workers`` lists the workers this process trains:
-``[ctx.rank]`` when distributed (one process per worker), ``range(S)`` when simulated (S workers one
-after another in one process). Aggregation across processes goes through ``ctx.distributed``
-(torch.distributed initialised, default group); simulated, the same math runs over the local
-copies. A distributed and a simulated run of the same config must give the same model.
+``[ctx.rank]`` when distributed (one process per worker), ``range(S)`` when simulated (S workers
+one after another in one process). ``ctx.distributed`` says whether torch.distributed is initialised
+(default group, > 1 process); ``ctx.all_reduce_`` is an all_reduce that names the round when a rank
+dies. A distributed and a simulated run of the same config must give the same model.
 """
 from __future__ import annotations
 
@@ -113,6 +119,13 @@ class Method:
         """The full model for evaluation and the final save; every rank calls it (it may be a
         collective). Must return the model on rank 0; other ranks may return None."""
         raise NotImplementedError
+
+    def evaluate(self, model) -> Dict[str, float]:
+        """Scores of ``model`` (from global_model) on the test set, on rank 0: test_loss and, for
+        classification, accuracy. Override for other scores; keep those two keys."""
+        from ..runner import evaluate
+
+        return evaluate(self.ctx, model)
 
     def state_dict(self) -> Dict[str, Any]:
         raise NotImplementedError

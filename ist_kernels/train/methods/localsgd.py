@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import List
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from . import Method, RoundResult, register_method
@@ -22,17 +21,18 @@ def flat_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in averaged_tensors(model))
 
 
-def average_models(models, distributed: bool, num_workers: int) -> int:
-    """Average the full models: sum this process's copies, one all_reduce(SUM) over processes,
-    divide by S, write back. Returns the bytes this process passed to the collective (the simulated
-    form counts one buffer per worker, what S processes would pass)."""
+def average_models(models, num_workers: int, all_reduce_=None) -> int:
+    """Average the full models: sum this process's copies, one all_reduce(SUM) over processes
+    (``all_reduce_``; None when simulated), divide by S, write back. Returns the bytes this process
+    passed to the collective (the simulated form counts one buffer per worker, what S processes
+    would pass)."""
     tensors = [averaged_tensors(m) for m in models]
     with torch.no_grad():
         total = torch.cat([t.reshape(-1) for t in tensors[0]])
         for ts in tensors[1:]:
             total += torch.cat([t.reshape(-1) for t in ts])
-        if distributed:
-            dist.all_reduce(total)
+        if all_reduce_ is not None:
+            all_reduce_(total)
         total /= num_workers
         for ts in tensors:
             offset = 0
@@ -52,7 +52,8 @@ class LocalSGD(Method):
 
     def run_round(self, r: int) -> RoundResult:
         loss = sum(self.ctx.train_local(self.models[s], self.optimizers[s], s, r) for s in self.workers)
-        sent = average_models([self.models[s] for s in self.workers], self.ctx.distributed, self.ctx.num_workers)
+        sent = average_models([self.models[s] for s in self.workers], self.ctx.num_workers,
+                              lambda t: self.ctx.all_reduce_(t, "the local-SGD model average", r))
         return RoundResult(loss_sum=loss, steps=len(self.workers) * self.ctx.cfg.local_steps, bytes_sent=sent)
 
     def global_model(self):
