@@ -21,11 +21,14 @@ TINY = ["--dataset", "digits", "--model", "mlp", "--width", "16", "--batch-size"
 TIME_KEYS = ("train_time", "wall_time")
 
 
-def run(out, *args):
-    rc = cli.main([*TINY, "--out-dir", str(out), *map(str, args)])
-    assert rc == 0
+def outputs(out):
     with open(os.path.join(out, "summary.json")) as f:
         return json.load(f), torch.load(os.path.join(out, "model.pt")), read_metrics(os.path.join(out, "metrics.jsonl"))
+
+
+def run(out, *args):
+    assert cli.main([*TINY, "--out-dir", str(out), *map(str, args)]) == 0
+    return outputs(out)
 
 
 def untimed(history):
@@ -68,7 +71,13 @@ def test_localsgd_distributed_equals_simulated(localsgd_runs):
 
 def test_ddp_distributed_matches_simulated(tmp_path):
     s_sum, s_model, s_hist = run(tmp_path / "sim", "--method", "ddp", "--simulate", 2, "--rounds", 3)
-    d_sum, d_model, d_hist = run(tmp_path / "dist", "--method", "ddp", "--workers", 2, "--rounds", 3)
+    # with --baseline: DDP then local SGD in the same 2 processes and process group
+    assert cli.main([*TINY, "--out-dir", str(tmp_path / "dist"), "--method", "ddp", "--workers", "2",
+                     "--rounds", "3", "--baseline"]) == 0
+    d_sum, d_model, d_hist = outputs(tmp_path / "dist" / "ddp")
+    b_sum, _, _ = outputs(tmp_path / "dist" / "localsgd")
+    assert b_sum["method"] == "localsgd" and b_sum["mode"] == "distributed"
+    assert d_sum["total_bytes"] == 2 * b_sum["total_bytes"]  # gradients each step vs the model each round
     # DDP averages per-rank gradients; simulated, one process takes the mean over the 2x batch:
     # the same gradient up to float rounding.
     assert_states(s_model, d_model, exact=False)

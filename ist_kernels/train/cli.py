@@ -114,7 +114,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .launch import launch
     from .output import read_metrics, summary_table, write_plots
 
-    summaries = [launch(c) for c in runs]
+    summaries = launch(runs)
     if summaries[0] is None:  # a rank > 0 under torchrun
         return 0
     out_dir = cfg.resolved_out_dir()

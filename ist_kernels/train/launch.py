@@ -13,7 +13,7 @@ import datetime
 import json
 import os
 import socket
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_rank(cfg: TrainConfig, rank: int, world_size: int, local_rank: int, init_method: Optional[str]):
+def _run_rank(cfgs: List[TrainConfig], rank: int, world_size: int, local_rank: int, init_method: Optional[str]):
+    """One worker process: one process group for all the runs (the main run and its baseline)."""
+    cfg = cfgs[0]
     device = resolve_device(cfg, local_rank, world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -60,29 +62,34 @@ def _run_rank(cfg: TrainConfig, rank: int, world_size: int, local_rank: int, ini
     else:
         dist.init_process_group(init_method=init_method, rank=rank, world_size=world_size, **kw)
     try:
-        return train(cfg, World(rank, world_size, local_rank, simulated=False, device=device))
+        world = World(rank, world_size, local_rank, simulated=False, device=device)
+        return [train(c, world) for c in cfgs]
     finally:
         dist.destroy_process_group()
 
 
-def _spawned(local_rank: int, cfg: TrainConfig, world_size: int, init_method: str):
-    _run_rank(cfg, local_rank, world_size, local_rank, init_method)
+def _spawned(local_rank: int, cfgs: List[TrainConfig], world_size: int, init_method: str):
+    _run_rank(cfgs, local_rank, world_size, local_rank, init_method)
 
 
-def launch(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
-    """Run ``cfg`` (already validated) in the mode it asks for; returns the summary in the calling
-    process (None on ranks > 0 under torchrun)."""
+def launch(cfgs: Sequence[TrainConfig]) -> List[Optional[Dict[str, Any]]]:
+    """Run the configs (validated; same launch mode) one after another in the mode they ask for;
+    returns their summaries in the calling process (None on ranks > 0 under torchrun)."""
+    cfgs = list(cfgs)
+    cfg = cfgs[0]
     if under_torchrun():
-        return _run_rank(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+        return _run_rank(cfgs, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                          int(os.environ["LOCAL_RANK"]), None)
-    if cfg.simulate:
-        return train(cfg, World(simulated=True, device=resolve_device(cfg, 0, 1)))
-    s = cfg.num_workers
-    if s == 1:
-        return train(cfg, World(device=resolve_device(cfg, 0, 1)))
+    if cfg.simulate or cfg.num_workers == 1:
+        world = World(simulated=bool(cfg.simulate), device=resolve_device(cfg, 0, 1))
+        return [train(c, world) for c in cfgs]
     import torch.multiprocessing as mp
 
-    mp.spawn(_spawned, args=(cfg, s, f"tcp://127.0.0.1:{_free_port()}"), nprocs=s, join=True,
+    s = cfg.num_workers
+    mp.spawn(_spawned, args=(cfgs, s, f"tcp://127.0.0.1:{_free_port()}"), nprocs=s, join=True,
              start_method="spawn")
-    with open(os.path.join(cfg.resolved_out_dir(), "summary.json")) as f:
-        return json.load(f)
+    out = []
+    for c in cfgs:
+        with open(os.path.join(c.resolved_out_dir(), "summary.json")) as f:
+            out.append(json.load(f))
+    return out
