@@ -405,3 +405,12 @@ def test_context_seeds_models_and_generators():
     assert torch.equal(torch.randperm(9, generator=ctx.generator(1, 4)), torch.randperm(9, generator=ctx.generator(1, 4)))
     assert not torch.equal(torch.rand(9, generator=ctx.generator(1, 4)), torch.rand(9, generator=ctx.generator(1, 5)))
     assert ctx.local_workers == [0, 1]
+
+
+def test_single_worker_localsgd_equals_ddp(tmp_path):
+    """With one worker both baselines are plain SGD on the same batches: the same bits, no bytes."""
+    a_sum, a_model, a_hist = run(tmp_path / "a", "--method", "localsgd", "--workers", 1, "--rounds", 2)
+    b_sum, b_model, b_hist = run(tmp_path / "b", "--method", "ddp", "--workers", 1, "--rounds", 2)
+    assert a_sum["mode"] == b_sum["mode"] == "single" and a_sum["total_bytes"] == b_sum["total_bytes"] == 0
+    assert_states(a_model, b_model, exact=True)
+    assert untimed(a_hist) == untimed(b_hist)

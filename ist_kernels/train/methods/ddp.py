@@ -25,7 +25,8 @@ class DDP(Method):
         buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
         # per step: every worker all_reduces its gradients; rank 0 broadcasts the buffers
         # (DDP's broadcast_buffers) when there are several processes or simulated workers.
-        self._bytes_per_step = dict(grads=grads, buffers=buffers if ctx.num_workers > 1 else 0)
+        multi = ctx.num_workers > 1  # one worker communicates nothing
+        self._bytes_per_step = dict(grads=grads if multi else 0, buffers=buffers if multi else 0)
 
     def run_round(self, r: int) -> RoundResult:
         ctx, tau = self.ctx, self.ctx.cfg.local_steps

@@ -26,6 +26,8 @@ def average_models(models, num_workers: int, all_reduce_=None) -> int:
     (``all_reduce_``; None when simulated), divide by S, write back. Returns the bytes this process
     passed to the collective (the simulated form counts one buffer per worker, what S processes
     would pass)."""
+    if num_workers == 1:  # nothing to average, nothing sent
+        return 0
     tensors = [averaged_tensors(m) for m in models]
     with torch.no_grad():
         total = torch.cat([t.reshape(-1) for t in tensors[0]])
