@@ -62,10 +62,10 @@ def test_localsgd_distributed_equals_simulated(localsgd_runs):
     assert untimed(s_hist) == untimed(d_hist)
     assert [r["round"] for r in s_hist] == [0, 1, 2, 3, 4]
     assert [r.get("accuracy") is not None for r in s_hist] == [True, False, True, False, True]
-    params = sum(v.numel() for v in s_model.values())
-    # one flat all_reduce of the full model per worker and round
-    assert all(r["bytes_sent"] == 2 * 4 * params for r in s_hist[1:])
-    assert s_sum["total_bytes"] == 4 * 2 * 4 * params
+    model_bytes = 4 * sum(v.numel() for v in s_model.values())
+    # one flat all_reduce of the full model per round; each of the S ranks sends 2 (S - 1) / S of it
+    assert all(r["bytes_sent"] == 2 * (2 * 1 * model_bytes // 2) for r in s_hist[1:])
+    assert s_sum["total_bytes"] == 4 * 2 * model_bytes
     assert s_hist[-1]["train_loss"] < s_hist[1]["train_loss"]
 
 
@@ -84,8 +84,8 @@ def test_ddp_distributed_matches_simulated(tmp_path):
     for a, b in zip(s_hist[1:], d_hist[1:]):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
         assert a["bytes_sent"] == b["bytes_sent"]
-    params = sum(v.numel() for v in s_model.values())
-    assert s_hist[1]["bytes_sent"] == 2 * 2 * 4 * params  # local_steps x workers x gradient bytes
+    grad_bytes = 4 * sum(v.numel() for v in s_model.values())
+    assert s_hist[1]["bytes_sent"] == 2 * 2 * (2 * 1 * grad_bytes // 2)  # steps x workers x ring bytes
     assert s_sum["accuracy"] == pytest.approx(d_sum["accuracy"], abs=1 / 359 + 1e-9)  # one test image
 
 
@@ -414,3 +414,13 @@ def test_single_worker_localsgd_equals_ddp(tmp_path):
     assert a_sum["mode"] == b_sum["mode"] == "single" and a_sum["total_bytes"] == b_sum["total_bytes"] == 0
     assert_states(a_model, b_model, exact=True)
     assert untimed(a_hist) == untimed(b_hist)
+
+
+def test_bytes_convention_three_workers(tmp_path):
+    """S = 3 (simulated): local SGD sends 2 (S - 1) / S of the model per worker and round
+    (ring all_reduce, as ist_kernels.distributed.CommStats counts); DDP that per step."""
+    s, model, hist = run(tmp_path / "l", "--method", "localsgd", "--simulate", 3, "--rounds", 1)
+    nbytes = 4 * sum(v.numel() for v in model.values())
+    assert hist[1]["bytes_sent"] == 3 * (2 * 2 * nbytes // 3)
+    s, _, hist = run(tmp_path / "d", "--method", "ddp", "--simulate", 3, "--rounds", 1)
+    assert hist[1]["bytes_sent"] == 2 * 3 * (2 * 2 * nbytes // 3)

@@ -64,8 +64,10 @@ class RoundResult:
     """What one round did on this process, summed over ``ctx.local_workers``.
 
     loss_sum / steps: the training loss summed over the local steps of the local workers and the
-    number of those steps; bytes_sent: bytes this process passed to collectives this round (the
-    simulated form reports what its S workers would have sent). The trainer sums both over ranks.
+    number of those steps; bytes_sent: bytes this process's workers sent this round, counted as
+    ``ist_kernels.distributed.CommStats.bytes_sent`` counts them (all_to_all bytes to other ranks +
+    ring all_reduce wire bytes, :func:`all_reduce_wire_bytes`); the simulated form reports what its
+    S workers would have sent. The trainer sums loss, steps and bytes over the ranks.
     """
 
     loss_sum: float
@@ -136,6 +138,13 @@ class Method:
     def summary(self) -> Dict[str, Any]:
         """Extra entries for the final summary (e.g. the pruned model's size); optional."""
         return {}
+
+
+def all_reduce_wire_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends in a bandwidth-optimal (ring) all_reduce of an ``nbytes`` buffer:
+    2 (S - 1) / S of it; the convention of ``ist_kernels.distributed.CommStats``, so every method's
+    bytes_sent compares (simulated runs count what each of the S ranks would send)."""
+    return (2 * (world_size - 1) * nbytes) // world_size if world_size > 0 else 0
 
 
 def register_method(name: str):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from . import Method, RoundResult, register_method
+from . import Method, RoundResult, all_reduce_wire_bytes, register_method
 
 
 @register_method("ddp")
@@ -21,12 +21,13 @@ class DDP(Method):
             dev = [ctx.device] if ctx.device.type == "cuda" else None
             self.net = DistributedDataParallel(self.model, device_ids=dev)
         self.optimizer = ctx.make_optimizer(self.model.parameters())
+        S = ctx.num_workers
         grads = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
-        # per step: every worker all_reduces its gradients; rank 0 broadcasts the buffers
-        # (DDP's broadcast_buffers) when there are several processes or simulated workers.
-        multi = ctx.num_workers > 1  # one worker communicates nothing
-        self._bytes_per_step = dict(grads=grads if multi else 0, buffers=buffers if multi else 0)
+        # per step: every worker all_reduces its gradients (ring wire bytes); rank 0 sends its
+        # buffers to the S - 1 others (DDP's broadcast_buffers). The initial broadcast of the
+        # model at construction is not counted (every rank builds the same model from the seed).
+        self._bytes_per_step = dict(grads=all_reduce_wire_bytes(grads, S), buffers=(S - 1) * buffers)
 
     def run_round(self, r: int) -> RoundResult:
         ctx, tau = self.ctx, self.ctx.cfg.local_steps

@@ -8,7 +8,7 @@ from typing import List
 import torch
 from torch import Tensor
 
-from . import Method, RoundResult, register_method
+from . import Method, RoundResult, all_reduce_wire_bytes, register_method
 
 
 def averaged_tensors(model: torch.nn.Module) -> List[Tensor]:
@@ -23,9 +23,8 @@ def flat_bytes(model: torch.nn.Module) -> int:
 
 def average_models(models, num_workers: int, all_reduce_=None) -> int:
     """Average the full models: sum this process's copies, one all_reduce(SUM) over processes
-    (``all_reduce_``; None when simulated), divide by S, write back. Returns the bytes this process
-    passed to the collective (the simulated form counts one buffer per worker, what S processes
-    would pass)."""
+    (``all_reduce_``; None when simulated), divide by S, write back. Returns the bytes this
+    process's workers sent (ring all_reduce wire bytes; simulated: what each of S ranks would send)."""
     if num_workers == 1:  # nothing to average, nothing sent
         return 0
     tensors = [averaged_tensors(m) for m in models]
@@ -41,7 +40,7 @@ def average_models(models, num_workers: int, all_reduce_=None) -> int:
             for t in ts:
                 t.copy_(total[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
-    return len(models) * total.numel() * total.element_size()
+    return len(models) * all_reduce_wire_bytes(total.numel() * total.element_size(), num_workers)
 
 
 @register_method("localsgd")
