@@ -44,8 +44,9 @@ def subnet_linear_backward(grad_out, x, weight, rows=None, cols=None):
     N, K = weight.shape
     rows = torch.arange(N, device=weight.device) if rows is None else rows
     cols = torch.arange(K, device=weight.device) if cols is None else cols
-    g = grad_out.double().reshape(-1, rows.numel())
-    xc = x.double().reshape(-1, cols.numel())
+    M = x.shape[:-1].numel()
+    g = grad_out.double().reshape(M, rows.numel())
+    xc = x.double().reshape(M, cols.numel())
     w = weight.double().index_select(0, rows).index_select(1, cols)
     grad_x = (g @ w).reshape(x.shape)
     grad_weight = torch.zeros(N, K, dtype=torch.float64, device=weight.device)

@@ -105,6 +105,13 @@ void gather_tile(const T* w, int64_t sN, int64_t sK, const int64_t* rows, int64_
   }
 }
 
+// Rows of x viewed as a matrix [M, features] (product of the leading dims; fine when features is 0).
+int64_t leading(const at::Tensor& x) {
+  int64_t m = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) m *= x.size(d);
+  return m;
+}
+
 std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
   auto v = sizes.vec();
   v.back() = last;
@@ -116,8 +123,11 @@ std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
 at::Tensor subnet_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& cols) {
   const Subnet s = check_subnet("subnet_linear", x, weight, bias, rows, cols);
-  const auto x2 = x.reshape({-1, s.Kc}).contiguous();
-  const int64_t M = x2.size(0);
+  // Inside the kernel nothing is differentiated (autograd is registered around the op); the
+  // inputs are detached because at::parallel_for's worker threads have their own grad mode.
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const int64_t M = leading(x);
+  const auto x2 = x.detach().reshape({M, s.Kc}).contiguous();
   auto y = at::empty({M, s.Nr}, x.options());
   if (M == 0 || s.Nr == 0) return y.view(with_last(x.sizes(), s.Nr));
 
@@ -125,7 +135,7 @@ at::Tensor subnet_linear(const at::Tensor& x, const at::Tensor& weight, const st
     // b[rows], compact (Nr values: small).
     at::Tensor b;
     if (bias.has_value()) {
-      const auto bc = bias->contiguous();
+      const auto bc = bias->detach().contiguous();
       b = at::empty({s.Nr}, bias->options());
       const scalar_t* src = bc.const_data_ptr<scalar_t>();
       scalar_t* dst = b.data_ptr<scalar_t>();
@@ -167,9 +177,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> subnet_linear_backward(
   TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(with_last(x.sizes(), s.Nr)), op, ": grad_out must have shape ",
               at::IntArrayRef(with_last(x.sizes(), s.Nr)), " (x's leading dims, len(rows) outputs), got ",
               grad_out.sizes());
-  const auto x2 = x.reshape({-1, s.Kc}).contiguous();
-  const auto g2 = grad_out.reshape({-1, s.Nr}).contiguous();
-  const int64_t M = x2.size(0);
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // as in the forward
+  const int64_t M = leading(x);
+  const auto x2 = x.detach().reshape({M, s.Kc}).contiguous();
+  const auto g2 = grad_out.detach().reshape({M, s.Nr}).contiguous();
   const auto opts = weight.options();
   at::Tensor grad_x = at::empty({0}, opts), grad_weight = at::empty({0}, opts), grad_bias = at::empty({0}, opts);
 

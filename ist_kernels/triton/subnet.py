@@ -208,8 +208,8 @@ def _cdiv(a, b):
 def subnet_linear(x, weight, bias=None, rows=None, cols=None):
     """y = x W[rows][:, cols]^T + b[rows]; x [..., len(cols)] -> y [..., len(rows)]."""
     Nr, Kc = check_subnet("subnet_linear", x, weight, bias, rows, cols, values=True, dtypes=TRITON_DTYPES)
-    x2 = x.reshape(-1, Kc)
-    M = x2.shape[0]
+    M = x.shape[:-1].numel()
+    x2 = x.reshape(M, Kc)
     y = torch.empty((M, Nr), dtype=x.dtype, device=x.device)
     if M > 0 and Nr > 0:
         with _device(x):
@@ -230,9 +230,9 @@ def subnet_linear_backward(grad_out, x, weight, rows=None, cols=None, output_mas
     Nr, Kc = check_subnet(op, x, weight, None, rows, cols, values=True, dtypes=TRITON_DTYPES)
     check_grad_out(op, grad_out, x, weight, Nr)
     N, K = weight.shape
-    x2 = x.reshape(-1, Kc)
-    g2 = grad_out.reshape(-1, Nr)
-    M = x2.shape[0]
+    M = x.shape[:-1].numel()
+    x2 = x.reshape(M, Kc)
+    g2 = grad_out.reshape(M, Nr)
     empty = weight.new_empty((0,))
     flags = dict(HAS_ROWS=rows is not None, HAS_COLS=cols is not None)
     rows_arg = rows if rows is not None else weight
