@@ -161,9 +161,9 @@ def _tuned(kernel, key):
     return triton.autotune(configs=_gpu_configs(), key=key)(kernel)
 
 
-_fwd = _tuned(_fwd_kernel, ["M", "NR", "KC", "HAS_ROWS", "HAS_COLS", "ACC"])
-_grad_x = _tuned(_grad_x_kernel, ["M", "NR", "KC", "HAS_ROWS", "HAS_COLS", "ACC"])
-_grad_weight = _tuned(_grad_weight_kernel, ["M", "NR", "KC", "HAS_ROWS", "HAS_COLS", "ACC"])
+_fwd = _tuned(_fwd_kernel, ["M", "NR", "KC", "HAS_ROWS", "HAS_COLS"])
+_grad_x = _tuned(_grad_x_kernel, ["M", "NR", "KC", "HAS_ROWS", "HAS_COLS"])
+_grad_weight = _tuned(_grad_weight_kernel, ["M", "NR", "KC", "HAS_ROWS", "HAS_COLS"])
 
 
 def _launch(kernel, tiles, *args, **meta):
