@@ -39,12 +39,6 @@ IST_HD int64_t segment_offset(const SliceView& v, int64_t n, int64_t o, int64_t 
   return (o * n + k) * v.inner + c;
 }
 
-// Row r = o * n + k of a segment of n slices starts at this offset of the full tensor (gather source).
-IST_HD int64_t segment_row_source(const SliceView& v, int64_t n, const int64_t* idx, int64_t r) {
-  const int64_t o = r / n, k = r - o * n;
-  return full_offset(v, o, idx[k], 0);
-}
-
 // ---- Division by a run-time invariant divisor d (1 <= d, n < 2^31), as used for element
 // decomposition in the CUDA kernels: q = (umulhi(n, magic) + n) >> shift (Granlund-Montgomery,
 // the same scheme as PyTorch's IntDivider). Host code builds it; both sides can evaluate it.

@@ -21,15 +21,38 @@ int64_t row_grain(int64_t bytes, int64_t rows) {
   return std::max<int64_t>(1, (int64_t{1} << 16) / per_row);
 }
 
-// Copy one row of `bytes` bytes; fixed-size copies for the short rows of slicing along the last dim.
-inline void copy_row(char* dst, const char* src, int64_t bytes) {
-  switch (bytes) {
-    case 1: std::memcpy(dst, src, 1); return;
-    case 2: std::memcpy(dst, src, 2); return;
-    case 4: std::memcpy(dst, src, 4); return;
-    case 8: std::memcpy(dst, src, 8); return;
-    case 16: std::memcpy(dst, src, 16); return;
-    default: std::memcpy(dst, src, bytes);
+// Unsigned type of an element size: copies move elements as such, whatever the dtype.
+template <int Bytes> struct Word;
+template <> struct Word<1> { using type = uint8_t; };
+template <> struct Word<2> { using type = uint16_t; };
+template <> struct Word<4> { using type = uint32_t; };
+template <> struct Word<8> { using type = uint64_t; };
+struct Word16 { uint64_t lo, hi; };
+template <> struct Word<16> { using type = Word16; };
+
+// Copy a row of n elements of type W: a plain loop for the short rows of slicing along a late dim
+// (a 3x3 kernel's 9 elements), memcpy for long ones.
+template <typename W>
+inline void copy_row(char* dst, const char* src, int64_t n) {
+  if (n * static_cast<int64_t>(sizeof(W)) >= 256) {
+    std::memcpy(dst, src, n * sizeof(W));
+    return;
+  }
+  auto* d = reinterpret_cast<W*>(dst);
+  const auto* s = reinterpret_cast<const W*>(src);
+  for (int64_t c = 0; c < n; ++c) d[c] = s[c];
+}
+
+// Run fn.template operator()<W>() with W the unsigned word of the element size.
+template <typename Fn>
+void with_word(int64_t element_size, Fn&& fn) {
+  switch (element_size) {
+    case 1: return fn(Word<1>{});
+    case 2: return fn(Word<2>{});
+    case 4: return fn(Word<4>{});
+    case 8: return fn(Word<8>{});
+    case 16: return fn(Word<16>{});
+    default: TORCH_CHECK(false, "slice ops: unsupported element size ", element_size);
   }
 }
 
@@ -46,17 +69,33 @@ at::Tensor slice_gather(at::TensorList sources, at::IntArrayRef source_ids, at::
   // Rows of all segments, numbered consecutively: segment j has rows row_start[j] .. row_start[j+1].
   std::vector<int64_t> row_start(J + 1, 0);
   for (int64_t j = 0; j < J; ++j) row_start[j + 1] = row_start[j] + plan.view[j].outer * plan.idx.len[j];
+  std::vector<const char*> src(J);
+  for (int64_t j = 0; j < J; ++j) src[j] = static_cast<const char*>(plan.sources[plan.source[j]].const_data_ptr());
   char* dst = static_cast<char*>(out.data_ptr());
-  at::parallel_for(0, row_start[J], row_grain(plan.total() * esize, row_start[J]), [&](int64_t r0, int64_t r1) {
-    int64_t j = find_segment(row_start.data(), J, r0);
-    for (int64_t r = r0; r < r1; ++r) {
-      while (r >= row_start[j + 1]) ++j;
-      const SliceView& v = plan.view[j];
-      const int64_t local = r - row_start[j];
-      const char* src = static_cast<const char*>(plan.sources[plan.source[j]].const_data_ptr());
-      const int64_t from = segment_row_source(v, plan.idx.len[j], plan.idx.ptr[j], local);
-      copy_row(dst + (plan.offset[j] + local * v.inner) * esize, src + from * esize, v.inner * esize);
-    }
+  with_word(esize, [&](auto word) {
+    using W = typename decltype(word)::type;
+    at::parallel_for(0, row_start[J], row_grain(plan.total() * esize, row_start[J]), [&](int64_t r0, int64_t r1) {
+      int64_t j = find_segment(row_start.data(), J, r0);
+      for (int64_t r = r0; r < r1;) {
+        while (r >= row_start[j + 1]) ++j;
+        // Rows r .. end of segment j: row (o, k) copies source row (o, idx[k]).
+        const SliceView& v = plan.view[j];
+        const int64_t n = plan.idx.len[j], end = std::min(r1, row_start[j + 1]);
+        const int64_t* idx = plan.idx.ptr[j];
+        const int64_t row_bytes = v.inner * esize, plane_bytes = v.size * row_bytes;
+        const int64_t local = r - row_start[j];
+        int64_t o = local / n, k = local - o * n;
+        const char* plane = src[j] + full_offset(v, o, 0, 0) * esize;
+        char* out_row = dst + (plan.offset[j] + segment_offset(v, n, o, k, 0)) * esize;
+        for (; r < end; ++r, out_row += row_bytes) {
+          copy_row<W>(out_row, plane + idx[k] * row_bytes, v.inner);
+          if (++k == n) {
+            k = 0;
+            plane += plane_bytes;
+          }
+        }
+      }
+    });
   });
   return out;
 }
@@ -106,26 +145,36 @@ void for_each_owned_row(const ScatterPlan& plan, int64_t esize, Fn fn) {
     bytes += plan.view[a].outer * owned * plan.view[a].inner * esize;
   }
   if (row_start[A] == 0) return;
+  std::vector<const char*> upd(plan.updates.size());
+  for (size_t j = 0; j < upd.size(); ++j) upd[j] = static_cast<const char*>(plan.updates[j].const_data_ptr());
+  std::vector<char*> work(A);
+  for (int64_t a = 0; a < A; ++a) work[a] = static_cast<char*>(plan.work[a].data_ptr());
   at::parallel_for(0, row_start[A], row_grain(bytes, row_start[A]), [&](int64_t r0, int64_t r1) {
     std::vector<const char*> owners;
     int64_t a = find_segment(row_start.data(), A, r0);
-    for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t r = r0; r < r1;) {
       while (r >= row_start[a + 1]) ++a;
+      // Rows r .. end of target a: row (o, u) is slice i = owned[u] of outer index o.
       const SliceView& v = plan.view[a];
+      const int64_t* owned = plan.owned.data() + plan.owned_begin[a];
       const int64_t num_owned = plan.owned_begin[a + 1] - plan.owned_begin[a];
+      const int64_t end = std::min(r1, row_start[a + 1]);
       const int64_t local = r - row_start[a];
-      const int64_t o = local / num_owned;
-      const int64_t i = plan.owned[plan.owned_begin[a] + (local - o * num_owned)];
-      owners.clear();
-      for (int64_t s = plan.seg_begin[a]; s < plan.seg_begin[a + 1]; ++s) {
-        const int64_t j = plan.seg[s];
-        const int32_t p = plan.pos[plan.pos_offset[j] + i];
-        if (p < 0) continue;
-        const char* u = static_cast<const char*>(plan.updates[j].const_data_ptr());
-        owners.push_back(u + segment_offset(v, plan.n[j], o, p, 0) * esize);
+      int64_t o = local / num_owned, u = local - o * num_owned;
+      for (; r < end; ++r) {
+        const int64_t i = owned[u];
+        owners.clear();
+        for (int64_t s = plan.seg_begin[a]; s < plan.seg_begin[a + 1]; ++s) {
+          const int64_t j = plan.seg[s];
+          const int32_t p = plan.pos[plan.pos_offset[j] + i];
+          if (p >= 0) owners.push_back(upd[j] + segment_offset(v, plan.n[j], o, p, 0) * esize);
+        }
+        fn(a, work[a] + full_offset(v, o, i, 0) * esize, owners.data(), static_cast<int64_t>(owners.size()));
+        if (++u == num_owned) {
+          u = 0;
+          ++o;
+        }
       }
-      char* t = static_cast<char*>(plan.work[a].data_ptr());
-      fn(a, t + full_offset(v, o, i, 0) * esize, owners.data(), static_cast<int64_t>(owners.size()));
     }
   });
 }
@@ -140,8 +189,11 @@ void slice_scatter_(at::TensorList targets, at::IntArrayRef target_ids, at::Tens
   const int64_t esize = targets[0].element_size();
   if (plan.reduce == SliceReduce::Copy) {
     // The last owner wins: a plain row copy, whatever the dtype.
-    for_each_owned_row(plan, esize, [&](int64_t a, char* row, const char* const* owners, int64_t k) {
-      copy_row(row, owners[k - 1], plan.view[a].inner * esize);
+    with_word(esize, [&](auto word) {
+      using W = typename decltype(word)::type;
+      for_each_owned_row(plan, esize, [&](int64_t a, char* row, const char* const* owners, int64_t k) {
+        copy_row<W>(row, owners[k - 1], plan.view[a].inner);
+      });
     });
   } else {
     AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "slice_scatter_", [&] {
