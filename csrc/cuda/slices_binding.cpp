@@ -49,9 +49,10 @@ constexpr int64_t kMaxBlocks = (int64_t{1} << 31) - 1;
 
 at::Tensor slice_gather_cuda(at::TensorList sources, at::IntArrayRef source_ids, at::TensorList indices,
                              at::IntArrayRef dims) {
+  c10::cuda::OptionalCUDAGuard guard;
+  if (!sources.empty() && sources[0].is_cuda()) guard.set_device(sources[0].device());
   const GatherPlan plan(sources, source_ids, indices, dims, "slice_gather");
   const auto& src0 = plan.sources[0];
-  const c10::cuda::CUDAGuard guard(src0.device());
   auto out = at::empty({plan.total()}, src0.options());
   if (plan.total() == 0) return out;
   const int64_t esize = src0.element_size();
@@ -114,10 +115,11 @@ ScalarKind scalar_kind(at::ScalarType t) {
 
 void slice_scatter_cuda(at::TensorList targets, at::IntArrayRef target_ids, at::TensorList updates,
                         at::TensorList indices, at::IntArrayRef dims, c10::string_view reduce) {
+  c10::cuda::OptionalCUDAGuard guard;
+  if (!targets.empty() && targets[0].is_cuda()) guard.set_device(targets[0].device());
   const ScatterPlan plan(targets, target_ids, updates, indices, dims, reduce, "slice_scatter_");
   const int64_t A = plan.active();
   if (A == 0) return;
-  const c10::cuda::CUDAGuard guard(targets[0].device());
   const int64_t esize = targets[0].element_size();
   const int64_t S = static_cast<int64_t>(plan.seg.size());
   const int64_t t_bytes = align16(A * static_cast<int64_t>(sizeof(ScatterTarget)));
@@ -139,7 +141,7 @@ void slice_scatter_cuda(at::TensorList targets, at::IntArrayRef target_ids, at::
       seg[s].update = static_cast<const char*>(plan.updates[j].const_data_ptr());
       seg[s].pos = pos + plan.pos_offset[j];
       seg[s].n = plan.n[j];
-      vec_ok = vec_ok && reinterpret_cast<uintptr_t>(seg[s].update) % 16 == 0;
+      vec_ok = vec_ok && (seg[s].n == 0 || reinterpret_cast<uintptr_t>(seg[s].update) % 16 == 0);
     }
     t.vec = vec_ok ? static_cast<int32_t>(16 / esize) : 1;
     t.vecs = v.outer * v.size * v.inner / t.vec;
