@@ -10,7 +10,7 @@ ops = torch.ops.ist_kernels
 # A model's worth of tensors in miniature: (shape, dim) with conv filters (dim 0), the next conv's
 # input channels (dim 1), BN vectors, linear columns (last dim), a middle dim, odd sizes.
 TENSORS = [((8, 5, 3, 3), 0), ((7, 8, 3, 3), 1), ((8,), 0), ((33, 7), -1), ((5, 129), 1), ((1,), 0),
-           ((3, 4, 5, 6), 2), ((129, 2), 0)]
+           ((3, 4, 5, 6), 2), ((129, 2), 0), ((6, 48), 0), ((4, 6, 16), 1)]  # the last two: rows of 16-byte vectors
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-12, atol=1e-12),
        torch.float16: dict(rtol=1e-3, atol=1e-3), torch.bfloat16: dict(rtol=8e-3, atol=8e-3)}
 
