@@ -33,7 +33,10 @@ def slice_gather(sources: Sequence[Tensor], source_ids: Sequence[int], indices: 
     within a list) one per segment. All sources share one dtype and device (see
     :func:`gather_slices` for mixed dtypes). Differentiable with respect to the sources.
     """
-    return _ops.slice_gather(list(sources), list(source_ids), list(indices), list(dims))
+    sources = list(sources)
+    if not sources:  # the dispatcher needs a tensor; say what is wrong instead
+        _slices.check_gather(sources, list(source_ids), list(indices), list(dims))
+    return _ops.slice_gather(sources, list(source_ids), list(indices), list(dims))
 
 
 def _dtype_groups(tensors: Sequence[Tensor]) -> dict:
@@ -90,6 +93,10 @@ def slice_scatter_(targets: Sequence[Tensor], target_ids: Sequence[int], updates
     """
     targets, target_ids, updates, indices, dims = (list(targets), list(target_ids), list(updates), list(indices),
                                                     list(dims))
+    if not targets:  # nothing to write; segments without targets are an error
+        if target_ids or updates or indices or dims:
+            _slices.check_scatter(targets, target_ids, updates, indices, dims, reduce)
+        return
     groups = _dtype_groups(targets)
     if len(groups) <= 1:
         _ops.slice_scatter_(targets, target_ids, updates, indices, dims, reduce)

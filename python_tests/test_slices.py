@@ -256,6 +256,9 @@ def test_scatter_empty_segments_and_untouched_targets(device, gen):
     F.slice_scatter_(targets, [], [], [], dims, "sum")
     F.owner_average_(targets[0], [torch.empty(8, 0, 3, 3, device=device)], [empty], dim=1)
     F.owner_average_(targets[0], [], [])
+    F.slice_scatter_([], [], [], [], [])
+    with pytest.raises(ValueError, match="targets is empty"):
+        F.slice_scatter_([], [0], [targets[0]], [empty], [])
     for a, b in zip(targets, before):
         assert torch.equal(a, b)
 
@@ -419,6 +422,7 @@ def test_gather_bad_input(device):
         (r"dims\[0\] = 2 is out of range", ([w], [0], [i], [2])),
         (r"indices\[0\] must be int64", ([w], [0], [i.int()], [0])),
         (r"sources\[0\] is 0-d", ([torch.tensor(1.0, device=device)], [0], [i], [0])),
+        (r"sources is empty", ([], [], [], [])),
     ]:
         with pytest.raises((RuntimeError, ValueError), match=match):
             F.slice_gather(*args)
