@@ -62,15 +62,17 @@ struct HostIndices {
     if (fetched.defined()) keep.push_back(fetched);
   }
 
-  // In range [0, size) and no value twice. `what` names the dimension, e.g. "sources[2] along dim 1".
+  // In range [0, size) and no value twice (common/indices.h). `what` names the dimension, e.g.
+  // "sources[2] along dim 1"; `bitmap` is scratch reused across lists.
   void check_values(int64_t j, int64_t size, const std::string& what, const char* op,
-                    std::vector<uint8_t>& seen) const {
-    const int64_t bad = first_out_of_range(ptr[j], len[j], size);
-    TORCH_CHECK(bad < 0, op, ": indices[", j, "][", bad, "] = ", bad < 0 ? 0 : ptr[j][bad],
-                " is out of range for ", what, " (size ", size, ")");
-    const int64_t dup = first_duplicate(ptr[j], len[j], size, seen);
-    TORCH_CHECK(dup < 0, op, ": indices[", j, "] lists slice ", dup < 0 ? 0 : ptr[j][dup], " twice (positions ",
-                dup < 0 ? 0 : earlier_occurrence(ptr[j], dup), " and ", dup, "); a segment holds each slice at most once");
+                    std::vector<uint32_t>& bitmap) const {
+    bitmap.assign(static_cast<size_t>(index_bitmap_words(size)), 0u);
+    const IndexCheck r = check_indices(ptr[j], len[j], size, bitmap.data());
+    const std::string name = "indices[" + std::to_string(j) + "]";
+    TORCH_CHECK(r.status != IndexStatus::kOutOfRange, op, ": ", name, "[", r.position, "] = ", r.value,
+                " is out of range for ", what, " of size ", size);
+    TORCH_CHECK(r.status != IndexStatus::kDuplicate, op, ": ", name, " must not repeat an index, but ", name, "[",
+                r.position, "] = ", r.value, " repeats ", name, "[", r.first, "]; a segment holds each slice at most once");
   }
 };
 
@@ -131,7 +133,7 @@ struct GatherPlan {
     check_ids(source_ids, static_cast<int64_t>(srcs.size()), op, "source_ids", "sources");
     const int64_t J = static_cast<int64_t>(source_ids.size());
     idx = HostIndices(indices, srcs[0].device(), op);
-    std::vector<uint8_t> seen;
+    std::vector<uint32_t> seen;
     offset.assign(J + 1, 0);
     for (int64_t j = 0; j < J; ++j) {
       const int64_t s = source_ids[j];
@@ -198,7 +200,7 @@ struct ScatterPlan {
     check_ids(target_ids, static_cast<int64_t>(targets.size()), op, "target_ids", "targets");
     const int64_t J = static_cast<int64_t>(target_ids.size());
     HostIndices idx(indices, device, op);
-    std::vector<uint8_t> seen;
+    std::vector<uint32_t> seen;
     for (int64_t j = 0; j < J; ++j) {
       const int64_t t = target_ids[j];
       const auto& u = upds[j];

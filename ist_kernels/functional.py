@@ -122,3 +122,13 @@ def owner_average_(target: Tensor, updates: Sequence[Tensor], indices: Sequence[
     updates, indices = list(updates), list(indices)
     _ops.slice_scatter_([target], [0] * len(updates), updates, indices, [dim], "mean")
     return target
+def subnet_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, rows: Optional[Tensor] = None,
+                  cols: Optional[Tensor] = None) -> Tensor:
+    """The linear layer of one subnetwork of neurons (IST, paper 001 §3.1):
+    ``y = x W[rows][:, cols]^T + b[rows]`` without materialising ``W[rows][:, cols]``.
+
+    ``rows`` / ``cols`` are int64 index lists into ``weight``'s out / in features (unique, in any
+    order; None = all). ``x`` is compact, ``[..., len(cols)]``; ``y`` is ``[..., len(rows)]``.
+    Gradients: compact for ``x``; full-size for ``weight`` and ``bias``, zero outside rows x cols.
+    """
+    return _ops.subnet_linear(x, weight, bias, rows, cols)

@@ -348,7 +348,7 @@ def bad_cases(device):
     return good, [
         case(r"indices\[0\]\[1\] = 6 is out of range", indices=[torch.tensor([1, 6], **i64), good["indices"][1]]),
         case(r"indices\[1\]\[0\] = -1 is out of range", indices=[good["indices"][0], torch.tensor([-1], **i64)]),
-        case(r"indices\[0\] lists slice 3 twice", indices=[torch.tensor([3, 3], **i64), good["indices"][1]]),
+        case(r"indices\[0\] must not repeat an index, but indices\[0\]\[1\] = 3 repeats indices\[0\]\[0\]", indices=[torch.tensor([3, 3], **i64), good["indices"][1]]),
         case(r"indices\[1\] must be int64", indices=[good["indices"][0], torch.tensor([4], dtype=torch.int32, device=device)]),
         case(r"indices\[1\] must be 1-D", indices=[good["indices"][0], torch.tensor([[4]], **i64)]),
         case(r"updates\[1\] has dtype", updates=[good["updates"][0], torch.ones(1, dtype=torch.float64, device=device)]),
@@ -396,7 +396,7 @@ def test_mixed_dtype_bad_input_writes_nothing(device):
     before = [w.clone(), n.clone()]
     upd = [torch.ones(2, 4, device=device), torch.ones(1, dtype=torch.int64, device=device)]
     for match, idx in ((r"indices\[1\]\[0\] = 7 is out of range", torch.tensor([7])),
-                       (r"indices\[1\] lists slice 2 twice", torch.tensor([2, 2]))):
+                       (r"indices\[1\] must not repeat an index, but indices\[1\]\[1\] = 2 repeats", torch.tensor([2, 2]))):
         u = upd if idx.numel() == 1 else [upd[0], torch.ones(2, dtype=torch.int64, device=device)]
         with pytest.raises((RuntimeError, ValueError), match=match):
             F.slice_scatter_([w, n], [0, 1], u, [torch.tensor([0, 1], device=device), idx.to(device)], [0, 0])
@@ -415,7 +415,7 @@ def test_gather_bad_input(device):
     i = torch.tensor([1], device=device)
     for match, args in [
         (r"indices\[0\]\[0\] = 4 is out of range for sources\[0\] along dim 1", ([w], [0], [torch.tensor([4], device=device)], [1])),
-        (r"indices\[0\] lists slice 1 twice", ([w], [0], [torch.tensor([1, 2, 1], device=device)], [0])),
+        (r"indices\[0\]\[2\] = 1 repeats indices\[0\]\[0\]", ([w], [0], [torch.tensor([1, 2, 1], device=device)], [0])),
         (r"source_ids\[0\] = 1 is out of range", ([w], [1], [i], [0])),
         (r"source_ids and indices must have one entry per segment", ([w], [0, 0], [i], [0])),
         (r"sources\[1\] has dtype", ([w, w.half()], [0], [i], [0, 0])),

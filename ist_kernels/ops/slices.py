@@ -172,10 +172,13 @@ def check_index_values(op: str, indices: Sequence[torch.Tensor], sizes: Sequence
     key = base.repeat_interleave(lengths) + flat
     if torch.unique(key).numel() != key.numel():
         for j, idx in enumerate(indices):
-            values, counts = torch.unique(idx.cpu(), return_counts=True)
-            if (counts > 1).any():
-                raise ValueError(f"{op}: indices[{j}] lists slice {int(values[counts > 1][0])} twice; a segment holds "
-                                 "each slice at most once")
+            idx = idx.cpu()
+            for p in range(1, idx.numel()):
+                earlier = (idx[:p] == idx[p]).nonzero()
+                if earlier.numel():
+                    name = f"indices[{j}]"
+                    raise ValueError(f"{op}: {name} must not repeat an index, but {name}[{p}] = {int(idx[p])} repeats "
+                                     f"{name}[{int(earlier[0])}]; a segment holds each slice at most once")
 
 
 def _span(x: torch.Tensor):
