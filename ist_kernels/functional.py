@@ -16,3 +16,16 @@ def pack_gates(mask: Tensor) -> Tensor:
 def unpack_gates(words: Tensor, num_features: int) -> Tensor:
     """Inverse of :func:`pack_gates`: int32 words ``[..., W]`` -> bool ``[..., num_features]``."""
     return _ops.unpack_gates(words, num_features)
+
+
+# ---- GReLU layers (paper 004 §2.1, §4.4)
+def relu_gates(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """The frozen gate layer of GReLU: ``out = relu(x Wᵀ + b)`` and ``gates = pack(x Wᵀ + b > 0)``
+    (int32 ``[..., ceil(N/32)]``), from one kernel. No gradient: its backward raises."""
+    return _ops.relu_gates(x, weight, bias)
+
+
+def gated_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], gates: Tensor) -> Tensor:
+    """A trained GReLU layer: ``y = (x Wᵀ + b) ⊙ unpack(gates)`` with 1-bit gates
+    ``[..., ceil(N/32)]`` (e.g. from :func:`relu_gates`). Differentiable in x, weight and bias."""
+    return _ops.gated_linear(x, weight, bias, gates)

@@ -23,3 +23,28 @@ def unpack_gates(words: torch.Tensor, num_features: int) -> torch.Tensor:
     w = words.cpu().to(torch.int64) & 0xFFFFFFFF
     bits = torch.stack([(w >> j) & 1 for j in range(32)], dim=-1)
     return bits.reshape(*words.shape[:-1], words.shape[-1] * 32)[..., :num_features].bool().to(words.device)
+
+
+# ---- GReLU layers (paper 004 §2.1: z = x Wᵀ + b; gate layer relu(z) with D = [z > 0];
+# trained layer y = z ⊙ D; backward g' = g ⊙ D, dx = g' W, dW = g'ᵀ x, db = Σ g')
+def _linear64(x, weight, bias):
+    z = x.double() @ weight.double().T
+    return z if bias is None else z + bias.double()
+
+
+def relu_gates(x, weight, bias=None):
+    z = _linear64(x, weight, bias)
+    return torch.relu(z), pack_gates(z > 0)
+
+
+def gated_linear(x, weight, bias, gates):
+    z = _linear64(x, weight, bias)
+    return z * unpack_gates(gates, weight.shape[0]).double()
+
+
+def gated_linear_backward(grad_out, x, weight, gates):
+    """(grad_x, grad_weight, grad_bias) in float64."""
+    N, K = weight.shape
+    gm = grad_out.double() * unpack_gates(gates, N).double()
+    gm2 = gm.reshape(-1, N)
+    return gm @ weight.double(), gm2.T @ x.double().reshape(-1, K), gm2.sum(0)
