@@ -45,6 +45,9 @@ def gated_linear(x, weight, bias, gates):
 def gated_linear_backward(grad_out, x, weight, gates):
     """(grad_x, grad_weight, grad_bias) in float64."""
     N, K = weight.shape
+    M = 1
+    for s in x.shape[:-1]:
+        M *= s
     gm = grad_out.double() * unpack_gates(gates, N).double()
-    gm2 = gm.reshape(-1, N)
-    return gm @ weight.double(), gm2.T @ x.double().reshape(-1, K), gm2.sum(0)
+    gm2 = gm.reshape(M, N)
+    return gm @ weight.double(), gm2.T @ x.double().reshape(M, K), gm2.sum(0)

@@ -131,8 +131,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_linear_backward(const at::T
               at::IntArrayRef(with_last(x, N)), " (x's leading dims, out_features), got ", grad_out.sizes());
   check_grelu_gates(op, gates, x, N);
 
-  const auto empty = x.new_empty({0});
-  if (!output_mask[0] && !output_mask[1] && !output_mask[2]) return {empty, empty, empty};
+  // Outputs not asked for are distinct empty tensors (outputs must not alias each other).
+  auto empty = [&] { return x.new_empty({0}); };
+  if (!output_mask[0] && !output_mask[1] && !output_mask[2]) return {empty(), empty(), empty()};
   const auto x2 = rows_of(x);
   const int64_t M = x2.size(0);
   const auto g2 = rows_of(grad_out);  // a view when possible; read through its strides
@@ -142,9 +143,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_linear_backward(const at::T
     mask_rows<scalar_t>(g2.const_data_ptr<scalar_t>(), g2.stride(0), g2.stride(1), G.const_data_ptr<int32_t>(),
                         gm.data_ptr<scalar_t>(), M, N);
   });
-  at::Tensor grad_x = output_mask[0] ? at::mm(gm, weight).view(x.sizes()) : empty;
-  at::Tensor grad_weight = output_mask[1] ? at::mm(gm.t(), x2) : empty;
-  at::Tensor grad_bias = output_mask[2] ? gm.sum(0) : empty;
+  at::Tensor grad_x = output_mask[0] ? at::mm(gm, weight).view(x.sizes()) : empty();
+  at::Tensor grad_weight = output_mask[1] ? at::mm(gm.t(), x2) : empty();
+  at::Tensor grad_bias = output_mask[2] ? gm.sum(0) : empty();
   return {grad_x, grad_weight, grad_bias};
 }
 

@@ -39,10 +39,9 @@ def _gated_linear_backward_fake(grad_out, x, weight, gates, output_mask):
     check_grelu_grad_out(op, grad_out, x, N)
     check_grelu_gates(op, gates, x, N)
     check(len(output_mask) == 3, op, f"output_mask must have 3 entries, got {len(output_mask)}")
-    empty = x.new_empty((0,))
-    return (x.new_empty(x.shape) if output_mask[0] else empty,
-            x.new_empty(weight.shape) if output_mask[1] else empty,
-            x.new_empty((N,)) if output_mask[2] else empty)
+    return (x.new_empty(x.shape if output_mask[0] else (0,)),
+            x.new_empty(weight.shape if output_mask[1] else (0,)),
+            x.new_empty((N,) if output_mask[2] else (0,)))
 
 
 # ---- autograd

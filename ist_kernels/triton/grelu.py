@@ -62,7 +62,7 @@ def _pack(on, ROWS: tl.constexpr, COLS: tl.constexpr):
 @triton.jit
 def _linear_gates_fwd(
     x_ptr, w_ptr, b_ptr, gates_ptr, out_ptr, M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_gm, stride_gw, stride_om, stride_on,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_b, stride_gm, stride_gw, stride_om, stride_on,
     HAS_BIAS: tl.constexpr, RELU_GATES: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -85,7 +85,7 @@ def _linear_gates_fwd(
         x_ptrs += BK * stride_xk
         w_ptrs += BK * stride_wk
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rn).to(ACC)[None, :]
+        acc += tl.load(b_ptr + rn * stride_b).to(ACC)[None, :]
 
     m_ok = offs_m < M
     n_ok = offs_n < N
@@ -272,7 +272,8 @@ def _forward(op, x, weight, bias, gates, relu_gates):
         with _on(x):
             kernel[grid](
                 x2, weight, bias if bias is not None else out, g2, out, M, N, K,
-                x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), g2.stride(0), g2.stride(1),
+                x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
+                bias.stride(0) if bias is not None else 0, g2.stride(0), g2.stride(1),
                 out.stride(0), out.stride(1),
                 HAS_BIAS=bias is not None, RELU_GATES=relu_gates, PRECISION=_precision(x), ACC=_acc(x), **cfg)
     out = out.view(*x.shape[:-1], N)
@@ -313,10 +314,9 @@ def gated_linear_backward(grad_out, x, weight, gates, output_mask, split_m=None)
     check(len(output_mask) == 3, op, f"output_mask must have 3 entries, got {len(output_mask)}")
     _device_ok(op, x)
     want_dx, want_dw, want_db = (bool(v) for v in output_mask)
-    empty = x.new_empty((0,))
     x2, g2, G2 = _rows(x), _rows(grad_out), _rows(gates)
     M, K = x2.shape
-    dx = dw = db = empty
+    dx, dw, db = (x.new_empty((0,)) for _ in range(3))  # distinct: outputs must not alias
     with _on(x):
         if want_dx:
             dx = torch.empty((M, K), dtype=x.dtype, device=x.device)
@@ -332,9 +332,9 @@ def gated_linear_backward(grad_out, x, weight, gates, output_mask, split_m=None)
             split = split_m if split_m is not None else _split_m(M, N, K, x.device)
             part = torch.float64 if x.dtype == torch.float64 else torch.float32
             dw_buf = (torch.empty((split, N, K), dtype=part if split > 1 else x.dtype, device=x.device)
-                      if want_dw else empty)
+                      if want_dw else None)
             db_buf = (torch.empty((split, N), dtype=part if split > 1 else x.dtype, device=x.device)
-                      if want_db else empty)
+                      if want_db else None)
             k_tiles = max(K, 1) if want_dw else 1
             kernel, cfg = _pick(_dw_tuned, _gated_dw)
             grid = lambda meta: (triton.cdiv(N, meta["BN"]) * triton.cdiv(k_tiles, meta["BK"]), split)  # noqa: E731
