@@ -198,6 +198,20 @@ def test_empty(name, rows, K, N, gen):
         torch.testing.assert_close(t.cpu(), r.float(), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+def test_nan_propagates(name, gen):
+    """relu keeps NaN (as torch.relu) with its gate off; the gate multiply keeps NaN at off gates
+    (as z * mask does), so a NaN is never hidden."""
+    rg, gl, glb, device = backend(name)
+    x, w, b, _ = make(5, 16, 40, torch.float32, gen, device=device)
+    x[2, 3] = float("nan")
+    out, gates = rg(x, w, b)
+    assert out[2].isnan().all() and not out[[0, 1, 3, 4]].isnan().any()
+    assert (gates[2] == 0).all()
+    y = gl(x, w, b, gates)  # row 2 has every gate off
+    assert y[2].isnan().all() and not y[[0, 1, 3, 4]].isnan().any()
+
+
 # ---------------------------------------------------------------------------- torch.library
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if HAS_CUDA else []))
 def test_opcheck(device, gen):

@@ -12,6 +12,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
+#include <cstring>
 
 #include "checks.h"
 #include "common/gates.h"
@@ -42,47 +44,136 @@ std::vector<int64_t> with_last(const at::Tensor& t, int64_t last) {
   return s;
 }
 
-// In place: z <- relu(z) (NaN propagates, as torch.relu), gates <- pack(z > 0).
+// The per-word loops below are branch-free (the gates are random bits: a branch on them would
+// mispredict half the time) and written so the compiler vectorizes them with the baseline ISA:
+// no per-lane variable shifts; bits are expanded through a byte table and gathered from bytes
+// with one multiply per 8 features.
+
+// kByteBits.v[b][i] = bit i of byte b, as 0.f / 1.f (8 KiB, stays in L1).
+struct ByteBits {
+  float v[256][8];
+  constexpr ByteBits() : v{} {
+    for (int b = 0; b < 256; ++b)
+      for (int i = 0; i < 8; ++i) v[b][i] = static_cast<float>((b >> i) & 1);
+  }
+};
+constexpr ByteBits kByteBits{};
+
+// 8 bytes of 0/1 (byte i -> bit i) into one byte: the multiply moves byte i's bit to bit 56 + i.
+inline uint32_t gather_bits8(const uint8_t* on) {
+  if constexpr (std::endian::native == std::endian::little) {
+    uint64_t x;
+    std::memcpy(&x, on, 8);
+    return static_cast<uint32_t>((x * 0x0102040810204080ull) >> 56);
+  } else {
+    uint32_t b = 0;
+    for (int i = 0; i < 8; ++i) b |= static_cast<uint32_t>(on[i]) << i;
+    return b;
+  }
+}
+
+// Compute lanes: T is read as float (double for double) and written back from a value that is
+// exactly representable in T (v, 0 or v * 0/1), so bf16 needs only shifts, which vectorize.
+template <typename T>
+struct Lanes {
+  using F = float;
+  static F load(T v) { return static_cast<F>(v); }
+  static T store_exact(F f) { return static_cast<T>(f); }
+};
+template <>
+struct Lanes<double> {
+  using F = double;
+  static F load(double v) { return v; }
+  static double store_exact(F f) { return f; }
+};
+template <>
+struct Lanes<c10::BFloat16> {
+  using F = float;
+  static F load(c10::BFloat16 v) { return std::bit_cast<float>(static_cast<uint32_t>(v.x) << 16); }
+  static c10::BFloat16 store_exact(F f) {  // f is a bf16 value: truncation is exact
+    return c10::BFloat16(static_cast<uint16_t>(std::bit_cast<uint32_t>(f) >> 16), c10::BFloat16::from_bits());
+  }
+};
+
+// In place over one word of n <= 32 features: v <- relu(v) (NaN propagates, as torch.relu);
+// returns the word of bits v > 0.
+template <typename T>
+inline uint32_t relu_pack_word(T* __restrict__ v, int n = kGateBits) {
+  using L = Lanes<T>;
+  using F = typename L::F;
+  uint8_t on[kGateBits] = {};
+  const auto step = [&](int j) {
+    const F f = L::load(v[j]);
+    on[j] = f > F(0);
+    v[j] = L::store_exact(f <= F(0) ? F(0) : f);
+  };
+  if (n == kGateBits) {
+    for (int j = 0; j < kGateBits; ++j) step(j);
+  } else {
+    for (int j = 0; j < n; ++j) step(j);
+  }
+  return gather_bits8(on) | gather_bits8(on + 8) << 8 | gather_bits8(on + 16) << 16 | gather_bits8(on + 24) << 24;
+}
+
+// out[j] = in[j * stride] * (bit j of word), n <= 32 features; in == out is allowed. A multiply by
+// 0/1, so a NaN/inf at an off gate propagates as in the torch composition.
+template <typename T, bool kUnit>
+inline void mask_word(const T* in, int64_t stride, uint32_t word, T* out, int n = kGateBits) {
+  using L = Lanes<T>;
+  using F = typename L::F;
+  F bits[kGateBits];
+  for (int q = 0; q < 4; ++q)
+    for (int i = 0; i < 8; ++i) bits[8 * q + i] = static_cast<F>(kByteBits.v[(word >> (8 * q)) & 255u][i]);
+  T vals[kGateBits];  // read all, then write: in-place is safe and both loops vectorize
+  if (n == kGateBits) {
+    for (int j = 0; j < kGateBits; ++j) vals[j] = in[kUnit ? j : j * stride];
+    for (int j = 0; j < kGateBits; ++j) out[j] = L::store_exact(L::load(vals[j]) * bits[j]);
+  } else {
+    for (int j = 0; j < n; ++j) vals[j] = in[kUnit ? j : j * stride];
+    for (int j = 0; j < n; ++j) out[j] = L::store_exact(L::load(vals[j]) * bits[j]);
+  }
+}
+
+// In place: z <- relu(z), gates <- pack(z > 0).
 template <typename T>
 void relu_pack_rows(T* z, int32_t* gates, int64_t M, int64_t N) {
   const int64_t W = gate_words(N);
+  const int64_t full = N / kGateBits;
+  const int tail = static_cast<int>(N - full * kGateBits);
   at::parallel_for(0, M, row_grain(N), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       T* row = z + r * N;
       int32_t* words = gates + r * W;
-      for (int64_t w = 0; w < W; ++w) {
-        const int64_t base = w * kGateBits;
-        const int n = static_cast<int>(std::min<int64_t>(kGateBits, N - base));
-        uint32_t word = 0;
-        for (int j = 0; j < n; ++j) {
-          const T v = row[base + j];
-          const bool on = v > T(0);
-          word |= static_cast<uint32_t>(on) << j;
-          row[base + j] = (on || v != v) ? v : T(0);
-        }
-        words[w] = static_cast<int32_t>(word);
-      }
+      for (int64_t w = 0; w < full; ++w) words[w] = static_cast<int32_t>(relu_pack_word<T>(row + w * kGateBits));
+      if (tail) words[full] = static_cast<int32_t>(relu_pack_word<T>(row + full * kGateBits, tail));
     }
   });
 }
 
 // dst[m, f] = src[m, f] * G[m, f] for a [M, N] src with strides (s0, s1); dst contiguous, may equal src.
-template <typename T>
-void mask_rows(const T* src, int64_t s0, int64_t s1, const int32_t* gates, T* dst, int64_t M, int64_t N) {
+template <typename T, bool kUnit>
+void mask_rows_impl(const T* src, int64_t s0, int64_t s1, const int32_t* gates, T* dst, int64_t M, int64_t N) {
   const int64_t W = gate_words(N);
+  const int64_t full = N / kGateBits;
+  const int tail = static_cast<int>(N - full * kGateBits);
   at::parallel_for(0, M, row_grain(N), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* in = src + r * s0;
       T* out = dst + r * N;
       const int32_t* words = gates + r * W;
-      for (int64_t w = 0; w < W; ++w) {
-        const int64_t base = w * kGateBits;
-        const int n = static_cast<int>(std::min<int64_t>(kGateBits, N - base));
-        const uint32_t word = static_cast<uint32_t>(words[w]);
-        for (int j = 0; j < n; ++j) out[base + j] = in[(base + j) * s1] * T(static_cast<float>((word >> j) & 1u));
-      }
+      for (int64_t w = 0; w < full; ++w)
+        mask_word<T, kUnit>(in + w * kGateBits * s1, s1, static_cast<uint32_t>(words[w]), out + w * kGateBits);
+      if (tail)
+        mask_word<T, kUnit>(in + full * kGateBits * s1, s1, static_cast<uint32_t>(words[full]),
+                               out + full * kGateBits, tail);
     }
   });
+}
+
+template <typename T>
+void mask_rows(const T* src, int64_t s0, int64_t s1, const int32_t* gates, T* dst, int64_t M, int64_t N) {
+  if (s1 == 1) return mask_rows_impl<T, true>(src, s0, 1, gates, dst, M, N);
+  mask_rows_impl<T, false>(src, s0, s1, gates, dst, M, N);
 }
 
 #define IST_GRELU_DISPATCH(TYPE, NAME, ...) \
