@@ -46,7 +46,10 @@ def _tile(pid, ROWS, COLS, BR: tl.constexpr, BC: tl.constexpr, GROUP: tl.constex
 
 @triton.jit
 def _unpack(words, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """int32 words [ROWS, COLS // 32] -> on [ROWS, COLS] (bool); column 32w + j is bit j of word w."""
+    """int32 words [ROWS, COLS // 32] -> on [ROWS, COLS] (bool); column 32w + j is bit j of word w.
+    The compact tile (4 B per 32 features) is what the GEMM pipelines through shared memory; the
+    [ROWS, COLS // 32, 32] -> [ROWS, COLS] reshape is a free relabelling of registers (checked in
+    TTGIR with tools/check_triton_grelu.py), unlike a per-element load of each feature's word."""
     bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
     return tl.reshape(bits, (ROWS, COLS)) != 0
 
@@ -190,32 +193,26 @@ def _gated_dw(
 INTERPRET_CONFIG = dict(BM=16, BN=64, BK=16, GROUP_M=2)
 
 
-def _gpu_configs():
-    c = []
-    for bm, bn, bk, stages, warps in [
-        (128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4),
-        (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 32, 4, 4), (64, 64, 32, 5, 2),
-    ]:
-        c.append(triton.Config(dict(BM=bm, BN=bn, BK=bk, GROUP_M=8), num_stages=stages, num_warps=warps))
-    return c
+# (output rows, output cols, reduction, stages, warps) per kernel; the autotuner skips configs that
+# do not fit in shared memory for a dtype (fp32/fp64 use the smaller ones).
+_TILES = [(128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4),
+          (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 32, 4, 4), (64, 64, 32, 5, 2), (64, 64, 32, 3, 4)]
+# Which kernel parameter tiles which dimension: output rows, output cols, reduction.
+_ROLES = {"fwd": ("BM", "BN", "BK"), "dx": ("BM", "BK", "BN"), "dw": ("BN", "BK", "BM")}
 
 
-def _dw_gpu_configs():
-    c = []
-    for bn, bk, bm, stages, warps in [
-        (128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 32, 4, 4),
-        (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 32, 5, 2),
-    ]:
-        c.append(triton.Config(dict(BM=bm, BN=bn, BK=bk, GROUP_M=8), num_stages=stages, num_warps=warps))
-    return c
+def gpu_configs(kind):
+    rows, cols, red = _ROLES[kind]
+    return [triton.Config({rows: r, cols: c, red: k, "GROUP_M": 8}, num_stages=st, num_warps=w)
+            for r, c, k, st, w in _TILES]
 
 
 if _INTERPRET:
     _fwd_tuned = _dx_tuned = _dw_tuned = None
 else:  # pragma: no cover (GPU only)
-    _fwd_tuned = triton.autotune(_gpu_configs(), key=["M", "N", "K"])(_linear_gates_fwd)
-    _dx_tuned = triton.autotune(_gpu_configs(), key=["M", "N", "K"])(_gated_dx)
-    _dw_tuned = triton.autotune(_dw_gpu_configs(), key=["M", "N", "K"])(_gated_dw)
+    _fwd_tuned = triton.autotune(gpu_configs("fwd"), key=["M", "N", "K"])(_linear_gates_fwd)
+    _dx_tuned = triton.autotune(gpu_configs("dx"), key=["M", "N", "K"])(_gated_dx)
+    _dw_tuned = triton.autotune(gpu_configs("dw"), key=["M", "N", "K"])(_gated_dw)
 
 
 def _device_ok(op, t):
@@ -237,9 +234,11 @@ def _on(t):
 
 
 def _precision(t):
-    if t.dtype == torch.float32 and t.is_cuda and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
+    """tl.dot input_precision: fp32 is exact ("ieee") unless the user allows tf32; the option only
+    concerns fp32 operands, so 16-bit dtypes keep Triton's default."""
+    if t.dtype == torch.float32:
+        return "tf32" if t.is_cuda and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    return "ieee" if t.dtype == torch.float64 else "tf32"
 
 
 def _acc(t):
