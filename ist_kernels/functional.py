@@ -29,3 +29,13 @@ def gated_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], gates: Tenso
     """A trained GReLU layer: ``y = (x Wᵀ + b) ⊙ unpack(gates)`` with 1-bit gates
     ``[..., ceil(N/32)]`` (e.g. from :func:`relu_gates`). Differentiable in x, weight and bias."""
     return _ops.gated_linear(x, weight, bias, gates)
+def subnet_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, rows: Optional[Tensor] = None,
+                  cols: Optional[Tensor] = None) -> Tensor:
+    """The linear layer of one subnetwork of neurons (IST, paper 001 §3.1):
+    ``y = x W[rows][:, cols]^T + b[rows]`` without materialising ``W[rows][:, cols]``.
+
+    ``rows`` / ``cols`` are int64 index lists into ``weight``'s out / in features (unique, in any
+    order; None = all). ``x`` is compact, ``[..., len(cols)]``; ``y`` is ``[..., len(rows)]``.
+    Gradients: compact for ``x``; full-size for ``weight`` and ``bias``, zero outside rows x cols.
+    """
+    return _ops.subnet_linear(x, weight, bias, rows, cols)
