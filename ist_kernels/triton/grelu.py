@@ -210,9 +210,12 @@ def gpu_configs(kind):
 if _INTERPRET:
     _fwd_tuned = _dx_tuned = _dw_tuned = None
 else:  # pragma: no cover (GPU only)
-    _fwd_tuned = triton.autotune(gpu_configs("fwd"), key=["M", "N", "K"])(_linear_gates_fwd)
-    _dx_tuned = triton.autotune(gpu_configs("dx"), key=["M", "N", "K"])(_gated_dx)
-    _dw_tuned = triton.autotune(gpu_configs("dw"), key=["M", "N", "K"])(_gated_dw)
+    # Tensor dtypes are part of every autotune key already; the variant switches are added here.
+    _fwd_tuned = triton.autotune(gpu_configs("fwd"), key=["M", "N", "K", "RELU_GATES", "HAS_BIAS", "PRECISION"])(
+        _linear_gates_fwd)
+    _dx_tuned = triton.autotune(gpu_configs("dx"), key=["M", "N", "K", "PRECISION"])(_gated_dx)
+    _dw_tuned = triton.autotune(gpu_configs("dw"), key=["M", "N", "K", "HAS_DW", "HAS_DB", "SPLIT", "PRECISION"])(
+        _gated_dw)
 
 
 def _device_ok(op, t):
