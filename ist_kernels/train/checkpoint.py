@@ -116,6 +116,8 @@ def check_resumable(folder: str, cfg, world_size: Optional[int] = None) -> int:
     if bool(saved.get("simulate")) != bool(now.get("simulate")):
         raise ConfigError("simulate", f"the checkpoint in {folder!r} was made "
                           f"{'simulated' if saved.get('simulate') else 'with one process per worker'}; resume it the same way")
+    if cfg.rounds is not None and int(latest["round"]) > cfg.rounds:
+        raise ConfigError("rounds", f"is {cfg.rounds} but the checkpoint in {folder!r} is at round {latest['round']}")
     if world_size is not None and latest["world_size"] != world_size:
         raise ConfigError("resume", f"the checkpoint in {folder!r} was written by {latest['world_size']} "
                           f"process(es), this run has {world_size}")

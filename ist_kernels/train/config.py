@@ -67,7 +67,7 @@ class TrainConfig:
     seed: int = _opt(0, "seed of the model initialisation, data shards and plans")
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     precision: str = _opt("fp32", "fp32, or bf16 (autocast)")
-    eval_interval: int = _opt(1, "evaluate every this many rounds (0: only at the end)")
+    eval_interval: int = _opt(1, "evaluate every this many rounds (0: only before the first and after the last)")
     out_dir: Optional[str] = _opt(None, "output folder (default runs/<method>-<model>-<dataset>-S<S>)")
     checkpoint_dir: Optional[str] = _opt(None, "checkpoint folder (default <out_dir>/checkpoints)")
     checkpoint_interval: int = _opt(0, "checkpoint every this many rounds (0: only at the end)")
@@ -77,7 +77,7 @@ class TrainConfig:
     progress: bool = _opt(True, "progress bar on rank 0")
     plots: bool = _opt(True, "write PNG plots")
     demo: bool = _opt(False, "the demo: LOFT on digits with 2 workers vs local SGD (README)")
-    quick: bool = _opt(False, "tiny sizes for smoke tests and CI")
+    quick: bool = _opt(False, "smoke tests and CI: at most 3 rounds (with --demo: the demo's small size)")
 
     # ------------------------------------------------------------------ construction
     @classmethod
