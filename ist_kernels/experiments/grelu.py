@@ -11,7 +11,6 @@ step counts and the time per iteration of both, and writes ``grelu_vs_relu.png``
 """
 import argparse
 import copy
-import math
 import os
 import time
 
@@ -126,7 +125,6 @@ def main(argv=None):
     grelu_params = list(grelu.layers.parameters())
     relu_params = [q for q in relu.parameters() if q.requires_grad]
     grelu_step = lambda: loss_fn(grelu(x, index), y)  # noqa: E731
-    grelu_uncached = lambda: loss_fn(grelu(x), y)  # noqa: E731
     relu_step = lambda: loss_fn(relu(x), y)  # noqa: E731
 
     t_start = time.perf_counter()
@@ -144,7 +142,7 @@ def main(argv=None):
 
     os.makedirs(args.out, exist_ok=True)
     lines = [
-        f"# GReLU vs ReLU, synthetic Ackley regression (paper 004 §6.1)",
+        "# GReLU vs ReLU, synthetic Ackley regression (paper 004 §6.1)",
         "",
         f"n={args.n}, d={args.d}, depth L={args.depth}, width m={args.width}, out=1, {args.dtype}, "
         f"full-batch GD, lr={lr:.3g}, seed={args.seed}, torch threads={torch.get_num_threads()}",
