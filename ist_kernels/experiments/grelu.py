@@ -1,6 +1,6 @@
 """GReLU vs ReLU on the synthetic Ackley regression of paper 004 §6.1, at laptop scale.
 
-    python -m ist_kernels.experiments grelu [--width 512] [--steps 1000] [--lr ...] [--out DIR]
+    python -m ist_kernels.experiments grelu [--width 512] [--steps 500] [--lr ...] [--out DIR]
 
 Both networks have the same width and depth, the same initial C, W_1..W_L, B (§2.1), and are
 trained by full-batch gradient descent with the same constant learning rate on the loss of eq. (2),
@@ -89,7 +89,7 @@ def main(argv=None):
     p.add_argument("--d", type=int, default=200, help="input dimension (§6.1: 200)")
     p.add_argument("--depth", type=int, default=4, help="hidden layers L (§6.1: 4)")
     p.add_argument("--width", type=int, default=512, help="width m (Theorem 1: n²L = 40000; laptop scale here)")
-    p.add_argument("--steps", type=int, default=1000, help="gradient-descent steps")
+    p.add_argument("--steps", type=int, default=500, help="gradient-descent steps")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.5·d/(L·m²), see below)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
