@@ -154,6 +154,16 @@ def test_only_trained_layers_get_gradients(gen):
             torch.testing.assert_close(layer.weight.grad, g, rtol=1e-10, atol=1e-10)
 
 
+def test_input_gradient(gen):
+    """x.requires_grad: the gradient reaches x through D_0 C (relu_gates itself has no gradient)."""
+    net = GReLUMLP(9, 40, 2, 3, dtype=torch.float64, generator=gen)
+    x = torch.randn(7, 9, generator=gen, dtype=torch.float64, requires_grad=True)
+    net(x).sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    ref_forward(net, x_ref).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-10, atol=1e-10)
+
+
 def test_gated_linear_module(gen):
     layer = GatedLinear(33, 70, dtype=torch.float64)
     x = torch.randn(2, 7, 33, generator=gen, dtype=torch.float64)

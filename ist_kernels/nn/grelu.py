@@ -158,7 +158,9 @@ class GReLUMLP(nn.Module):
         """y = B D_L W_L ... D_1 W_1 [C x]^+ (eq. 1). Without ``index`` the gates come from the frozen
         network; with ``index`` (sample ids into the cached data set, shape ``x.shape[:-1]``) they are
         read from the cache made by :meth:`cache_gates`."""
-        h, _ = functional.relu_gates(x, self.C, self.C_bias)  # h_0 = z_0 = D_0 C x
+        h, g0 = functional.relu_gates(x, self.C, self.C_bias)  # h_0 = z_0 = D_0 C x
+        if x.requires_grad:  # relu_gates has no gradient; D_0 (C x) is the same h_0, differentiable in x
+            h = functional.gated_linear(x, self.C, self.C_bias, g0)
         if index is None:
             z = h
             for k, layer in enumerate(self.layers):
