@@ -25,6 +25,7 @@ from ist_kernels.distributed import (
     destroy_process_group,
     gather_full_model,
     init_process_group,
+    plan_bytes,
 )
 from ist_kernels.partition import SlicePlan, TensorSlices
 
@@ -75,8 +76,21 @@ def loft_spec():
     for b, c in (("b1", 8), ("b2", 7)):
         s.update({f"{b}.conv1.weight": (c, 6, 3, 3), f"{b}.bn1.weight": (c,), f"{b}.bn1.bias": (c,),
                   f"{b}.bn1.running_mean": (c,), f"{b}.conv2.weight": (6, c, 3, 3)})
-    s.update({"fc.weight": (5, 6), "fc.bias": (5,)})
+    s.update({"fc.weight": (5, 6), "fc.bias": (5,), "b1.bn1.num_batches_tracked": ()})
     return s
+
+
+def is_counter(name):  # BN's step counter: int64, shared, kept as it is (never averaged)
+    return name.endswith("num_batches_tracked")
+
+
+def initial(name, shape, g):
+    return torch.tensor(3) if is_counter(name) else torch.randn(shape, generator=g)
+
+
+def meta_of(spec):
+    return {n: torch.empty(s, device="meta", dtype=torch.int64 if is_counter(n) else torch.float32)
+            for n, s in spec.items()}
 
 
 RESIST_BLOCKS = 6
@@ -118,7 +132,8 @@ def make_plan(kind, S, seed, rnd):
             t += [TensorSlices(f"{b}.conv1.weight", 0, own), TensorSlices(f"{b}.bn1.weight", 0, own),
                   TensorSlices(f"{b}.bn1.bias", 0, own), TensorSlices(f"{b}.bn1.running_mean", 0, own),
                   TensorSlices(f"{b}.conv2.weight", 1, own)]
-        t += [TensorSlices("fc.weight", None), TensorSlices("fc.bias", None)]
+        t += [TensorSlices("fc.weight", None), TensorSlices("fc.bias", None),
+              TensorSlices("b1.bn1.num_batches_tracked", None)]
         return SlicePlan(S, tuple(t))
     if kind == "resist":
         # blocks permuted and dealt round-robin; a subnetwork below min_depth borrows blocks (shared)
@@ -163,14 +178,16 @@ def simulate(full, plan, subnets, names=None):
     names = set(names or full)
     targets, pos = [], {}
     for t in plan.tensors:
-        if t.name in names:
+        if is_counter(t.name) and t.name in names:
+            new[t.name] = subnets[0][t.name].clone()
+        elif t.name in names:
             pos[t.name] = len(targets)
             targets.append(new[t.name] if not t.shared else new[t.name].view(1, -1))
     dims = [0] * len(targets)
     ids, updates, idx = [], [], []
     for s in range(plan.num_subnetworks):
         for t in plan.tensors:
-            if t.name not in names:
+            if t.name not in names or is_counter(t.name):
                 continue
             if t.shared:
                 ids.append(pos[t.name]), updates.append(subnets[s][t.name].reshape(1, -1)), idx.append(torch.zeros(1, dtype=torch.int64))
@@ -186,6 +203,9 @@ def reference64(full, plan, subnets):
     out = {}
     for t in plan.tensors:
         g = full[t.name].double()
+        if is_counter(t.name):
+            out[t.name] = subnets[0][t.name].double()
+            continue
         if t.shared:
             out[t.name] = torch.stack([subnets[s][t.name].double() for s in range(plan.num_subnetworks)]).mean(0)
             continue
@@ -204,13 +224,15 @@ def reference64(full, plan, subnets):
 def train(subnet, key, scale=0.5):
     """Stand-in for local training: seeded noise, the same on every rank that replays it."""
     g = _gen(*key)
-    return {n: v + scale * torch.randn(v.shape, generator=g) for n, v in subnet.items()}
+    return {n: v + 1 if is_counter(n) else v + scale * torch.randn(v.shape, generator=g) for n, v in subnet.items()}
 
 
 def expected_bytes(cur, nxt, spec, S, r, storage, shared):
     """Bytes rank r must send / receive through the all-to-all, from the plans by plain set algebra."""
     sent = recv = 0
     for t, tn in zip(cur.tensors, (nxt or cur).tensors):
+        if is_counter(t.name):
+            continue
         shape = spec[t.name]
         numel = 1
         for d in shape:
@@ -235,6 +257,8 @@ def expected_bytes(cur, nxt, spec, S, r, storage, shared):
 def shared_bytes(plan, spec):
     total = 0
     for t in plan.shared:
+        if is_counter(t.name):
+            continue
         n = 1
         for d in spec[t.name]:
             n *= d
@@ -255,12 +279,12 @@ ROUNDS = 3
 def run_case(kind, storage, shared, quantize, rank, S, log):
     spec = SPECS[kind]()
     g0 = _gen("init", kind, S)
-    full = {n: torch.randn(shape, generator=g0) for n, shape in spec.items()}
-    meta = {n: torch.empty(shape, device="meta") for n, shape in spec.items()}
+    full = {n: initial(n, shape, g0) for n, shape in spec.items()}
+    meta = meta_of(spec)
     plan = make_plan(kind, S, 7, 0)
     # this rank's state: decentralized -> its compact tensors; replicated -> the full model
     local = compact(full, plan, rank) if storage == "decentralized" else {n: v.clone() for n, v in full.items()}
-    params = [n for n in spec if "running" not in n]
+    params = [n for n in spec if "running" not in n and not is_counter(n)]
     mom_full = {n: torch.zeros(spec[n]) for n in params}  # momentum, keyed like the parameters
     mom = {n: v for n, v in compact(mom_full, plan, rank).items() if n in params} if storage == "decentralized" \
         else {n: v.clone() for n, v in mom_full.items()}
@@ -314,6 +338,9 @@ def run_case(kind, storage, shared, quantize, rank, S, log):
             for n in want_d:
                 a, b = got_d[n], want_d[n]
                 assert a.shape == b.shape, (what, n, a.shape, b.shape)
+                if is_counter(n):
+                    assert torch.equal(a, b), n
+                    continue
                 if quantize:
                     # |error| <= max over owners of absmax / 254 (one scale per slice), per tensor
                     src = subnets if what == "params" else msubs
@@ -340,6 +367,11 @@ def run_case(kind, storage, shared, quantize, rank, S, log):
         want_ar = shared_bytes(plan, spec) if shared == "all_reduce" else 0
         assert st.all_reduce_bytes == want_ar
         assert st.collectives == (2 if shared == "all_reduce" and plan.shared else 1)
+        pb = plan_bytes(plan, nxt, meta, storage=storage, shared=shared)[rank]
+        assert (pb.all_reduce_bytes, pb.collectives) == (want_ar, st.collectives)
+        if not quantize:
+            assert (pb.all_to_all_bytes_sent, pb.all_to_all_bytes_received) == (es, er)
+            assert (st.bytes_sent, st.bytes_received) == (pb.bytes_sent, pb.bytes_received)
         log.setdefault("bytes", []).append((kind, storage, shared, quantize, rnd, st.bytes_sent, es))
         if quantize and storage == "replicated":
             log.setdefault("replicas", []).append({n: v.clone() for n, v in out.items()})

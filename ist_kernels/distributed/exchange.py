@@ -239,6 +239,11 @@ def _plan_masks(plan: SlicePlan, spec, S: int, shared_as_slice: bool, what: str)
     everyone = [torch.zeros(1, dtype=torch.int64)] * S
     for t in plan.tensors:
         shape, dtype = spec[t.name]
+        if not dtype.is_floating_point:
+            if t.shared:
+                continue  # a counter (e.g. BN num_batches_tracked): kept as it is, not averaged
+            raise TypeError(f"the {what} plan partitions {t.name!r} of dtype {dtype}: only floating tensors "
+                            f"can be owner-averaged")
         if t.shared:
             if not shared_as_slice:
                 continue
@@ -265,6 +270,43 @@ def _check_covered(entries: List[Entry], mask: Tensor, what: str, hint: str) -> 
                          f"all) has no owner, and no rank would hold it; {hint}")
 
 
+def plan_bytes(current: SlicePlan, next: Optional[SlicePlan], spec: Spec, *, storage: str = "decentralized",
+               shared: str = "all_reduce", names: Optional[Sequence[str]] = None) -> List[CommStats]:
+    """What every rank's :class:`Exchange` call will move, from the plans alone (no process group):
+    one CommStats per rank (bytes unquantised; ``seconds`` 0)."""
+    if storage not in _STORAGE or shared not in _SHARED:
+        raise ValueError(f"plan_bytes: storage in {_STORAGE}, shared in {_SHARED}")
+    spec = _normalise_spec(spec)
+    S = current.num_subnetworks
+    chosen = set(names if names is not None else current.names())
+    entries, cur = _plan_masks(current, spec, S, shared == "exact", "current")
+    if storage == "decentralized":
+        if next is None:
+            raise ValueError("plan_bytes: decentralized storage needs the next plan")
+        dst = _plan_masks(next, spec, S, shared == "exact", "next")[1]
+    else:
+        dst = torch.ones_like(cur)
+    keep = torch.zeros(cur.shape[1], dtype=torch.bool)
+    w = torch.zeros(cur.shape[1], dtype=torch.float64)
+    for e in entries:
+        if e.name in chosen:
+            keep[e.base:e.base + e.size] = True
+            w[e.base:e.base + e.size] = e.slice_numel * torch.empty(0, dtype=e.dtype).element_size()
+    # M[k, q]: bytes rank k sends rank q
+    M = (cur.double() * w) @ (dst & keep).double().T
+    diag = M.diagonal()
+    sent, recv = (M.sum(1) - diag).tolist(), (M.sum(0) - diag).tolist()
+    ar_bytes, ar_dtypes = 0, set()
+    if shared == "all_reduce":
+        for t in current.shared:
+            shape, dtype = spec[t.name]
+            if t.name in chosen and dtype.is_floating_point:
+                ar_bytes += prod(shape) * torch.empty(0, dtype=dtype).element_size()
+                ar_dtypes.add(dtype)
+    a2a = 1 if any(e.name in chosen for e in entries) else 0
+    return [CommStats(None, S, a2a + len(ar_dtypes), int(sent[r]), int(recv[r]), ar_bytes) for r in range(S)]
+
+
 class Exchange:
     """Move every rank from its part of ``current``'s round to its part of ``next``'s.
 
@@ -281,6 +323,8 @@ class Exchange:
     shared: "all_reduce" (one flat all_reduce; ulp-close) or "exact" (through the all-to-all;
         bit-identical to the simulated path). See the module docstring.
     quantize: None or "int8" (paper 003 A.5; the all-to-all part only, one scale per slice).
+    Shared tensors that are not floating (counters such as BN num_batches_tracked) are returned as
+    they are, never averaged; a partitioned one is an error.
     round: the round number, named in errors. timeout: seconds each collective may wait (default:
         the one given to init_process_group).
 
@@ -330,7 +374,8 @@ class Exchange:
         self._entries, self._cur_mask = _plan_masks(cur, spec, self.world_size, self.shared == "exact", "current")
         self._nxt_mask = (_plan_masks(nxt, spec, self.world_size, self.shared == "exact", "next")[1]
                           if nxt is not None else None)
-        self._shared_names = [t.name for t in cur.tensors if t.shared]
+        self._shared_names = [t.name for t in cur.tensors if t.shared and spec[t.name][1].is_floating_point]
+        self._counters = {t.name for t in cur.tensors if t.shared and not spec[t.name][1].is_floating_point}
         if self.storage == "decentralized":
             for what, mask in (("current", self._cur_mask), ("next", self._nxt_mask)):
                 _check_covered(self._entries, mask, f"Exchange: decentralized storage needs every partitioned "
@@ -363,9 +408,6 @@ class Exchange:
             raise TypeError(f"Exchange: the partitioned tensors{' and shared' if self.shared == 'exact' else ''} "
                             f"must share one floating dtype (one all-to-all buffer), got {dtypes}; exchange each "
                             f"dtype's tensors in a separate call (names=...)")
-        if dtypes and not dtypes[0].is_floating_point:
-            raise TypeError(f"Exchange: can only average floating tensors, got {dtypes[0]} "
-                            f"(leave integer buffers such as num_batches_tracked out of names)")
         mover = _Mover(sub, routing, dtypes[0] if dtypes else torch.float32)
         ar = [n for n in self._shared_names if n in chosen] if self.shared == "all_reduce" else []
         lay = (sub, mover, cur_rows, nxt_rows, ar)
@@ -458,8 +500,13 @@ class Exchange:
                 tgt = torch.empty(e.compact_shape(nxt_rows[i]), dtype=e.dtype, device=device)
                 targets[i] = tgt
                 out[e.name] = tgt
-        mover.run(sources, targets, quantize=q == "int8", device=device, name="all_to_all_single (partitioned slices)",
-                  round=self.round, group=self.group, timeout=self.timeout, stats=stats)
+        if sub:
+            mover.run(sources, targets, quantize=q == "int8", device=device,
+                      name="all_to_all_single (partitioned slices)", round=self.round, group=self.group,
+                      timeout=self.timeout, stats=stats)
+        for n in names:
+            if n in self._counters and n in local:
+                out[n] = local[n]
         if ar:
             _all_reduce_mean_([local[n] for n in ar], name="all_reduce (shared tensors)", round=self.round,
                               group=self.group, timeout=self.timeout, stats=stats)
@@ -540,7 +587,12 @@ def gather_full_model(local: Mapping[str, Tensor], plan: SlicePlan, spec: Spec, 
     st.seconds = time.perf_counter() - t0
     if stats is not None:
         stats.append(st)
-    return {t.name: out[t.name] for t in plan.tensors} if r == dst else None
+    if r != dst:
+        return None
+    for t in plan.tensors:  # counters (non-floating shared tensors): dst's own
+        if t.name not in out and t.name in local:
+            out[t.name] = local[t.name].clone()
+    return {t.name: out[t.name] for t in plan.tensors if t.name in out}
 
 
 @torch.no_grad()
