@@ -548,3 +548,32 @@ def test_bad_input_is_named(single):
         ex({**local, "extra": torch.zeros(1)})
     with pytest.raises(ValueError, match="dtype"):
         ex({**local, "fc1.bias": local["fc1.bias"].double()})
+
+
+# ---------------------------------------------------------------- NCCL: one rank on a GPU
+def _nccl_worker(rank, store):
+    init_process_group(init_method=f"file://{store}", rank=0, world_size=1, device="cuda", timeout=60)
+    assert dist.get_backend() == "nccl"
+    spec = loft_spec()
+    meta = meta_of(spec)
+    full = {n: initial(n, s, _gen("nccl", n)) for n, s in spec.items()}
+    plan, nxt = make_plan("loft", 1, 5, 0), make_plan("loft", 1, 5, 1)
+    for shared in ("exact", "all_reduce"):
+        for quantize in (None, "int8"):
+            local = {n: v.cuda() for n, v in compact(full, plan, 0).items()}
+            out = Exchange(plan, nxt, meta, shared=shared, quantize=quantize, round=0)(local)
+            for n, v in compact(full, nxt, 0).items():
+                got = out[n].cpu()
+                if quantize and not is_counter(n):
+                    assert (got - v).abs().max() <= v.abs().max() / 127 * 0.502 + 1e-6, n
+                else:
+                    assert torch.equal(got, v), n
+    model = {n: v.cuda() for n, v in full.items() if not is_counter(n)}
+    st = average_model_(model, round=0)
+    assert st.collectives == 1 and all(torch.equal(model[n].cpu(), full[n]) for n in model)
+    destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs CUDA and NCCL")
+def test_nccl_single_rank(tmp_path):
+    mp.spawn(_nccl_worker, args=(str(tmp_path / "store"),), nprocs=1, join=True)

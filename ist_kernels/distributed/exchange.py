@@ -100,16 +100,13 @@ class _Mover:
         self.peers = [q for q in range(S) if q != r]
         # pack order: every peer in rank order, then this rank's own part (never on the wire)
         self.pack = [seg for q in self.peers for seg in routing.send[q]] + routing.send[r]
-        self.pack_numel = [sum(s.numel for s in routing.send[q]) for q in self.peers] + [routing.send_numel[r]]
-        self.wire_numel = sum(self.pack_numel[:-1])
+        self.wire_numel = sum(routing.send_numel[q] for q in self.peers)
         self.recv_wire_numel = sum(routing.recv_numel[k] for k in self.peers)
         self.source_entries = sorted({s.entry for s in self.pack})
         self.target_entries = sorted({s.entry for segs in routing.recv for s in segs})
         # quantised wire layout: per peer [scales fp32 x nseg][int8 codes][pad to 4 bytes]
-        self.q_send_bytes = [self._qbytes(routing.send[q]) for q in range(S)]
-        self.q_recv_bytes = [self._qbytes(routing.recv[k]) for k in range(S)]
-        for q in (r,):
-            self.q_send_bytes[q] = self.q_recv_bytes[q] = 0
+        self.q_send_bytes = [self._qbytes(routing.send[q]) if q != r else 0 for q in range(S)]
+        self.q_recv_bytes = [self._qbytes(routing.recv[k]) if k != r else 0 for k in range(S)]
         self._dev: Dict[torch.device, tuple] = {}
 
     @staticmethod
@@ -219,7 +216,7 @@ def _all_reduce_mean_(tensors: List[Tensor], *, name: str, round, group, timeout
         if not (dtype.is_floating_point or dtype.is_complex):
             raise TypeError(f"{name}: can only average floating tensors, got {dtype}")
         flat = torch.cat([t.reshape(-1) for t in ts])
-        stats.collective_seconds[name] = wait_collective(
+        stats.collective_seconds[name] = stats.collective_seconds.get(name, 0.0) + wait_collective(
             lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True),
             name=name, round=round, timeout=timeout, group=group)
         stats.collectives += 1
@@ -418,6 +415,16 @@ class Exchange:
     def _rows(entries: List[Entry], held: Tensor) -> List[int]:
         sizes = [e.size for e in entries]
         return [int(c.sum()) for c in torch.split(held, sizes)] if entries else []
+
+    def prepare(self, names: Optional[Sequence[str]] = None) -> "Exchange":
+        """Derive this rank's routing for ``names`` now (the first call would otherwise), e.g. while
+        the last local steps run. Needs the spec. Returns self."""
+        if self._spec is None:
+            raise ValueError("Exchange.prepare: needs the spec (given at construction)")
+        plan_names = self.current.names()
+        chosen = set(plan_names if names is None else names)
+        self._layout(tuple(n for n in plan_names if n in chosen))
+        return self
 
     def _names(self, local: Mapping[str, Tensor], names: Optional[Sequence[str]]) -> Tuple[str, ...]:
         plan_names = self.current.names()
