@@ -425,6 +425,12 @@ def _worker(rank, S, store, outdir):
                         + bad.tensors[1:])
         Exchange(bad, make_plan("mlp_categorical", S, 0, 1), spec)
 
+    # plans are never sent, but a debugging check can compare their fingerprints in one all_gather
+    meta = meta_of(loft_spec())
+    Exchange(make_plan("loft", S, 7, 0), make_plan("loft", S, 7, 1), meta, verify_plans=True)
+    with pytest.raises(ValueError, match="different plans"):
+        Exchange(make_plan("loft", S, 7 + (rank == 0), 0), make_plan("loft", S, 7, 1), meta, verify_plans=True)
+
     # local SGD baseline: one flat all_reduce of the whole model
     spec = loft_spec()
     everyone = [{n: torch.randn(s, generator=_gen("lsgd", S, k, n)) for n, s in spec.items()} for k in range(S)]

@@ -7,7 +7,7 @@ assembles the model on one rank in one collective; :func:`average_model_` is the
 baseline. Process groups come from :func:`init_process_group` (created once, one timeout), and a
 collective that fails or stalls raises :class:`CollectiveError` naming itself and the round.
 """
-from .exchange import CommStats, Exchange, average_model_, gather_full_model, plan_bytes  # noqa: F401
+from .exchange import CommStats, Exchange, average_model_, gather_full_model, plan_bytes, plan_fingerprint  # noqa: F401
 from .group import (  # noqa: F401
     CollectiveError,
     collective_timeout,

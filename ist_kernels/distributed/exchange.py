@@ -267,6 +267,18 @@ def _check_covered(entries: List[Entry], mask: Tensor, what: str, hint: str) -> 
                          f"all) has no owner, and no rank would hold it; {hint}")
 
 
+def plan_fingerprint(plan: SlicePlan) -> int:
+    """A 32-bit checksum of a plan (names, dims, owner indices), equal on ranks that derived the same plan."""
+    import zlib
+
+    h = zlib.crc32(repr((plan.num_subnetworks, [(t.name, t.dim) for t in plan.tensors])).encode())
+    for t in plan.partitioned:
+        for o in t.owners:
+            h = zlib.crc32(o.detach().to("cpu", torch.int64).contiguous().numpy().tobytes(), h)
+            h = zlib.crc32(b"|", h)
+    return h
+
+
 def plan_bytes(current: SlicePlan, next: Optional[SlicePlan], spec: Spec, *, storage: str = "decentralized",
                shared: str = "all_reduce", names: Optional[Sequence[str]] = None) -> List[CommStats]:
     """What every rank's :class:`Exchange` call will move, from the plans alone (no process group):
@@ -325,12 +337,16 @@ class Exchange:
     round: the round number, named in errors. timeout: seconds each collective may wait (default:
         the one given to init_process_group).
 
+    verify_plans: check, with one all_gather at construction, that every rank derived the same plans
+        (for debugging; plans are otherwise never communicated).
+
     ``last_stats`` holds what the last call moved; ``history`` every call's stats.
     """
 
     def __init__(self, current: SlicePlan, next: Optional[SlicePlan] = None, spec: Optional[Spec] = None, *,
                  storage: str = "decentralized", shared: str = "all_reduce", quantize: Optional[str] = None,
-                 round: Optional[int] = None, group=None, timeout: Union[None, float, timedelta] = None):
+                 round: Optional[int] = None, group=None, timeout: Union[None, float, timedelta] = None,
+                 verify_plans: bool = False):
         if storage not in _STORAGE:
             raise ValueError(f"Exchange: storage must be one of {_STORAGE}, got {storage!r}")
         if shared not in _SHARED:
@@ -357,6 +373,22 @@ class Exchange:
         self._spec = _normalise_spec(spec) if spec is not None else None
         if self._spec is not None:
             self._prepare(self._spec)
+        if verify_plans:
+            self._verify_plans()
+
+    def _verify_plans(self) -> None:
+        """One all_gather of the plans' fingerprints: every rank must have derived the same plans
+        (a mismatch would make the all-to-all split sizes disagree)."""
+        mine = torch.tensor([plan_fingerprint(self.current),
+                             plan_fingerprint(self.next) if self.next is not None else 0], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        wait_collective(lambda: dist.all_gather(everyone, mine, group=self.group, async_op=True),
+                        name="all_gather (plan fingerprints)", round=self.round, timeout=self.timeout,
+                        group=self.group)
+        differ = [k for k, fp in enumerate(everyone) if not torch.equal(fp, mine)]
+        if differ:
+            raise ValueError(f"Exchange: rank {self.rank} derived different plans than ranks {differ} in round "
+                             f"{self.round}; every rank must build the plans from the same seed and round")
 
     # ---- plans -> owner masks over every plan tensor (once), routing per name set (cached)
     def _prepare(self, spec):
