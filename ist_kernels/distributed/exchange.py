@@ -34,7 +34,16 @@ from torch import Tensor
 from ..partition.plan import SlicePlan
 from . import quantize as Q
 from .group import collective_timeout, wait_collective
-from .routing import Entry, Routing, first_owner, owner_ids, route
+from .routing import (
+    Entry,
+    Routing,
+    first_owner,
+    owner_ids,
+    passthrough_entries,
+    per_entry_count,
+    route,
+    sole_owner_in_place,
+)
 
 Spec = Mapping[str, Union[Tensor, Tuple[Sequence[int], torch.dtype]]]
 
@@ -324,8 +333,9 @@ class Exchange:
         required with decentralized storage (a rank does not hold the tensors it does not own).
     storage: "decentralized": rank s holds subnetwork s's compact tensors
         (``global[t].index_select(dim, current.owners[s])`` for every partitioned t it owns, none
-        for the others) and the shared tensors; the call returns its next compact tensors (new)
-        and the shared ones (averaged in place). Every slice must be owned by >= 1 subnetwork in
+        for the others) and the shared tensors; the call returns its next compact tensors (new
+        ones, or the same tensor where it stays unchanged with its sole owner, e.g. a ResIST block
+        that does not move) and the shared ones (averaged in place). Every slice must be owned by >= 1 subnetwork in
         both plans (otherwise nobody would hold it). "replicated": every rank holds every tensor
         full size and gets the whole aggregated model in place: owner means where >= 1 subnetwork
         owned a slice this round, unchanged elsewhere.
@@ -411,9 +421,10 @@ class Exchange:
                                f"slice owned by >= 1 subnetwork, but in the {what} plan (round {self.round})",
                                "use storage='replicated' for plans with unowned slices (e.g. Bernoulli masks)")
 
-    def _layout(self, names: Tuple[str, ...]):
-        if names in self._layouts:
-            return self._layouts[names]
+    def _layout(self, names: Tuple[str, ...], quantized: bool):
+        key = (names, quantized)
+        if key in self._layouts:
+            return self._layouts[key]
         chosen = set(names)
         sel = [e for e in self._entries if e.name in chosen]
         cols, sub, base = [], [], 0
@@ -425,12 +436,21 @@ class Exchange:
         cur = self._cur_mask[:, cols]
         r, S = self.rank, self.world_size
         if self.storage == "decentralized":
+            # a compact tensor that stays with its sole owner is handed back as it is
             nxt = self._nxt_mask[:, cols]
-            routing = route(sub, r, cur, nxt, source_held=cur[r], target_held=nxt[r])
-            cur_rows = self._rows(sub, cur[r])
-            nxt_rows = self._rows(sub, nxt[r])
+            passthrough = passthrough_entries(sub, cur, nxt, r)
+            flag = torch.zeros(len(sub), dtype=torch.bool)
+            flag[passthrough] = True
+            keep = torch.repeat_interleave(flag, torch.tensor([e.size for e in sub], dtype=torch.int64))
+            routing = route(sub, r, cur, nxt, source_held=cur[r], target_held=nxt[r], keep_own=keep)
+            cur_rows = per_entry_count(cur[r], sub).tolist() if sub else []
+            nxt_rows = per_entry_count(nxt[r], sub).tolist() if sub else []
         else:
-            routing = route(sub, r, cur, torch.ones_like(cur), source_held=None, target_held=None)
+            # a slice only this rank updated is already in place (unless quantised: then every
+            # replica, this one too, takes the dequantised value, so that replicas stay equal)
+            passthrough = []
+            keep = None if quantized else sole_owner_in_place(cur, r)
+            routing = route(sub, r, cur, torch.ones_like(cur), source_held=None, target_held=None, keep_own=keep)
             cur_rows = nxt_rows = [e.size for e in sub]
         dtypes = sorted({e.dtype for e in sub}, key=str)
         if len(dtypes) > 1:
@@ -439,14 +459,9 @@ class Exchange:
                             f"dtype's tensors in a separate call (names=...)")
         mover = _Mover(sub, routing, dtypes[0] if dtypes else torch.float32)
         ar = [n for n in self._shared_names if n in chosen] if self.shared == "all_reduce" else []
-        lay = (sub, mover, cur_rows, nxt_rows, ar)
-        self._layouts[names] = lay
+        lay = (sub, mover, cur_rows, nxt_rows, ar, set(passthrough))
+        self._layouts[key] = lay
         return lay
-
-    @staticmethod
-    def _rows(entries: List[Entry], held: Tensor) -> List[int]:
-        sizes = [e.size for e in entries]
-        return [int(c.sum()) for c in torch.split(held, sizes)] if entries else []
 
     def prepare(self, names: Optional[Sequence[str]] = None) -> "Exchange":
         """Derive this rank's routing for ``names`` now (the first call would otherwise), e.g. while
@@ -455,7 +470,7 @@ class Exchange:
             raise ValueError("Exchange.prepare: needs the spec (given at construction)")
         plan_names = self.current.names()
         chosen = set(plan_names if names is None else names)
-        self._layout(tuple(n for n in plan_names if n in chosen))
+        self._layout(tuple(n for n in plan_names if n in chosen), self.quantize == "int8")
         return self
 
     def _names(self, local: Mapping[str, Tensor], names: Optional[Sequence[str]]) -> Tuple[str, ...]:
@@ -492,7 +507,7 @@ class Exchange:
         if q not in (None, "int8"):
             raise ValueError(f"Exchange: quantize must be None or 'int8', got {q!r}")
         names = self._names(local, names)
-        sub, mover, cur_rows, nxt_rows, ar = self._layout(names)
+        sub, mover, cur_rows, nxt_rows, ar, passthrough = self._layout(names, q == "int8")
         r = self.rank
         decentral = self.storage == "decentralized"
 
@@ -535,6 +550,8 @@ class Exchange:
             if e.shared or not decentral:
                 targets[i] = sources[i]  # in place
                 out[e.name] = local[e.name]
+            elif i in passthrough:
+                out[e.name] = t
             elif nxt_rows[i] > 0:
                 tgt = torch.empty(e.compact_shape(nxt_rows[i]), dtype=e.dtype, device=device)
                 targets[i] = tgt
@@ -600,7 +617,7 @@ def gather_full_model(local: Mapping[str, Tensor], plan: SlicePlan, spec: Spec, 
     if len(dtypes) > 1 or (dtypes and not dtypes[0].is_floating_point):
         raise TypeError(f"gather_full_model: the gathered tensors must share one floating dtype, got {dtypes}")
     mover = _Mover(entries, routing, dtypes[0] if dtypes else torch.float32)
-    rows = Exchange._rows(entries, cur[r])
+    rows = per_entry_count(cur[r], entries).tolist() if entries else []
     sources, targets, device = {}, {}, None
     for i, e in enumerate(entries):
         t = local.get(e.name)

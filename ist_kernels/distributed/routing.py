@@ -124,6 +124,7 @@ def route(
     *,
     source_held: Optional[Tensor],
     target_held: Optional[Tensor],
+    keep_own: Optional[Tensor] = None,
 ) -> Routing:
     """Rank ``rank``'s messages.
 
@@ -132,6 +133,8 @@ def route(
     source_held / target_held [N] bool for this rank: the slices its compact source tensors hold
     (positions along dim count only held slices) / its compact target tensors will hold; None:
     full tensors (positions are the slice indices themselves).
+    keep_own [N] bool: slices this rank leaves out of its message to itself (they are already where
+    they belong: see :func:`sole_owner_in_place`, :func:`passthrough_entries`).
     """
     S, N = src.shape
     sizes = torch.tensor([e.size for e in entries], dtype=torch.int64)
@@ -152,13 +155,47 @@ def route(
 
     out = Routing(rank, S)
     for q in range(S):
-        ids = (src[rank] & dst[q]).nonzero().flatten()
+        mask = src[rank] & dst[q]
+        if q == rank and keep_own is not None:
+            mask &= ~keep_own
+        ids = mask.nonzero().flatten()
         if source_held is not None and ids.numel() and bool((src_pos[ids] < 0).any()):
             raise AssertionError("routing: a rank would send a slice it does not hold")
         out.send.append(segments(ids, src_pos))
     for k in range(S):
-        ids = (src[k] & dst[rank]).nonzero().flatten()
+        mask = src[k] & dst[rank]
+        if k == rank and keep_own is not None:
+            mask &= ~keep_own
+        ids = mask.nonzero().flatten()
         out.recv.append(segments(ids, dst_pos))
     out.send_numel = [sum(s.numel for s in segs) for segs in out.send]
     out.recv_numel = [sum(s.numel for s in segs) for segs in out.recv]
     return out
+
+
+def sole_owner_in_place(src: Tensor, rank: int) -> Tensor:
+    """[N] bool, full tensors on both ends (replicated storage): the slices only ``rank``
+    contributes. Their owner mean is its own value, which its full tensor already holds."""
+    return src[rank] & (src.sum(0) == 1)
+
+
+def passthrough_entries(entries: Sequence[Entry], src: Tensor, dst: Tensor, rank: int) -> List[int]:
+    """Compact tensors on both ends (decentralized storage): the entries whose compact tensor on
+    ``rank`` is already its next one, unchanged: it holds the same slices in both rounds and is the
+    only rank that holds them in either. (E.g. a ResIST block that stays with its sole owner.)"""
+    if not entries:
+        return []
+    mine_now, mine_next = src[rank], dst[rank]
+    sole = (src.sum(0) == 1) & (dst.sum(0) == 1)
+    ok = (~mine_now & ~mine_next) | (mine_now & mine_next & sole)
+    bad, held = per_entry_count(~ok, entries), per_entry_count(mine_now, entries)
+    return ((bad == 0) & (held > 0)).nonzero().flatten().tolist()
+
+
+def per_entry_count(mask: Tensor, entries: Sequence[Entry]) -> Tensor:
+    """int64 [len(entries)]: the True slices of each entry in an [N] bool mask."""
+    c = torch.zeros(mask.numel() + 1, dtype=torch.int64)
+    c[1:] = mask.cumsum(0)
+    starts = torch.tensor([e.base for e in entries], dtype=torch.int64)
+    ends = starts + torch.tensor([e.size for e in entries], dtype=torch.int64)
+    return c[ends] - c[starts]
