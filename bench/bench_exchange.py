@@ -162,7 +162,9 @@ def _worker(rank, S, store, model_name, method, rounds, results):
     full = {n: (torch.zeros(m.shape, dtype=m.dtype) if not m.dtype.is_floating_point
                 else torch.randn(m.shape, generator=g)) for n, m in spec.items()}
     out = {}
-    for quantize in (None, "int8"):
+    # fp32: shared tensors by one all_reduce; int8: every communicated tensor quantised (paper 003
+    # A.5), so the shared ones go through the all-to-all too (shared="exact")
+    for quantize, shared in ((None, "all_reduce"), ("int8", "exact")):
         plan = plan_of(S, 0)
         local = _compact(full, plan, rank)
         times, build, coll = [], [], []
@@ -170,7 +172,7 @@ def _worker(rank, S, store, model_name, method, rounds, results):
             nxt = plan_of(S, rnd + 1)
             torch.distributed.barrier()
             t0 = time.perf_counter()
-            ex = Exchange(plan, nxt, spec, quantize=quantize, round=rnd).prepare()
+            ex = Exchange(plan, nxt, spec, quantize=quantize, shared=shared, round=rnd).prepare()
             t1 = time.perf_counter()
             local = ex(local)
             t2 = time.perf_counter()
@@ -224,7 +226,9 @@ def main():
         f"{args.rounds} timed rounds after one warm-up, median; ranks use 1 thread each.", "",
         "Bytes: per rank, counted from the buffers passed to the collectives (the all_reduce as a ring: "
         "2(S-1)/S of its buffer sent and as much received). Total = sum over ranks of bytes sent "
-        "(equal to bytes received). Decentralized storage, shared tensors by one all_reduce.", ""]
+        "(equal to bytes received). Decentralized storage, shared tensors by one all_reduce (fp32); "
+        "int8: every communicated tensor quantised, one scale per slice, the shared ones through the "
+        "all-to-all as well (one collective).", ""]
     configs = [("preact_resnet18", "LOFT", (2, 4), (2, 4)), ("preact_resnet101", "ResIST", (2, 4, 8), (2,))]
     bytes_rows, time_rows = [], []
     for model_name, method, sizes, timed in configs:

@@ -125,8 +125,9 @@ class _Mover:
 
     def _indices(self, device):
         if device not in self._dev:
-            pack_idx = [s.index.to(device) for s in self.pack]
-            recv_idx = [[s.index.to(device) for s in segs] for segs in self.routing.recv]
+            move = (lambda i: i) if device.type == "cpu" else (lambda i: i.to(device, non_blocking=True))
+            pack_idx = [move(s.index) for s in self.pack]
+            recv_idx = [[move(s.index) for s in segs] for segs in self.routing.recv]
             self._dev[device] = (pack_idx, recv_idx)
         return self._dev[device]
 
@@ -147,20 +148,23 @@ class _Mover:
         own = send[self.wire_numel:]
 
         if quantize:
-            # one scale per (this rank, tensor), over everything it sends of that tensor
-            seg_numels = Q.segment_numels([s.numel for s in self.pack], device)
+            # one scale per (this rank, tensor), over everything it sends of that tensor; its own
+            # part is dequantised too, so every copy of a slice ends up equal on every rank
+            numels = [s.numel for s in self.pack]
+            views = torch.split(send, numels)
             seg_entry = torch.tensor([s.entry for s in self.pack], dtype=torch.int64, device=device)
-            scales = Q.slice_scales(send, seg_numels, seg_entry, len(self.entries))
-            seg_scales = scales[seg_entry]
-            codes = Q.quantize(send, seg_scales, seg_numels)
-            own = Q.dequantize(codes[self.wire_numel:], seg_scales[len(self.pack) - len(self.routing.send[r]):],
-                               seg_numels[len(self.pack) - len(self.routing.send[r]):], self.dtype)
-            wire = torch.zeros(sum(self.q_send_bytes), dtype=torch.uint8, device=device)
+            seg_scales = Q.segment_scales(views, seg_entry, len(self.entries))
+            codes = Q.quantize_(send, views, seg_scales)
+            n_own = len(self.routing.send[r])
+            own = Q.dequantize(codes[self.wire_numel:], numels[len(numels) - n_own:],
+                               seg_scales[len(numels) - n_own:], self.dtype)
+            wire = torch.empty(sum(self.q_send_bytes), dtype=torch.uint8, device=device)
             off = seg_off = el_off = 0
             for q in self.peers:
                 n_seg, n_el = len(self.routing.send[q]), self.routing.send_numel[q]
                 wire[off:off + 4 * n_seg].view(torch.float32).copy_(seg_scales[seg_off:seg_off + n_seg])
                 wire[off + 4 * n_seg:off + 4 * n_seg + n_el].copy_(codes[el_off:el_off + n_el].view(torch.uint8))
+                wire[off + 4 * n_seg + n_el:off + self.q_send_bytes[q]].zero_()  # padding
                 off += self.q_send_bytes[q]
                 seg_off += n_seg
                 el_off += n_el
@@ -181,17 +185,16 @@ class _Mover:
         stats.all_to_all_bytes_received += sum(out_splits) * esize
 
         if quantize:  # decode every peer's chunk into one flat buffer in rank order
-            codes_in, scales_in, seg_numels_in = [], [], []
+            codes_in, scales_in, numels_in = [], [], []
             off = 0
             for k in self.peers:
                 n_seg, n_el = len(self.routing.recv[k]), self.routing.recv_numel[k]
                 scales_in.append(out[off:off + 4 * n_seg].view(torch.float32))
                 codes_in.append(out[off + 4 * n_seg:off + 4 * n_seg + n_el].view(torch.int8))
-                seg_numels_in += [s.numel for s in self.routing.recv[k]]
+                numels_in += [s.numel for s in self.routing.recv[k]]
                 off += self.q_recv_bytes[k]
-            recv = Q.dequantize(torch.cat(codes_in) if codes_in else out.new_empty(0, dtype=torch.int8),
-                                torch.cat(scales_in) if scales_in else torch.zeros(0, device=device),
-                                Q.segment_numels(seg_numels_in, device), self.dtype)
+            recv = Q.dequantize(torch.cat(codes_in) if codes_in else out.new_empty(0, dtype=torch.int8), numels_in,
+                                torch.cat(scales_in) if scales_in else torch.zeros(0, device=device), self.dtype)
         else:
             recv = out
 
