@@ -19,12 +19,16 @@ QMAX = 127
 
 def segment_scales(views: Sequence[Tensor], seg_slice: Tensor, num_slices: int) -> Tensor:
     """float32 [len(views)]: the scale of each segment = absmax / 127 over every segment of the same
-    slice (segment j belongs to slice seg_slice[j]); one multi-tensor launch for the maxima."""
+    slice (segment j belongs to slice seg_slice[j])."""
     seg_max = torch.zeros(len(views), dtype=torch.float32, device=seg_slice.device)
     nonempty = [j for j, v in enumerate(views) if v.numel()]
     if nonempty:
-        norms = torch._foreach_norm([views[j] for j in nonempty], float("inf"))
-        seg_max[torch.tensor(nonempty, device=seg_max.device)] = torch.stack(norms).float()
+        if seg_max.device.type == "cpu":  # vectorised per segment; the CPU foreach norm is not
+            lo_hi = [torch.aminmax(views[j]) for j in nonempty]
+            amax = torch.maximum(-torch.stack([m[0] for m in lo_hi]), torch.stack([m[1] for m in lo_hi]))
+        else:  # one multi-tensor launch
+            amax = torch.stack(torch._foreach_norm([views[j] for j in nonempty], float("inf")))
+        seg_max[torch.tensor(nonempty, device=seg_max.device)] = amax.float()
     per_slice = torch.zeros(num_slices, dtype=torch.float32, device=seg_max.device)
     per_slice.scatter_reduce_(0, seg_slice, seg_max, "amax")
     return per_slice[seg_slice] / QMAX
