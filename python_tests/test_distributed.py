@@ -100,7 +100,7 @@ def resist_spec():
     s = {"conv0.weight": (4, 3, 3, 3), "bn0.weight": (4,)}
     for i in range(RESIST_BLOCKS):
         s.update({f"layer3.{i}.conv1.weight": (4, 4, 3, 3), f"layer3.{i}.bn1.weight": (4,),
-                  f"layer3.{i}.conv2.weight": (4, 4, 3, 3)})
+                  f"layer3.{i}.bn1.num_batches_tracked": (), f"layer3.{i}.conv2.weight": (4, 4, 3, 3)})
     s.update({"fc.weight": (5, 4), "fc.bias": (5,)})
     return s
 
@@ -148,7 +148,9 @@ def make_plan(kind, S, seed, rnd):
         empty = torch.zeros(0, dtype=torch.int64)
         for i in range(RESIST_BLOCKS):
             own = tuple(torch.arange(4) if i in blocks[s] else empty for s in range(S))
+            scalar = tuple(torch.zeros(1, dtype=torch.int64) if i in blocks[s] else empty for s in range(S))
             t += [TensorSlices(f"layer3.{i}.conv1.weight", 0, own), TensorSlices(f"layer3.{i}.bn1.weight", 0, own),
+                  TensorSlices(f"layer3.{i}.bn1.num_batches_tracked", 0, scalar),  # a 0-d int64 tensor
                   TensorSlices(f"layer3.{i}.conv2.weight", 0, own)]
         t += [TensorSlices("fc.weight", None), TensorSlices("fc.bias", None)]
         return SlicePlan(S, tuple(t))
@@ -168,7 +170,8 @@ def compact(full, plan, s):
         if t.shared:
             out[t.name] = full[t.name].clone()
         elif t.owners[s].numel():
-            out[t.name] = full[t.name].index_select(t.dim, t.owners[s])
+            v = full[t.name]
+            out[t.name] = v.clone() if v.dim() == 0 else v.index_select(t.dim, t.owners[s])
     return out
 
 
@@ -178,22 +181,23 @@ def simulate(full, plan, subnets, names=None):
     names = set(names or full)
     targets, pos = [], {}
     for t in plan.tensors:
-        if is_counter(t.name) and t.name in names:
-            new[t.name] = subnets[0][t.name].clone()
+        if is_counter(t.name) and t.shared and t.name in names:
+            new[t.name] = subnets[0][t.name].clone()  # shared counters are kept as they are
         elif t.name in names:
             pos[t.name] = len(targets)
-            targets.append(new[t.name] if not t.shared else new[t.name].view(1, -1))
+            targets.append(new[t.name].view(1, -1) if t.shared else new[t.name].view(new[t.name].shape or (1,)))
     dims = [0] * len(targets)
     ids, updates, idx = [], [], []
     for s in range(plan.num_subnetworks):
         for t in plan.tensors:
-            if t.name not in names or is_counter(t.name):
+            if t.name not in names or (is_counter(t.name) and t.shared):
                 continue
             if t.shared:
                 ids.append(pos[t.name]), updates.append(subnets[s][t.name].reshape(1, -1)), idx.append(torch.zeros(1, dtype=torch.int64))
             elif t.owners[s].numel():
+                u = subnets[s][t.name]
                 dims[pos[t.name]] = t.dim
-                ids.append(pos[t.name]), updates.append(subnets[s][t.name]), idx.append(t.owners[s])
+                ids.append(pos[t.name]), updates.append(u.view(u.shape or (1,))), idx.append(t.owners[s])
     F.slice_scatter_(targets, ids, updates, idx, dims, reduce="mean")
     return new
 
@@ -203,8 +207,12 @@ def reference64(full, plan, subnets):
     out = {}
     for t in plan.tensors:
         g = full[t.name].double()
-        if is_counter(t.name):
+        if is_counter(t.name) and t.shared:
             out[t.name] = subnets[0][t.name].double()
+            continue
+        if g.dim() == 0:  # a partitioned counter: integer mean over its owners, toward zero
+            vals = [subnets[s][t.name].double() for s, o in enumerate(t.owners) if o.numel()]
+            out[t.name] = torch.stack(vals).mean().trunc() if vals else g
             continue
         if t.shared:
             out[t.name] = torch.stack([subnets[s][t.name].double() for s in range(plan.num_subnetworks)]).mean(0)
@@ -222,16 +230,22 @@ def reference64(full, plan, subnets):
 
 
 def train(subnet, key, scale=0.5):
-    """Stand-in for local training: seeded noise, the same on every rank that replays it."""
+    """Stand-in for local training: seeded noise, the same on every rank that replays it. Counters
+    step: shared ones by 1 everywhere, a block's by 1 + s (so that owners differ)."""
     g = _gen(*key)
-    return {n: v + 1 if is_counter(n) else v + scale * torch.randn(v.shape, generator=g) for n, v in subnet.items()}
+    s = key[3]
+    return {n: (v + (1 if n in SHARED_COUNTERS else 1 + s)) if is_counter(n)
+            else v + scale * torch.randn(v.shape, generator=g) for n, v in subnet.items()}
+
+
+SHARED_COUNTERS = {"b1.bn1.num_batches_tracked"}
 
 
 def expected_bytes(cur, nxt, spec, S, r, storage, shared):
     """Bytes rank r must send / receive through the all-to-all, from the plans by plain set algebra."""
     sent = recv = 0
     for t, tn in zip(cur.tensors, (nxt or cur).tensors):
-        if is_counter(t.name):
+        if is_counter(t.name) and t.shared:
             continue
         shape = spec[t.name]
         numel = 1
@@ -242,7 +256,7 @@ def expected_bytes(cur, nxt, spec, S, r, storage, shared):
                 sent += (S - 1) * numel * 4
                 recv += (S - 1) * numel * 4
             continue
-        per_slice = numel // shape[t.dim]
+        per_slice = numel // shape[t.dim] if shape else 1
         c = [set(o.tolist()) for o in t.owners]
         if storage == "replicated":
             sent += (S - 1) * len(c[r]) * per_slice * 4
@@ -309,8 +323,9 @@ def run_case(kind, storage, shared, quantize, rank, S, log):
                 for t in plan.tensors:
                     if t.name not in state:
                         continue
-                    if t.shared:
-                        state[t.name].copy_(new[t.name])
+                    if t.shared or state[t.name].dim() == 0:
+                        if t.shared or t.owners[rank].numel():
+                            state[t.name].copy_(new[t.name])
                     elif t.owners[rank].numel():
                         state[t.name].index_copy_(t.dim, t.owners[rank], new[t.name])
 
@@ -407,6 +422,7 @@ CASES = [
     ("resist", "decentralized", "exact", None),
     ("resist", "decentralized", "all_reduce", None),
     ("resist", "replicated", "exact", None),
+    ("resist", "decentralized", "all_reduce", "int8"),
 ]
 
 

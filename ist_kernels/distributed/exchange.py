@@ -99,29 +99,40 @@ def _functional():
 
 
 class _Mover:
-    """Pack -> (quantise) -> one all_to_all_single -> unpack with owner means, for one routing."""
+    """Pack -> (quantise) -> one all_to_all_single -> unpack with owner means, for one routing.
+
+    Buffer layout: per destination rank in rank order its segments (tensors in entry order: floating
+    ones first, then integer ones), then this rank's own part, which never goes on the wire.
+    Quantised wire chunk per peer: [fp32 scale per floating segment][integer segments, raw in the
+    buffer dtype][int8 codes of the floating segments], each part padded to the alignment.
+    """
 
     def __init__(self, entries: List[Entry], routing: Routing, dtype: torch.dtype):
         self.entries = entries
         self.routing = routing
         self.dtype = dtype
+        self.esize = torch.empty(0, dtype=dtype).element_size()
+        self.align = max(4, self.esize)
         r, S = routing.rank, routing.world_size
         self.peers = [q for q in range(S) if q != r]
-        # pack order: every peer in rank order, then this rank's own part (never on the wire)
         self.pack = [seg for q in self.peers for seg in routing.send[q]] + routing.send[r]
         self.wire_numel = sum(routing.send_numel[q] for q in self.peers)
         self.recv_wire_numel = sum(routing.recv_numel[k] for k in self.peers)
         self.source_entries = sorted({s.entry for s in self.pack})
         self.target_entries = sorted({s.entry for segs in routing.recv for s in segs})
-        # quantised wire layout: per peer [scales fp32 x nseg][int8 codes][pad to 4 bytes]
-        self.q_send_bytes = [self._qbytes(routing.send[q]) if q != r else 0 for q in range(S)]
-        self.q_recv_bytes = [self._qbytes(routing.recv[k]) if k != r else 0 for k in range(S)]
+        self.q_send = [self._qlayout(routing.send[q]) if q != r else (0, 0, 0, 0, 0) for q in range(S)]
+        self.q_recv = [self._qlayout(routing.recv[k]) if k != r else (0, 0, 0, 0, 0) for k in range(S)]
         self._dev: Dict[torch.device, tuple] = {}
 
-    @staticmethod
-    def _qbytes(segs) -> int:
-        n = 4 * len(segs) + sum(s.numel for s in segs)
-        return (n + 3) // 4 * 4
+    def _qlayout(self, segs):
+        """(bytes, scales, raw integer part offset, codes offset, floating elements) of one chunk."""
+        pad = lambda n: (n + self.align - 1) // self.align * self.align  # noqa: E731
+        n_f = sum(1 for s in segs if not self.entries[s.entry].integral)
+        f_el = sum(s.numel for s in segs if not self.entries[s.entry].integral)
+        i_el = sum(s.numel for s in segs if self.entries[s.entry].integral)
+        raw = pad(4 * n_f)
+        codes = raw + pad(self.esize * i_el)
+        return pad(codes + f_el), n_f, raw, codes, f_el
 
     def _indices(self, device):
         if device not in self._dev:
@@ -133,12 +144,13 @@ class _Mover:
 
     def run(self, sources: Dict[int, Tensor], targets: Dict[int, Tensor], *, quantize: bool, device,
             name: str, round: Optional[int], group, timeout: timedelta, stats: CommStats) -> None:
-        """sources: entry -> this rank's tensor (viewed as entry.shape or its compact form);
-        targets: entry -> tensor to write the owner means into (same views)."""
+        """sources: entry -> this rank's tensor, viewed as the entry's compact shape;
+        targets: entry -> tensor to write the owner means into (same views, own dtype)."""
         F = _functional()
         r, S = self.routing.rank, self.routing.world_size
         pack_idx, recv_idx = self._indices(device)
-        src_list = [sources[e] for e in self.source_entries]
+        src_list = [sources[e] if not self.entries[e].integral else
+                    _as_buffer(sources[e], self.dtype, self.entries[e].name, name) for e in self.source_entries]
         src_pos = {e: i for i, e in enumerate(self.source_entries)}
         if self.pack:
             send = F.slice_gather(src_list, [src_pos[s.entry] for s in self.pack], pack_idx,
@@ -148,34 +160,34 @@ class _Mover:
         own = send[self.wire_numel:]
 
         if quantize:
-            # one scale per (this rank, tensor), over everything it sends of that tensor; its own
+            # one scale per (this rank, tensor) over everything it sends of that tensor; its own
             # part is dequantised too, so every copy of a slice ends up equal on every rank
-            numels = [s.numel for s in self.pack]
-            views = torch.split(send, numels)
-            seg_entry = torch.tensor([s.entry for s in self.pack], dtype=torch.int64, device=device)
-            seg_scales = Q.segment_scales(views, seg_entry, len(self.entries))
-            codes = Q.quantize_(send, views, seg_scales)
-            n_own = len(self.routing.send[r])
-            own = Q.dequantize(codes[self.wire_numel:], numels[len(numels) - n_own:],
-                               seg_scales[len(numels) - n_own:], self.dtype)
-            wire = torch.empty(sum(self.q_send_bytes), dtype=torch.uint8, device=device)
-            off = seg_off = el_off = 0
+            views = torch.split(send, [s.numel for s in self.pack])
+            fl = [j for j, s in enumerate(self.pack) if not self.entries[s.entry].integral]
+            seg_entry = torch.tensor([self.pack[j].entry for j in fl], dtype=torch.int64, device=device)
+            fviews = [views[j] for j in fl]
+            scales = Q.segment_scales(fviews, seg_entry, len(self.entries))
+            Q.quantize_(fviews, scales)  # send's floating segments now hold the codes, as floats
+            n_own = sum(1 for s in self.routing.send[r] if not self.entries[s.entry].integral)
+            Q.dequantize_(fviews[len(fviews) - n_own:], scales[len(fviews) - n_own:])
+            wire = torch.empty(sum(c[0] for c in self.q_send), dtype=torch.uint8, device=device)
+            off = f_seg = el = 0
             for q in self.peers:
-                n_seg, n_el = len(self.routing.send[q]), self.routing.send_numel[q]
-                wire[off:off + 4 * n_seg].view(torch.float32).copy_(seg_scales[seg_off:seg_off + n_seg])
-                wire[off + 4 * n_seg:off + 4 * n_seg + n_el].copy_(codes[el_off:el_off + n_el].view(torch.uint8))
-                wire[off + 4 * n_seg + n_el:off + self.q_send_bytes[q]].zero_()  # padding
-                off += self.q_send_bytes[q]
-                seg_off += n_seg
-                el_off += n_el
-            out = torch.empty(sum(self.q_recv_bytes), dtype=torch.uint8, device=device)
-            in_splits, out_splits, esize = self.q_send_bytes, self.q_recv_bytes, 1
+                size, n_f, raw, codes, f_el = self.q_send[q]
+                i_el = self.routing.send_numel[q] - f_el
+                chunk = wire[off:off + size]
+                chunk[:4 * n_f].view(torch.float32).copy_(scales[f_seg:f_seg + n_f])
+                chunk[raw:raw + self.esize * i_el].view(self.dtype).copy_(send[el + f_el:el + f_el + i_el])
+                chunk[codes:codes + f_el].view(torch.int8).copy_(send[el:el + f_el])
+                off, f_seg, el = off + size, f_seg + n_f, el + f_el + i_el
+            out = torch.empty(sum(c[0] for c in self.q_recv), dtype=torch.uint8, device=device)
+            in_splits, out_splits, esize = [c[0] for c in self.q_send], [c[0] for c in self.q_recv], 1
         else:
             wire = send[:self.wire_numel]
             out = torch.empty(self.recv_wire_numel, dtype=self.dtype, device=device)
             in_splits = [self.routing.send_numel[q] if q != r else 0 for q in range(S)]
             out_splits = [self.routing.recv_numel[k] if k != r else 0 for k in range(S)]
-            esize = send.element_size()
+            esize = self.esize
 
         stats.collective_seconds[name] = wait_collective(
             lambda: dist.all_to_all_single(out, wire, out_splits, in_splits, group=group, async_op=True),
@@ -185,21 +197,27 @@ class _Mover:
         stats.all_to_all_bytes_received += sum(out_splits) * esize
 
         if quantize:  # decode every peer's chunk into one flat buffer in rank order
-            codes_in, scales_in, numels_in = [], [], []
-            off = 0
+            recv = torch.empty(self.recv_wire_numel, dtype=self.dtype, device=device)
+            off = el = 0
+            scales_in, fviews = [], []
             for k in self.peers:
-                n_seg, n_el = len(self.routing.recv[k]), self.routing.recv_numel[k]
-                scales_in.append(out[off:off + 4 * n_seg].view(torch.float32))
-                codes_in.append(out[off + 4 * n_seg:off + 4 * n_seg + n_el].view(torch.int8))
-                numels_in += [s.numel for s in self.routing.recv[k]]
-                off += self.q_recv_bytes[k]
-            recv = Q.dequantize(torch.cat(codes_in) if codes_in else out.new_empty(0, dtype=torch.int8), numels_in,
-                                torch.cat(scales_in) if scales_in else torch.zeros(0, device=device), self.dtype)
+                size, n_f, raw, codes, f_el = self.q_recv[k]
+                i_el = self.routing.recv_numel[k] - f_el
+                chunk = out[off:off + size]
+                scales_in.append(chunk[:4 * n_f].view(torch.float32))
+                recv[el:el + f_el].copy_(chunk[codes:codes + f_el].view(torch.int8))
+                recv[el + f_el:el + f_el + i_el].copy_(chunk[raw:raw + self.esize * i_el].view(self.dtype))
+                fviews += list(torch.split(recv[el:el + f_el], [s.numel for s in self.routing.recv[k]
+                                                                 if not self.entries[s.entry].integral]))
+                off, el = off + size, el + f_el + i_el
+            Q.dequantize_(fviews, torch.cat(scales_in) if scales_in else torch.zeros(0, device=device))
         else:
             recv = out
 
-        # unpack: segments from ranks 0..S-1 in order (this rank's own part taken from `own`)
-        tgt_list = [targets[e] for e in self.target_entries]
+        # unpack: segments from ranks 0..S-1 in order (this rank's own part taken from `own`);
+        # integer targets take the owner mean in the buffer dtype, then truncate back
+        tgt_list = [targets[e] if not self.entries[e].integral else targets[e].to(self.dtype)
+                    for e in self.target_entries]
         tgt_pos = {e: i for i, e in enumerate(self.target_entries)}
         updates, ids, idx = [], [], []
         recv_off = 0
@@ -216,6 +234,9 @@ class _Mover:
         if updates:
             F.slice_scatter_(tgt_list, ids, updates, idx, [self.entries[e].dim for e in self.target_entries],
                              reduce="mean")
+        for e, t in zip(self.target_entries, tgt_list):
+            if self.entries[e].integral:
+                targets[e].copy_(t)
 
 
 def _all_reduce_mean_(tensors: List[Tensor], *, name: str, round, group, timeout, stats: CommStats) -> None:
@@ -240,34 +261,58 @@ def _all_reduce_mean_(tensors: List[Tensor], *, name: str, round, group, timeout
 
 def _plan_masks(plan: SlicePlan, spec, S: int, shared_as_slice: bool, what: str):
     """The all-to-all entries of a plan (partitioned tensors, plus the shared ones as one slice each
-    when shared_as_slice) and its [S, N] owner mask."""
+    when shared_as_slice; floating tensors first, then integer ones) and its [S, N] owner mask.
+
+    Integer partitioned tensors (e.g. the BN step counters of a ResIST block) travel with their
+    block, as exact integers in the floating buffer; integer shared tensors are counters that every
+    rank keeps as they are. A 0-d tensor is one slice (viewed as [1])."""
     missing = [t.name for t in plan.tensors if t.name not in spec]
     if missing:
         raise KeyError(f"spec lacks tensors of the {what} plan: {missing[:8]}")
-    entries, owners, base = [], [], 0
+    found = []
     everyone = [torch.zeros(1, dtype=torch.int64)] * S
     for t in plan.tensors:
         shape, dtype = spec[t.name]
-        if not dtype.is_floating_point:
-            if t.shared:
-                continue  # a counter (e.g. BN num_batches_tracked): kept as it is, not averaged
-            raise TypeError(f"the {what} plan partitions {t.name!r} of dtype {dtype}: only floating tensors "
-                            f"can be owner-averaged")
         if t.shared:
-            if not shared_as_slice:
+            if not shared_as_slice or not dtype.is_floating_point:
                 continue
-            e = Entry(t.name, 0, (1, prod(shape)), shape, dtype, True, base)
-            own = everyone
+            found.append((Entry(t.name, 0, (1, prod(shape)), shape, dtype, True), everyone))
+            continue
+        if not shape:
+            if t.dim not in (0, -1):
+                raise ValueError(f"the {what} plan partitions the scalar {t.name!r} along dim {t.dim}; use 0")
+            e = Entry(t.name, 0, (1,), shape, dtype, False)
+        elif not -len(shape) <= t.dim < len(shape):
+            raise ValueError(f"the {what} plan partitions {t.name!r} of shape {shape} along dim {t.dim}, "
+                             f"which it does not have")
         else:
-            if not -len(shape) <= t.dim < len(shape):
-                raise ValueError(f"the {what} plan partitions {t.name!r} of shape {shape} along dim {t.dim}, "
-                                 f"which it does not have")
-            e = Entry(t.name, t.dim % len(shape), shape, shape, dtype, False, base)
-            own = [o.cpu() for o in t.owners]
-        entries.append(e)
-        owners.append(own)
+            e = Entry(t.name, t.dim % len(shape), shape, shape, dtype, False)
+        found.append((e, [o.cpu() for o in t.owners]))
+    found = [f for f in found if not f[0].integral] + [f for f in found if f[0].integral]
+    base = 0
+    for e, _ in found:
+        e.base = base
         base += e.size
-    return entries, owner_ids(entries, owners, S, f"the {what} plan")
+    entries = [e for e, _ in found]
+    return entries, owner_ids(entries, [o for _, o in found], S, f"the {what} plan")
+
+
+def _buffer_dtype(entries: List[Entry], who: str) -> torch.dtype:
+    """The one floating dtype of the all-to-all buffer (float64 when only integers travel)."""
+    floats = sorted({e.dtype for e in entries if not e.integral}, key=str)
+    if len(floats) > 1:
+        raise TypeError(f"{who}: the tensors moved through the all-to-all must share one floating dtype "
+                        f"(one buffer), got {floats}; exchange each dtype's tensors in a separate call (names=...)")
+    return floats[0] if floats else torch.float64
+
+
+def _as_buffer(t: Tensor, dtype: torch.dtype, name: str, who: str) -> Tensor:
+    """An integer tensor as exact floats of the buffer dtype (checked: |v| <= 1 / eps)."""
+    limit = 1 / torch.finfo(dtype).eps
+    if t.numel() and int(t.abs().max()) > limit:
+        raise ValueError(f"{who}: integer tensor {name!r} holds values beyond {limit:g}, which {dtype} cannot "
+                         f"carry exactly; exchange it in a separate call (names=...), which moves it in float64")
+    return t.to(dtype)
 
 
 def _check_covered(entries: List[Entry], mask: Tensor, what: str, hint: str) -> None:
@@ -309,10 +354,11 @@ def plan_bytes(current: SlicePlan, next: Optional[SlicePlan], spec: Spec, *, sto
         dst = torch.ones_like(cur)
     keep = torch.zeros(cur.shape[1], dtype=torch.bool)
     w = torch.zeros(cur.shape[1], dtype=torch.float64)
+    esize = torch.empty(0, dtype=_buffer_dtype([e for e in entries if e.name in chosen], "plan_bytes")).element_size()
     for e in entries:
         if e.name in chosen:
             keep[e.base:e.base + e.size] = True
-            w[e.base:e.base + e.size] = e.slice_numel * torch.empty(0, dtype=e.dtype).element_size()
+            w[e.base:e.base + e.size] = e.slice_numel * esize
     # M[k, q]: bytes rank k sends rank q
     M = (cur.double() * w) @ (dst & keep).double().T
     diag = M.diagonal()
@@ -455,12 +501,7 @@ class Exchange:
             keep = None if quantized else sole_owner_in_place(cur, r)
             routing = route(sub, r, cur, torch.ones_like(cur), source_held=None, target_held=None, keep_own=keep)
             cur_rows = nxt_rows = [e.size for e in sub]
-        dtypes = sorted({e.dtype for e in sub}, key=str)
-        if len(dtypes) > 1:
-            raise TypeError(f"Exchange: the partitioned tensors{' and shared' if self.shared == 'exact' else ''} "
-                            f"must share one floating dtype (one all-to-all buffer), got {dtypes}; exchange each "
-                            f"dtype's tensors in a separate call (names=...)")
-        mover = _Mover(sub, routing, dtypes[0] if dtypes else torch.float32)
+        mover = _Mover(sub, routing, _buffer_dtype(sub, "Exchange"))
         ar = [n for n in self._shared_names if n in chosen] if self.shared == "all_reduce" else []
         lay = (sub, mover, cur_rows, nxt_rows, ar, set(passthrough))
         self._layouts[key] = lay
@@ -520,7 +561,7 @@ class Exchange:
             shape, dtype = self._spec[n]
             i = index_of.get(n)
             if decentral and i is not None and not sub[i].shared:
-                expect, held = sub[i].compact_shape(cur_rows[i]), cur_rows[i] > 0
+                expect, held = sub[i].local_shape(cur_rows[i]), cur_rows[i] > 0
             else:
                 expect, held = shape, True
             t = local.get(n)
@@ -549,15 +590,15 @@ class Exchange:
                     if not decentral or e.shared:
                         raise ValueError(f"Exchange: {e.name!r} is written in place and must be contiguous")
                     t = t.contiguous()
-                sources[i] = t.view(e.compact_shape(cur_rows[i]) if not e.shared else e.shape)
+                sources[i] = t.view(e.compact_shape(cur_rows[i]))
             if e.shared or not decentral:
                 targets[i] = sources[i]  # in place
                 out[e.name] = local[e.name]
             elif i in passthrough:
                 out[e.name] = t
             elif nxt_rows[i] > 0:
-                tgt = torch.empty(e.compact_shape(nxt_rows[i]), dtype=e.dtype, device=device)
-                targets[i] = tgt
+                tgt = torch.empty(e.local_shape(nxt_rows[i]), dtype=e.dtype, device=device)
+                targets[i] = tgt.view(e.compact_shape(nxt_rows[i]))
                 out[e.name] = tgt
         if sub:
             mover.run(sources, targets, quantize=q == "int8", device=device,
@@ -616,15 +657,12 @@ def gather_full_model(local: Mapping[str, Tensor], plan: SlicePlan, spec: Spec, 
     need = torch.zeros_like(cur)
     need[dst] = True
     routing = route(entries, r, src, need, source_held=cur[r], target_held=None)
-    dtypes = sorted({e.dtype for e in entries}, key=str)
-    if len(dtypes) > 1 or (dtypes and not dtypes[0].is_floating_point):
-        raise TypeError(f"gather_full_model: the gathered tensors must share one floating dtype, got {dtypes}")
-    mover = _Mover(entries, routing, dtypes[0] if dtypes else torch.float32)
+    mover = _Mover(entries, routing, _buffer_dtype(entries, "gather_full_model"))
     rows = per_entry_count(cur[r], entries).tolist() if entries else []
     sources, targets, device = {}, {}, None
     for i, e in enumerate(entries):
         t = local.get(e.name)
-        expect = e.real_shape if e.shared else e.compact_shape(rows[i])
+        expect = e.local_shape(rows[i])
         if t is None:
             if rows[i] > 0:
                 raise KeyError(f"gather_full_model: rank {r} holds {e.name!r} but local lacks it")
@@ -633,7 +671,7 @@ def gather_full_model(local: Mapping[str, Tensor], plan: SlicePlan, spec: Spec, 
             raise ValueError(f"gather_full_model: {e.name!r} on rank {r} must have shape {tuple(expect)} and dtype "
                              f"{e.dtype}, got {tuple(t.shape)} {t.dtype}")
         device = device or t.device
-        sources[i] = t.contiguous().view(e.shape if e.shared else expect)
+        sources[i] = t.contiguous().view(e.compact_shape(rows[i]))
     device = device or torch.device("cpu")
     out = {}
     if r == dst:

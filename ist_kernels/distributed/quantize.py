@@ -34,18 +34,20 @@ def segment_scales(views: Sequence[Tensor], seg_slice: Tensor, num_slices: int) 
     return per_slice[seg_slice] / QMAX
 
 
-def quantize_(buf: Tensor, views: Sequence[Tensor], seg_scales: Tensor) -> Tensor:
-    """int8 codes round(x / scale) of flat ``buf`` whose segments are ``views`` (overwrites buf)."""
+def quantize_(views: Sequence[Tensor], seg_scales: Tensor) -> None:
+    """In place: each segment view x becomes its codes clamp(round(x * (1 / scale)), -127, 127),
+    still in its floating dtype (converted to int8 when copied onto the wire)."""
+    if not views:
+        return
     inv = torch.where(seg_scales > 0, 1.0 / seg_scales.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+    views = list(views)
+    torch._foreach_mul_(views, inv.tolist())
+    torch._foreach_round_(views)
+    torch._foreach_clamp_min_(views, -QMAX)
+    torch._foreach_clamp_max_(views, QMAX)
+
+
+def dequantize_(views: Sequence[Tensor], seg_scales: Tensor) -> None:
+    """In place: codes (as floats) times their segment's scale."""
     if views:
-        torch._foreach_mul_(list(views), inv.tolist())
-    return buf.round_().clamp_(-QMAX, QMAX).to(torch.int8)
-
-
-def dequantize(codes: Tensor, seg_numels: Sequence[int], seg_scales: Tensor, dtype: torch.dtype) -> Tensor:
-    """codes * scale per segment, as a flat tensor of ``dtype``."""
-    out = codes.to(dtype)
-    if seg_numels:
-        torch._foreach_mul_(list(torch.split(out, list(seg_numels))), seg_scales.tolist())
-    return out
-
+        torch._foreach_mul_(list(views), seg_scales.tolist())

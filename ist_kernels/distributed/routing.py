@@ -25,11 +25,15 @@ class Entry:
     """One tensor moved through the all-to-all, viewed as [outer, size, inner] along ``dim``."""
     name: str
     dim: int
-    shape: Tuple[int, ...]  # shape of the view the slice ops see ([1, numel] for a shared tensor)
+    shape: Tuple[int, ...]  # shape of the view the slice ops see ([1, numel] shared, [1] a scalar)
     real_shape: Tuple[int, ...]
-    dtype: torch.dtype
+    dtype: torch.dtype  # the tensor's own dtype; integer tensors travel as floats of the buffer
     shared: bool  # a shared tensor viewed as one slice owned by everyone
     base: int = 0
+
+    @property
+    def integral(self) -> bool:
+        return not self.dtype.is_floating_point
 
     @property
     def size(self) -> int:
@@ -43,6 +47,12 @@ class Entry:
         s = list(self.shape)
         s[self.dim] = rows
         return tuple(s)
+
+    def local_shape(self, rows: int) -> Tuple[int, ...]:
+        """The shape a rank holding ``rows`` slices stores (a held scalar stays a scalar)."""
+        if self.shared or (not self.real_shape and rows == 1):
+            return self.real_shape
+        return self.compact_shape(rows)
 
 
 @dataclass
