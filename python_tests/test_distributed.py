@@ -7,6 +7,7 @@ bit (fp32). The simulated path itself is checked against a float64 loop over own
 One spawn per world size (2, 3, 4) runs every case; failures spawn their own small groups.
 """
 import os
+import socket
 import time
 import zlib
 from datetime import timedelta
@@ -474,9 +475,13 @@ def test_exchange_equals_simulated(S, tmp_path):
 
 
 # ---------------------------------------------------------------- failures: never a silent hang
-def _failing_worker(rank, S, store, outdir, mode, timeout):
+def _failing_worker(rank, S, store, outdir, mode, timeout, port):
     torch.set_num_threads(1)
-    init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=S, timeout=timeout)
+    if port:  # as under torchrun: the environment names the rendezvous (env://, TCP)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(S), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        init_process_group(device="cpu", timeout=timeout)
+    else:
+        init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=S, timeout=timeout)
     kind = "loft"
     spec = {n: torch.empty(s, device="meta") for n, s in loft_spec().items()}
     full = {n: torch.randn(s, generator=_gen("f", n)) for n, s in loft_spec().items()}
@@ -504,8 +509,13 @@ def _failing_worker(rank, S, store, outdir, mode, timeout):
 @pytest.mark.parametrize("mode,S", [("exit", 3), ("stall", 2)])
 def test_dead_or_stalled_rank_raises_within_timeout(mode, S, tmp_path):
     timeout = 5.0
-    ctx = mp.spawn(_failing_worker, args=(S, str(tmp_path / "store"), str(tmp_path), mode, timeout), nprocs=S,
-                   join=False)
+    port = 0
+    if mode == "stall":
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    ctx = mp.spawn(_failing_worker, args=(S, str(tmp_path / "store"), str(tmp_path), mode, timeout, port),
+                   nprocs=S, join=False)
     deadline = time.monotonic() + 90
     for p in ctx.processes:
         p.join(max(deadline - time.monotonic(), 0.1))
