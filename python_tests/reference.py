@@ -25,6 +25,51 @@ def unpack_gates(words: torch.Tensor, num_features: int) -> torch.Tensor:
     return bits.reshape(*words.shape[:-1], words.shape[-1] * 32)[..., :num_features].bool().to(words.device)
 
 
+# ---- multi-tensor slices (partitions). Aggregation of paper 001 Algorithm 1 (step size N⊥/N): a
+# slice (neuron, filter, channel) is averaged over the subnetworks that own it and keeps its value
+# when none does.
+def slice_gather(sources, source_ids, indices, dims):
+    """Segment j = sources[source_ids[j]].index_select(dim, indices[j]), flattened and concatenated."""
+    parts = [sources[s].index_select(dims[s] % sources[s].dim(), indices[j].to(sources[s].device)).reshape(-1)
+             for j, s in enumerate(source_ids)]
+    return torch.cat(parts) if parts else sources[0].new_empty(0)
+
+
+def slice_scatter(targets, target_ids, updates, indices, dims, reduce):
+    """New tensors (float64 for floating targets, int64 for integer ones; inputs untouched): for every
+    slice i of every target, its owners are the segments j with target_ids[j] == t listing i, in
+    segment order; copy = the last owner, sum = target + sum of owners, mean = sum / number of owners
+    (toward zero for integers). Unowned slices keep their value."""
+    out = []
+    for t, x in enumerate(targets):
+        wide = torch.float64 if x.is_floating_point() else torch.int64
+        y = x.detach().to(wide).clone()
+        d = dims[t] % x.dim()
+        for i in range(x.shape[d]):
+            owners = []
+            for j, (tid, idx) in enumerate(zip(target_ids, indices)):
+                if tid != t:
+                    continue
+                hit = (idx.cpu() == i).nonzero().flatten()
+                if hit.numel():
+                    owners.append(updates[j].to(wide).select(d, int(hit[0])))
+            if not owners:
+                continue
+            if reduce == "copy":
+                y.select(d, i).copy_(owners[-1])
+            elif reduce == "sum":
+                y.select(d, i).add_(sum(owners))
+            elif wide == torch.int64:
+                y.select(d, i).copy_(torch.div(sum(owners), len(owners), rounding_mode="trunc"))
+            else:
+                y.select(d, i).copy_(sum(owners) / len(owners))
+        out.append(y)
+    return out
+
+
+def owner_average(target, updates, indices, dim=0):
+    """Every slice of `target` along `dim` owned by k >= 1 of the compact updates becomes their mean."""
+    return slice_scatter([target], [0] * len(updates), updates, indices, [dim], "mean")[0]
 # ---- subnetworks of neurons (paper 001 §3.1): the linear layer of one subnetwork
 def subnet_linear(x, weight, bias=None, rows=None, cols=None):
     """y = x W[rows][:, cols]^T + b[rows] in float64, by gathering the subnetwork weight."""
