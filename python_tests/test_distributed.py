@@ -30,38 +30,6 @@ from ist_kernels.distributed import (
 )
 from ist_kernels.partition import SlicePlan, TensorSlices
 
-# DEV-ONLY SHIM (remove when the slice ops land on main)
-if not hasattr(F, "slice_gather"):
-    def _g(sources, source_ids, indices, dims):
-        parts = [sources[i].index_select(dims[i], ix).reshape(-1) for i, ix in zip(source_ids, indices)]
-        return torch.cat(parts) if parts else torch.empty(0)
-
-    def _s(targets, target_ids, updates, indices, dims, reduce="mean"):
-        for ti, t in enumerate(targets):
-            d = dims[ti]
-            tv = t.movedim(d, 0)
-            n = tv.shape[0]
-            u1 = [None] * n
-            acc = [None] * n
-            k = [0] * n
-            for j, (i, u, ix) in enumerate(zip(target_ids, updates, indices)):
-                if i != ti:
-                    continue
-                uv = u.movedim(d, 0)
-                for p, row in enumerate(ix.tolist()):
-                    if k[row] == 0:
-                        u1[row] = uv[p].clone()
-                        acc[row] = torch.zeros_like(uv[p])
-                    else:
-                        acc[row] = acc[row] + (uv[p] - u1[row])
-                    k[row] += 1
-            for row in range(n):
-                if k[row]:
-                    a = acc[row]
-                    tv[row] = torch.where(a == 0, u1[row], u1[row] + a / k[row])
-
-    F.slice_gather, F.slice_scatter_ = _g, _s
-
 EPS = torch.finfo(torch.float32).eps
 
 
