@@ -223,7 +223,8 @@ def main():
     lines = [
         "# Exchange per round vs local SGD (gloo, CPU)", "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
-        f"{args.rounds} timed rounds after one warm-up, median; ranks use 1 thread each.", "",
+        f"{args.rounds} timed rounds after one warm-up, median; ranks use 1 thread each; load average "
+        f"{os.getloadavg()[0]:.1f} when it started (times on a shared machine are indicative only).", "",
         "Bytes: per rank, counted from the buffers passed to the collectives (the all_reduce as a ring: "
         "2(S-1)/S of its buffer sent and as much received). Total = sum over ranks of bytes sent "
         "(equal to bytes received). Decentralized storage, shared tensors by one all_reduce (fp32); "
