@@ -254,7 +254,8 @@ def main():
             time_rows.append(
                 f"| {model_name} | {method} | {S} | {slow['fp32'] * 1e3:.1f} | {r0['fp32']['build'] * 1e3:.1f} | "
                 f"{r0['fp32']['collectives'] * 1e3:.1f} | {slow['int8'] * 1e3:.1f} | {slow['local_sgd'] * 1e3:.1f} | "
-                f"{slow['local_sgd'] / slow['fp32']:.2f}x | {r0['fp32']['sent'] / GB:.4f} | {r0['int8']['sent'] / GB:.4f} | "
+                f"{slow['local_sgd'] / slow['fp32']:.2f}x | {r0['fp32']['sent'] / GB:.4f} | "
+                f"{r0['int8']['sent'] / GB:.4f} | "
                 f"{r0['local_sgd']['sent'] / GB:.4f} | {r0['fp32']['count']} |")
             print(time_rows[-1], flush=True)
     lines += ["", "## Bytes per round (from the plans; equal to the counted bytes where timed)", "",

@@ -10,7 +10,6 @@ import os
 import socket
 import time
 import zlib
-from datetime import timedelta
 
 import pytest
 import torch
@@ -162,11 +161,15 @@ def simulate(full, plan, subnets, names=None):
             if t.name not in names or (is_counter(t.name) and t.shared):
                 continue
             if t.shared:
-                ids.append(pos[t.name]), updates.append(subnets[s][t.name].reshape(1, -1)), idx.append(torch.zeros(1, dtype=torch.int64))
+                ids.append(pos[t.name])
+                updates.append(subnets[s][t.name].reshape(1, -1))
+                idx.append(torch.zeros(1, dtype=torch.int64))
             elif t.owners[s].numel():
                 u = subnets[s][t.name]
                 dims[pos[t.name]] = t.dim
-                ids.append(pos[t.name]), updates.append(u.view(u.shape or (1,))), idx.append(t.owners[s])
+                ids.append(pos[t.name])
+                updates.append(u.view(u.shape or (1,)))
+                idx.append(t.owners[s])
     F.slice_scatter_(targets, ids, updates, idx, dims, reduce="mean")
     return new
 

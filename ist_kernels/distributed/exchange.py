@@ -384,15 +384,16 @@ class Exchange:
         (``global[t].index_select(dim, current.owners[s])`` for every partitioned t it owns, none
         for the others) and the shared tensors; the call returns its next compact tensors (new
         ones, or the same tensor where it stays unchanged with its sole owner, e.g. a ResIST block
-        that does not move) and the shared ones (averaged in place). Every slice must be owned by >= 1 subnetwork in
-        both plans (otherwise nobody would hold it). "replicated": every rank holds every tensor
+        that does not move) and the shared ones (averaged in place). Every slice must be owned by
+        >= 1 subnetwork in both plans (otherwise nobody would hold it). "replicated": every rank holds every tensor
         full size and gets the whole aggregated model in place: owner means where >= 1 subnetwork
         owned a slice this round, unchanged elsewhere.
     shared: "all_reduce" (one flat all_reduce; ulp-close) or "exact" (through the all-to-all;
         bit-identical to the simulated path). See the module docstring.
     quantize: None or "int8" (paper 003 A.5; the all-to-all part only, one scale per slice).
-    Shared tensors that are not floating (counters such as BN num_batches_tracked) are returned as
-    they are, never averaged; a partitioned one is an error.
+    Integer tensors: a shared one (a counter such as BN num_batches_tracked) is returned as it is,
+    never averaged; a partitioned one (a ResIST block's counter) moves with its slices, exactly, in
+    the floating buffer (integer owner mean, toward zero, like slice_scatter_ on integers).
     round: the round number, named in errors. timeout: seconds each collective may wait (default:
         the one given to init_process_group).
 

@@ -149,7 +149,7 @@ def route(
     S, N = src.shape
     sizes = torch.tensor([e.size for e in entries], dtype=torch.int64)
     bases = torch.tensor([e.base for e in entries], dtype=torch.int64)
-    tensor_of = torch.repeat_interleave(torch.arange(len(entries)), sizes) if entries else torch.zeros(0, dtype=torch.int64)
+    tensor_of = torch.repeat_interleave(torch.arange(len(entries), dtype=torch.int64), sizes)
     local = torch.arange(N, dtype=torch.int64) - bases[tensor_of] if N else torch.zeros(0, dtype=torch.int64)
     src_pos = local if source_held is None else _positions(source_held, tensor_of, bases)
     dst_pos = local if target_held is None else _positions(target_held, tensor_of, bases)
