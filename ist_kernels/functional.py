@@ -122,6 +122,17 @@ def owner_average_(target: Tensor, updates: Sequence[Tensor], indices: Sequence[
     updates, indices = list(updates), list(indices)
     _ops.slice_scatter_([target], [0] * len(updates), updates, indices, [dim], "mean")
     return target
+# ---- GReLU layers (paper 004 §2.1, §4.4)
+def relu_gates(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """The frozen gate layer of GReLU: ``out = relu(x Wᵀ + b)`` and ``gates = pack(x Wᵀ + b > 0)``
+    (int32 ``[..., ceil(N/32)]``), from one kernel. No gradient: its backward raises."""
+    return _ops.relu_gates(x, weight, bias)
+
+
+def gated_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], gates: Tensor) -> Tensor:
+    """A trained GReLU layer: ``y = (x Wᵀ + b) ⊙ unpack(gates)`` with 1-bit gates
+    ``[..., ceil(N/32)]`` (e.g. from :func:`relu_gates`). Differentiable in x, weight and bias."""
+    return _ops.gated_linear(x, weight, bias, gates)
 def subnet_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, rows: Optional[Tensor] = None,
                   cols: Optional[Tensor] = None) -> Tensor:
     """The linear layer of one subnetwork of neurons (IST, paper 001 §3.1):

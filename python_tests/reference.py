@@ -70,6 +70,32 @@ def slice_scatter(targets, target_ids, updates, indices, dims, reduce):
 def owner_average(target, updates, indices, dim=0):
     """Every slice of `target` along `dim` owned by k >= 1 of the compact updates becomes their mean."""
     return slice_scatter([target], [0] * len(updates), updates, indices, [dim], "mean")[0]
+# ---- GReLU layers (paper 004 §2.1: z = x Wᵀ + b; gate layer relu(z) with D = [z > 0];
+# trained layer y = z ⊙ D; backward g' = g ⊙ D, dx = g' W, dW = g'ᵀ x, db = Σ g')
+def _linear64(x, weight, bias):
+    z = x.double() @ weight.double().T
+    return z if bias is None else z + bias.double()
+
+
+def relu_gates(x, weight, bias=None):
+    z = _linear64(x, weight, bias)
+    return torch.relu(z), pack_gates(z > 0)
+
+
+def gated_linear(x, weight, bias, gates):
+    z = _linear64(x, weight, bias)
+    return z * unpack_gates(gates, weight.shape[0]).double()
+
+
+def gated_linear_backward(grad_out, x, weight, gates):
+    """(grad_x, grad_weight, grad_bias) in float64."""
+    N, K = weight.shape
+    M = 1
+    for s in x.shape[:-1]:
+        M *= s
+    gm = grad_out.double() * unpack_gates(gates, N).double()
+    gm2 = gm.reshape(M, N)
+    return gm @ weight.double(), gm2.T @ x.double().reshape(M, K), gm2.sum(0)
 # ---- subnetworks of neurons (paper 001 §3.1): the linear layer of one subnetwork
 def subnet_linear(x, weight, bias=None, rows=None, cols=None):
     """y = x W[rows][:, cols]^T + b[rows] in float64, by gathering the subnetwork weight."""
