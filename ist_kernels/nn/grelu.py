@@ -244,7 +244,9 @@ class GReLUMLP(nn.Module):
         W̃_k ReLU(u_{k-1}) = h_k, solved layer by layer by least squares in float64 (minimum-norm
         solution, the pseudo-inverse of eq. 49). B reads layer L's pre-activation u_L = h_L, so the
         returned network is ``Sequential(Linear C, ReLU, Linear W̃_1, ReLU, ..., Linear W̃_L, Linear B)``
-        (no ReLU between W̃_L and B). With n ≤ width (n ≤ width + 1 with biases) the fit is exact.
+        (no ReLU between W̃_L and B). The fit is exact (round-off level) when ReLU(h_{k-1}) over the n
+        samples has full row rank, which needs n ≤ width; only about a quarter of its entries are
+        nonzero, so in practice n should stay clearly below the width (e.g. n=100, m=512 is exact).
 
         Returns the network (this module's dtype and device) and the largest deviation of its
         outputs from this network's on ``x_train``, max_i ‖ŷ_i − y_i‖ / rms_i ‖y_i‖, both evaluated in
