@@ -25,6 +25,26 @@ def unpack_gates(words: torch.Tensor, num_features: int) -> torch.Tensor:
     return bits.reshape(*words.shape[:-1], words.shape[-1] * 32)[..., :num_features].bool().to(words.device)
 
 
+# ---- GReLU MLP (paper 004 §2.1, eq. 1): y = B D_L W_L ... D_1 W_1 [C x]^+, D_k from the frozen net
+def grelu_mlp_gates(x, C, psi, C_bias=None, psi_bias=None):
+    """D_1..D_L of the frozen network z_0 = [Cx + c]^+, z_k = [Ψ_k z_{k-1} + ψ_k]^+, as bool [..., L, m]."""
+    z = torch.relu(x.double() @ C.double().T + (0 if C_bias is None else C_bias.double()))
+    gates = []
+    for k in range(psi.shape[0]):
+        pre = z @ psi[k].double().T + (0 if psi_bias is None else psi_bias[k].double())
+        gates.append(pre > 0)
+        z = torch.relu(pre)
+    return torch.stack(gates, dim=-2)
+
+
+def grelu_mlp(x, C, psi, weights, B, gates=None, C_bias=None, psi_bias=None, biases=None, B_bias=None):
+    """Float64 output of the GReLU network; ``gates`` (bool [..., L, m]) default to the frozen net's."""
+    if gates is None:
+        gates = grelu_mlp_gates(x, C, psi, C_bias, psi_bias)
+    h = torch.relu(x.double() @ C.double().T + (0 if C_bias is None else C_bias.double()))
+    for k, w in enumerate(weights):
+        h = (h @ w.double().T + (0 if biases is None else biases[k].double())) * gates[..., k, :].double()
+    return h @ B.double().T + (0 if B_bias is None else B_bias.double())
 # ---- multi-tensor slices (partitions). Aggregation of paper 001 Algorithm 1 (step size N⊥/N): a
 # slice (neuron, filter, channel) is averaged over the subnetworks that own it and keeps its value
 # when none does.
