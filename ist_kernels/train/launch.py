@@ -9,15 +9,14 @@
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import socket
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
+from ..distributed import destroy_process_group, init_process_group
 from .config import TrainConfig, under_torchrun
 from .runner import World, train
 
@@ -55,17 +54,18 @@ def _run_rank(cfgs: List[TrainConfig], rank: int, world_size: int, local_rank: i
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // min(world_size, os.cpu_count() or 1)))
-    backend = resolve_backend(cfg, device)
-    kw = dict(backend=backend, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    # The package's process group: created once, cfg.timeout_s for every collective of
+    # ist_kernels.distributed and of the trainer (a dead or stalled rank raises CollectiveError).
     if init_method is None:  # torchrun: env://
-        dist.init_process_group(**kw)
+        init_process_group(resolve_backend(cfg, device), timeout=cfg.timeout_s)
     else:
-        dist.init_process_group(init_method=init_method, rank=rank, world_size=world_size, **kw)
+        init_process_group(resolve_backend(cfg, device), timeout=cfg.timeout_s, init_method=init_method,
+                           rank=rank, world_size=world_size)
     try:
         world = World(rank, world_size, local_rank, simulated=False, device=device)
         return [train(c, world) for c in cfgs]
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def _spawned(local_rank: int, cfgs: List[TrainConfig], world_size: int, init_method: str):

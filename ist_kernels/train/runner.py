@@ -85,14 +85,13 @@ class RunContext:
 
     def all_reduce_(self, tensor, what: str, r: int):
         """In-place SUM over the processes (no-op simulated or with one process). A dead or stalled
-        rank becomes an error naming the collective and the round, within cfg.timeout_s."""
-        if not self.distributed:
-            return tensor
-        try:
-            dist.all_reduce(tensor)
-        except Exception as e:
-            raise RuntimeError(f"ist-train rank {self.rank}: all_reduce of {what} in round {r + 1} failed "
-                               f"(a rank died or stalled? timeout {self.cfg.timeout_s:g}s): {e}") from e
+        rank raises ist_kernels.distributed.CollectiveError naming ``what`` and the round, within
+        cfg.timeout_s."""
+        if self.distributed:
+            from ..distributed.group import collective_timeout, wait_collective
+
+            wait_collective(lambda: dist.all_reduce(tensor, async_op=True), name=f"all_reduce ({what})",
+                            round=r + 1, timeout=collective_timeout())
         return tensor
 
     # building blocks

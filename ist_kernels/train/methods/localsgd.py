@@ -8,6 +8,7 @@ from typing import List
 import torch
 from torch import Tensor
 
+from ...distributed import average_model_
 from . import Method, RoundResult, all_reduce_wire_bytes, register_method
 
 
@@ -21,25 +22,24 @@ def flat_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in averaged_tensors(model))
 
 
-def average_models(models, num_workers: int, all_reduce_=None) -> int:
-    """Average the full models: sum this process's copies, one all_reduce(SUM) over processes
-    (``all_reduce_``; None when simulated), divide by S, write back. Returns the bytes this
-    process's workers sent (ring all_reduce wire bytes; simulated: what each of S ranks would send)."""
+def average_models(models, num_workers: int, r: int, distributed: bool) -> int:
+    """Average the full models over the S workers: distributed, one flat all_reduce per dtype
+    (``ist_kernels.distributed.average_model_``: sum, then / S); simulated, the same sum over the
+    local copies, then / S. Returns the bytes this process's workers sent (ring all_reduce wire
+    bytes, as CommStats counts; simulated: what each of the S ranks would send)."""
     if num_workers == 1:  # nothing to average, nothing sent
         return 0
+    if distributed:
+        (model,) = models
+        return average_model_(averaged_tensors(model), round=r + 1).bytes_sent
     tensors = [averaged_tensors(m) for m in models]
     with torch.no_grad():
         total = torch.cat([t.reshape(-1) for t in tensors[0]])
         for ts in tensors[1:]:
             total += torch.cat([t.reshape(-1) for t in ts])
-        if all_reduce_ is not None:
-            all_reduce_(total)
         total /= num_workers
         for ts in tensors:
-            offset = 0
-            for t in ts:
-                t.copy_(total[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+            torch._foreach_copy_(ts, [v.view_as(t) for v, t in zip(total.split([t.numel() for t in ts]), ts)])
     return len(models) * all_reduce_wire_bytes(total.numel() * total.element_size(), num_workers)
 
 
@@ -53,8 +53,7 @@ class LocalSGD(Method):
 
     def run_round(self, r: int) -> RoundResult:
         loss = sum(self.ctx.train_local(self.models[s], self.optimizers[s], s, r) for s in self.workers)
-        sent = average_models([self.models[s] for s in self.workers], self.ctx.num_workers,
-                              lambda t: self.ctx.all_reduce_(t, "the local-SGD model average", r))
+        sent = average_models([self.models[s] for s in self.workers], self.ctx.num_workers, r, self.ctx.distributed)
         return RoundResult(loss_sum=loss, steps=len(self.workers) * self.ctx.cfg.local_steps, bytes_sent=sent)
 
     def global_model(self):
