@@ -2,13 +2,13 @@
 subnetworks built from the global model with one slice gather, and aggregation back with one slice
 scatter (mean over owners; unowned slices keep their value).
 
-A plan is plain data: for every parameter and buffer of the global model (``state_dict`` key), the
-dim it is sliced along, and for each subnetwork the indices along that dim it owns (``None`` where
-the subnetwork does not hold the tensor at all). Shared tensors are owned whole by every
-subnetwork. A 0-dim tensor (``num_batches_tracked``) is described through its 1-element view
-(dim 0, index ``[0]``). Optimizer state follows its parameter: a state tensor of the parameter's
-shape (SGD momentum, Adam moments) is sliced like it, a 0-dim one (Adam step) like a scalar owned by
-the parameter's owners. From this the distributed exchange derives its pack/unpack tables.
+``plan.slices`` is the round as plain data (a :class:`SlicePlan`): for every parameter and buffer
+of the global model (state_dict key), the dim it is partitioned along and per subnetwork the
+indices it owns (empty: the subnetwork does not hold the tensor), or ``dim=None`` for a tensor
+shared whole by all. A 0-dim tensor (``num_batches_tracked`` of a ResIST block) is partitioned
+along dim 0 with owners ``[0]`` or empty. Optimizer state follows its parameter: a state tensor of
+the parameter's shape (SGD momentum, Adam moments) is sliced like it, a 0-dim one (Adam step) is
+held whole by the parameter's owners. The distributed exchange derives pack/unpack from this.
 """
 import copy
 from dataclasses import dataclass, field
@@ -18,21 +18,19 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional as F
+from .plan import SlicePlan, TensorSlices
 
 
 @dataclass(frozen=True)
-class TensorSlices:
-    """How one tensor of the global model is divided among the subnetworks."""
+class _Spec:
+    """Internal form of one tensor's division: indices per subnetwork (None: not held); shared
+    tensors carry the full index range for every subnetwork so gather/scatter treat all alike."""
 
-    name: str  # key in the global model's state_dict (parameters and buffers)
-    dim: int  # the dim the indices select along (0 for shared and whole tensors)
-    owned: Tuple[Optional[Tensor], ...]  # per subnetwork: int64 indices along dim, or None
-    local_names: Tuple[Optional[str], ...]  # per subnetwork: the tensor's key in that subnetwork
-    shared: bool  # owned whole by every subnetwork; aggregated as the mean over all
-
-    @property
-    def owners(self) -> List[int]:
-        return [s for s, idx in enumerate(self.owned) if idx is not None]
+    name: str
+    dim: int
+    owned: Tuple[Optional[Tensor], ...]
+    local_names: Tuple[Optional[str], ...]
+    shared: bool
 
 
 @dataclass(eq=False)
@@ -111,25 +109,37 @@ class SubnetworkPlan:
                 if (owned[s] is None) != (local[name][s] is None):
                     raise RuntimeError(f"{self.who}: internal error: subnetwork {s} structure and "
                                        f"ownership of {name} disagree")
-            specs.append(TensorSlices(name, dim, owned, tuple(local[name]), shared))
-        self.tensors: Tuple[TensorSlices, ...] = tuple(specs)
+            specs.append(_Spec(name, dim, owned, tuple(local[name]), shared))
+        self._specs: Tuple[_Spec, ...] = tuple(specs)
         self._is_scalar = [tensors[t.name].dim() == 0 for t in specs]
         self._spec_of = {t.name: i for i, t in enumerate(specs)}
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        self.slices = SlicePlan(S, tuple(
+            TensorSlices(t.name, None) if t.shared else
+            TensorSlices(t.name, t.dim, tuple(empty if i is None else i for i in t.owned))
+            for t in specs))
+        self.local_names: Dict[str, Tuple[Optional[str], ...]] = {t.name: t.local_names for t in specs}
         # Index tables of the gather (segment order: subnetwork, then its tensors in module order).
         self._segments = [[self._spec_of[g] for _, g, _, _ in slots] for _, slots in skeletons]
 
-    # -- description --------------------------------------------------------------------------
+    # -- description (the plain data of ``slices``, a SlicePlan) -------------------------------
     @property
-    def shared(self) -> List[str]:
-        return [t.name for t in self.tensors if t.shared]
+    def tensors(self) -> Tuple[TensorSlices, ...]:
+        return self.slices.tensors
 
     @property
-    def partitioned(self) -> List[str]:
-        return [t.name for t in self.tensors if not t.shared]
+    def partitioned(self) -> Tuple[TensorSlices, ...]:
+        return self.slices.partitioned
 
-    def owned(self, s: int) -> List[Tuple[str, int, Tensor]]:
-        """``(name, dim, indices)`` of every tensor slice subnetwork ``s`` holds."""
-        return [(t.name, t.dim, t.owned[s]) for t in self.tensors if t.owned[s] is not None]
+    @property
+    def shared(self) -> Tuple[TensorSlices, ...]:
+        return self.slices.shared
+
+    def owned(self, s: int) -> List[Tuple[str, Optional[int], Optional[Tensor]]]:
+        """``(name, dim, indices)`` of every tensor subnetwork ``s`` holds; ``dim`` and
+        ``indices`` are ``None`` for a shared tensor (held whole)."""
+        return [(t.name, None, None) if t.shared else (t.name, t.dim, t.owned[s])
+                for t in self._specs if t.owned[s] is not None]
 
     # -- structure ----------------------------------------------------------------------------
     def _edit(self, s: int, glob: Dict[str, nn.Module], root: nn.Module) -> None:
@@ -159,7 +169,7 @@ class SubnetworkPlan:
         named = dict(self.model.named_parameters())
         named.update(self.model.named_buffers())
         out = []
-        for spec in self.tensors:
+        for spec in self._specs:
             t = named.get(spec.name)
             if t is None:
                 raise RuntimeError(f"{self.who}: the model no longer has tensor {spec.name}")
@@ -174,13 +184,13 @@ class SubnetworkPlan:
         S = self.num_subnetworks
         skeletons = [self._skeleton(s) for s in range(S)]
         sources = self._sources()
-        dims = [t.dim for t in self.tensors]
+        dims = [t.dim for t in self._specs]
         source_ids: List[int] = []
         indices: List[Tensor] = []
         for s in range(S):
             for i in self._segments[s]:
                 source_ids.append(i)
-                indices.append(self.tensors[i].owned[s])
+                indices.append(self._specs[i].owned[s])
         # Optimizer state rides in the same gather: sources appended after the model's tensors.
         state_segments = []  # (s, slot position, key, scalar)
         group_of: Dict[int, int] = {}
@@ -192,7 +202,7 @@ class SubnetworkPlan:
             state_source: Dict[Tuple[int, str], int] = {}
             for s in range(S):
                 for k, i in enumerate(self._segments[s]):
-                    spec = self.tensors[i]
+                    spec = self._specs[i]
                     if not self._is_param[spec.name]:
                         continue
                     p = named_params[spec.name]
@@ -241,7 +251,7 @@ class SubnetworkPlan:
                 groups = [{k: v for k, v in g.items() if k != "params"} | {"params": []}
                           for g in optimizer.param_groups]
                 for k, i in enumerate(self._segments[s]):
-                    spec = self.tensors[i]
+                    spec = self._specs[i]
                     if self._is_param[spec.name]:
                         gi = group_of.get(id(named_params[spec.name]))
                         if gi is not None:
@@ -250,7 +260,7 @@ class SubnetworkPlan:
                 sub.optimizer = type(optimizer)(groups)
                 # Non-tensor state values (rare) are copied as they are.
                 for k, i in enumerate(self._segments[s]):
-                    spec = self.tensors[i]
+                    spec = self._specs[i]
                     if self._is_param[spec.name]:
                         st = optimizer.state.get(named_params[spec.name])
                         if st:
@@ -283,7 +293,7 @@ class SubnetworkPlan:
                 raise ValueError(f"{self.who}.aggregate: subnetwork {sub.index} given twice")
             seen.add(sub.index)
         targets = self._sources()
-        dims = [t.dim for t in self.tensors]
+        dims = [t.dim for t in self._specs]
         target_ids: List[int] = []
         updates: List[Tensor] = []
         indices: List[Tensor] = []
@@ -292,7 +302,7 @@ class SubnetworkPlan:
         for sub in subnetworks:
             s = sub.index
             for k, i in enumerate(self._segments[s]):
-                spec = self.tensors[i]
+                spec = self._specs[i]
                 m, attr, is_param = self._slot_info[s][k]
                 t = (m._parameters if is_param else m._buffers).get(attr)
                 want = self._expected_shape(targets[i], spec.dim, spec.owned[s])
