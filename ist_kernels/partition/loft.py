@@ -23,7 +23,10 @@ class LoftPlan(SubnetworkPlan):
     who = "loft_plan"
 
     def __init__(self, model: nn.Module, num_subnetworks: int,
-                 generator: Optional[torch.Generator] = None):
+                 generator: Optional[torch.Generator] = None, *,
+                 filters: Optional[Dict[str, List[Tensor]]] = None):
+        # ``filters`` (block name -> per-subnetwork sorted filter indices) replaces the random
+        # draw; pruning uses it with one subnetwork holding the kept filters.
         S = num_subnetworks
         if isinstance(S, bool) or not isinstance(S, int) or S < 1:
             raise ValueError(f"loft_plan: S (number of subnetworks) must be an int >= 1, got {S!r}")
@@ -42,8 +45,11 @@ class LoftPlan(SubnetworkPlan):
             if S > num_filters:
                 raise ValueError(f"loft_plan: S={S} subnetworks but {b.name}.{conv_name} has only "
                                  f"{num_filters} filters (each subnetwork needs at least one)")
-            perm = torch.randperm(num_filters, generator=generator)
-            sets = [chunk.sort().values for chunk in perm.tensor_split(S)]
+            if filters is None:
+                perm = torch.randperm(num_filters, generator=generator)
+                sets = [chunk.sort().values for chunk in perm.tensor_split(S)]
+            else:
+                sets = [torch.as_tensor(i, dtype=torch.long).cpu() for i in filters[b.name]]
             self.layers[b.name] = layers
             self.filters[b.name] = sets
             for mod_name, mod, attrs, dim in (
