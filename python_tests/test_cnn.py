@@ -107,14 +107,17 @@ def test_loft_subnetwork_equals_zeroed_full_model(device, make, S, gen):
         for train in (False, True):
             full.train(train)
             sub.module.train(train)
-            torch.testing.assert_close(sub.module(x), full(x), rtol=1e-10, atol=1e-10)
+            # Train-mode BN over 2 samples at 1x1 (layer4) amplifies float64 rounding of the
+            # narrower convs' sums; a wrong channel would still be off by O(1).
+            tol = 1e-7 if train else 1e-10
+            torch.testing.assert_close(sub.module(x), full(x), rtol=tol, atol=tol)
         # Train-mode BN statistics of the owned channels move exactly as in the full model.
         for b in plan.blocks:
             bn_name = plan.layers[b.name][1]
             idx = plan.filters[b.name][s].to(device)
             torch.testing.assert_close(sub.module.get_submodule(f"{b.name}.{bn_name}").running_mean,
                                        full.get_submodule(f"{b.name}.{bn_name}").running_mean[idx],
-                                       rtol=1e-10, atol=1e-12)
+                                       rtol=1e-7, atol=1e-9)
 
 
 def test_loft_partition_properties(gen):
@@ -186,7 +189,8 @@ def test_loft_foreign_resnet(gen):
         for train in (False, True):
             full.train(train)
             sub.module.train(train)
-            torch.testing.assert_close(sub.module(x), full(x), rtol=1e-10, atol=1e-10)
+            tol = 1e-7 if train else 1e-10
+            torch.testing.assert_close(sub.module(x), full(x), rtol=tol, atol=tol)
 
 
 # ---------------------------------------------------------------------------------------- ResIST
@@ -406,7 +410,8 @@ def test_prune_filters(make, ratio, gen):
     for train in (False, True):
         zeroed.train(train)
         pruned.train(train)
-        torch.testing.assert_close(pruned(x), zeroed(x), rtol=1e-10, atol=1e-10)
+        tol = 1e-7 if train else 1e-10  # train-mode BN over 2 samples amplifies rounding
+        torch.testing.assert_close(pruned(x), zeroed(x), rtol=tol, atol=tol)
 
 
 # ------------------------------------------------------------------------------- filter distance
