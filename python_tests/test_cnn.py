@@ -332,6 +332,27 @@ def test_aggregate_after_updates_matches_reference(device, kind, subset, gen):
                                    rtol=3e-7, atol=1e-8, msg=n)
 
 
+def test_first_round_creates_optimizer_state(gen):
+    """Before any global step the optimizer has no state; aggregation creates it from the
+    subnetworks' momentum (every slice is owned, so nothing stays at zero)."""
+    model, plan = _plans("resist", gen)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    subs = plan.build(opt)
+    assert all(len(sub.optimizer.state) == 0 for sub in subs)
+    for sub in subs:
+        _step(sub.module, sub.optimizer, gen)
+    plan.aggregate(subs, opt)
+    for t in plan.tensors:
+        if t.name not in dict(model.named_parameters()):
+            continue
+        p = model.get_parameter(t.name)
+        mom = opt.state[p]["momentum_buffer"]
+        holders = range(3) if t.shared else [s for s in range(3) if t.owners[s].numel()]
+        subs_mom = [subs[s].optimizer.state[subs[s].module.get_parameter(plan.local_names[t.name][s])]
+                    ["momentum_buffer"] for s in holders]
+        torch.testing.assert_close(mom, torch.stack(subs_mom).mean(0), rtol=1e-6, atol=1e-7)
+
+
 def test_one_gather_and_one_scatter_per_round(gen, monkeypatch):
     calls = {"gather": 0, "scatter": 0}
     gather, scatter = F.gather_slices, F.slice_scatter_
