@@ -45,14 +45,6 @@ class Subnetwork:
     plan: "SubnetworkPlan" = field(default=None, repr=False)
 
 
-@dataclass(frozen=True)
-class _Slot:
-    module: nn.Module  # module of the subnetwork holding the tensor
-    attr: str
-    is_param: bool
-    spec: int  # index into plan.tensors
-
-
 class _Tree:
     """The global model's module tree flattened once per plan (depth-first, shared modules once),
     so that a subnetwork's structure is cloned without walking names: a clone shares no container
