@@ -363,13 +363,14 @@ class SubnetworkPlan:
                         tid = state_target[(i, key)] = len(targets)
                         targets.append(g.view(1) if scalar else g)
                         dims.append(0 if scalar else spec.dim)
-                    target_ids.append(tid)
+                    idx = self._scalar_index if scalar else owned
                     v = v.detach().view(1) if scalar else v.detach()
-                    if tuple(v.shape) != self._expected_shape(targets[tid], dims[tid], indices[-1] if scalar else owned):
+                    if tuple(v.shape) != self._expected_shape(targets[tid], dims[tid], idx):
                         raise ValueError(f"{self.who}.aggregate: subnetwork {s} optimizer state {key!r} "
                                          f"of {spec.local_names[s]} has shape {tuple(v.shape)}")
+                    target_ids.append(tid)
                     updates.append(v if v.is_contiguous() else v.contiguous())
-                    indices.append(self._scalar_index if scalar else owned)
+                    indices.append(idx)
         for p, key, g in new_state:
             optimizer.state[p][key] = g
         F.slice_scatter_(targets, target_ids, updates, indices, dims, reduce="mean")
