@@ -22,6 +22,7 @@ from conftest import DEVICE, record, run
 from ist_kernels.partition import loft_plan, resist_plan
 
 CPU = DEVICE == "cpu"
+ROUNDS_PER_CASE = 5 if CPU else 20
 
 
 def _setup(kind, S):
@@ -111,11 +112,11 @@ def test_round(benchmark, peaks, kind, S, provider):
     record(benchmark, group=f"round: {name} S={S}", provider=provider, bytes=_bytes(items),
            dtype=torch.float32, peaks=peaks)
     if provider == "ist_kernels round":
-        run(benchmark, lambda: plan.aggregate(plan.build(opt), opt))
+        run(benchmark, lambda: plan.aggregate(plan.build(opt), opt), rounds=ROUNDS_PER_CASE)
     elif provider == "ist_kernels gather+scatter":
-        run(benchmark, _op_round(items))
+        run(benchmark, _op_round(items), rounds=ROUNDS_PER_CASE)
     else:
-        run(benchmark, lambda: _loop_round(items))
+        run(benchmark, lambda: _loop_round(items), rounds=ROUNDS_PER_CASE)
 
 
 BATCH, HW = (16, 16) if CPU else (128, 32)

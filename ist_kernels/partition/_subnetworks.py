@@ -318,6 +318,8 @@ class SubnetworkPlan:
             if sub.index in seen:
                 raise ValueError(f"{self.who}.aggregate: subnetwork {sub.index} given twice")
             seen.add(sub.index)
+        # Owners reduced in ascending subnetwork order, as the distributed exchange does.
+        subnetworks = sorted(subnetworks, key=lambda sub: sub.index)
         targets = self._global()
         dims = list(self._dims)
         target_ids: List[int] = []
