@@ -10,6 +10,8 @@ Providers per round:
   * ``loop index_select/index_copy_``: per tensor and subnetwork an index_select to build, then per
     tensor index_copy_ (one owner) or a stacked mean over the owners copied back (shared, or a
     ResIST block several sub-ResNets own).
+  * ``plan construction``: drawing the partition, its index tables and the subnetworks' module
+    structure (once per round, whichever provider moves the tensors; no bytes counted).
 Bytes: the gather reads and writes every segment; the scatter reads every update and writes every
 owned element of the targets once.
 """
@@ -104,17 +106,22 @@ ROUNDS = [("loft", 2), ("loft", 4), ("loft", 8), ("resist", 2), ("resist", 4), (
 
 @pytest.mark.parametrize("kind,S", ROUNDS, ids=[f"{k}-S{s}" for k, s in ROUNDS])
 @pytest.mark.parametrize("provider", ["ist_kernels round", "ist_kernels gather+scatter",
-                                      "loop index_select/index_copy_"])
+                                      "loop index_select/index_copy_", "plan construction"])
 def test_round(benchmark, peaks, kind, S, provider):
     model, plan, opt = _setup(kind, S)
     items = _tables(model, plan, opt)
     name = "preact_resnet18 LOFT" if kind == "loft" else "preact_resnet101 ResIST"
-    record(benchmark, group=f"round: {name} S={S}", provider=provider, bytes=_bytes(items),
+    record(benchmark, group=f"round: {name} S={S}", provider=provider,
+           bytes=0 if provider == "plan construction" else _bytes(items),
            dtype=torch.float32, peaks=peaks)
     if provider == "ist_kernels round":
         run(benchmark, lambda: plan.aggregate(plan.build(opt), opt), rounds=ROUNDS_PER_CASE)
     elif provider == "ist_kernels gather+scatter":
         run(benchmark, _op_round(items), rounds=ROUNDS_PER_CASE)
+    elif provider == "plan construction":  # drawing the partition, index tables, module structure
+        gen = torch.Generator().manual_seed(1)
+        make = (lambda: loft_plan(model, S, gen)) if kind == "loft" else (lambda: resist_plan(model, S, 5, gen))
+        run(benchmark, make, rounds=ROUNDS_PER_CASE)
     else:
         run(benchmark, lambda: _loop_round(items), rounds=ROUNDS_PER_CASE)
 
