@@ -30,7 +30,9 @@ def random_prune_(model: nn.Module, p: float, generator: Optional[torch.Generato
         return root
     converted = {}  # a layer shared by several parents gets one mask
     for _, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
+        for child_name, child in list(module._modules.items()):  # every reference, shared too
+            if child is None:
+                continue
             if id(child) not in converted:
                 converted[id(child)] = convert(child)
             if converted[id(child)] is not None:

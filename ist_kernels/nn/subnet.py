@@ -112,6 +112,20 @@ class SubnetMLP(nn.Module):
             return F.linear(h, w, b)
         return IF.subnet_linear(h, self.output_weight, None, None, neurons[-1])
 
+    def subnet_parameters(self) -> List[Tensor]:
+        """The full-size parameters a subnetwork holds slices of, in the order of :meth:`extract`:
+        per hidden layer its weight (and bias), then the output weight (and bias) if trained."""
+        out: List[Tensor] = []
+        for l in range(self.depth):
+            out.append(self.hidden_weights[l])
+            if self.hidden_biases is not None:
+                out.append(self.hidden_biases[l])
+        if self.train_output:
+            out.append(self.output_weight)
+            if self.output_bias is not None:
+                out.append(self.output_bias)
+        return out
+
     # ---- the slices of a subnetwork: (global tensor, dim, indices, compact shape)
     def _slices(self, neurons: Neurons) -> List[Tuple[Tensor, int, Tensor, Tuple[int, ...]]]:
         neurons = self._neurons(neurons)
