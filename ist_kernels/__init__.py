@@ -3,6 +3,8 @@
 ``torch.ops.ist_kernels.*`` are the ops (schemas in csrc/ops.cpp); ``ist_kernels.functional`` wraps
 them; ``ist_kernels.nn`` holds drop-in modules over the functional API.
 """
+import torch  # noqa: F401  (loads libtorch before the extension)
+
 from . import _C  # noqa: F401  (registers the op schemas and the C++ kernels)
 from . import ops  # noqa: F401  (fake kernels, autograd, Triton CUDA kernels)
 from . import functional  # noqa: F401

@@ -50,3 +50,32 @@ def neurons_aggregate(w, updated, owned):
     X = torch.stack([o.double() for o in owned]).sum(0)
     delta = sum(torch.where(o, u.double() - w, torch.zeros_like(w)) for u, o in zip(updated, owned))
     return w + X.clamp(max=1) / X.clamp(min=1) * delta
+# ---- subnetworks of neurons (paper 001 §3.1): the linear layer of one subnetwork
+def subnet_linear(x, weight, bias=None, rows=None, cols=None):
+    """y = x W[rows][:, cols]^T + b[rows] in float64, by gathering the subnetwork weight."""
+    N, K = weight.shape
+    rows = torch.arange(N, device=weight.device) if rows is None else rows
+    cols = torch.arange(K, device=weight.device) if cols is None else cols
+    w = weight.double().index_select(0, rows).index_select(1, cols)
+    y = x.double() @ w.T
+    if bias is not None:
+        y = y + bias.double().index_select(0, rows)
+    return y
+
+
+def subnet_linear_backward(grad_out, x, weight, rows=None, cols=None):
+    """Float64 (grad_x, grad_weight, grad_bias): grad_x = g W[rows][:, cols] (compact);
+    grad_weight[rows, cols] = g^T x and grad_bias[rows] = sum g, zero elsewhere (full-size)."""
+    N, K = weight.shape
+    rows = torch.arange(N, device=weight.device) if rows is None else rows
+    cols = torch.arange(K, device=weight.device) if cols is None else cols
+    M = x.shape[:-1].numel()
+    g = grad_out.double().reshape(M, rows.numel())
+    xc = x.double().reshape(M, cols.numel())
+    w = weight.double().index_select(0, rows).index_select(1, cols)
+    grad_x = (g @ w).reshape(x.shape)
+    grad_weight = torch.zeros(N, K, dtype=torch.float64, device=weight.device)
+    grad_weight[rows[:, None], cols[None, :]] = g.T @ xc
+    grad_bias = torch.zeros(N, dtype=torch.float64, device=weight.device)
+    grad_bias[rows] = g.sum(0)
+    return grad_x, grad_weight, grad_bias

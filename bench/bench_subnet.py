@@ -1,0 +1,102 @@
+"""subnet_linear (IST, paper 001 §3.1) against the torch compositions it replaces.
+
+A subnetwork keeps a fraction of a layer's output neurons (rows) and of its input neurons (cols):
+the same fraction of both here, as for a hidden layer between two partitioned layers. Providers,
+for the forward and for forward + backward (gradients of x, W and b):
+
+- ist_kernels.subnet_linear: gathers W[rows][:, cols] tile by tile, gradients full-size.
+- index_select+matmul: materialise W[rows][:, cols] and b[rows], then F.linear (autograd scatters
+  the gradients back to full size through index_select's backward).
+- masked full-width: the full layer with the masks multiplied in, y = (x ⊙ m_in) Wᵀ + b, ⊙ m_out;
+  what a subnetwork costs without subnet ops (x is full-width here).
+- pre-gathered matmul: F.linear on compact weights gathered beforehand (not timed) and compact
+  gradients: the floor for a subnetwork GEMM.
+
+FLOPs are the subnetwork's (2·M·len(rows)·len(cols) forward, 3x that with the backward) for every
+provider, so TFLOP/s compare useful work. Targets (GPU): >= 1.3x index_select+matmul,
+>= 0.8·S x the masked full-width matmul (S = 1/keep), >= 0.9x the pre-gathered matmul.
+"""
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import ist_kernels.functional as F
+from conftest import DEVICE, record, run
+
+KEEP = [2, 4, 8]  # keep 1/2, 1/4, 1/8 of the rows and of the cols
+PROVIDERS = ["ist_kernels.subnet_linear", "index_select+matmul", "masked full-width", "pre-gathered matmul"]
+
+
+def problem(M, N, K, keep, dtype, requires_grad):
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randperm(N, generator=g)[: N // keep].sort().values.to(DEVICE)
+    cols = torch.randperm(K, generator=g)[: K // keep].sort().values.to(DEVICE)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(DEVICE, dtype).requires_grad_(requires_grad)
+    b = torch.randn(N, generator=g).to(DEVICE, dtype).requires_grad_(requires_grad)
+    x = torch.randn(M, len(cols), generator=g).to(DEVICE, dtype).requires_grad_(requires_grad)
+    return x, w, b, rows, cols
+
+
+def provider_fn(provider, x, w, b, rows, cols, backward):
+    """A closure running one provider's forward (and backward when asked)."""
+    M, N, K = x.shape[0], w.shape[0], w.shape[1]
+    g = torch.randn(M, len(rows), device=DEVICE, dtype=x.dtype)
+    if provider == "ist_kernels.subnet_linear":
+        inputs = (x, w, b)
+
+        def fwd():
+            return F.subnet_linear(x, w, b, rows, cols)
+    elif provider == "index_select+matmul":
+        inputs = (x, w, b)
+
+        def fwd():
+            return TF.linear(x, w.index_select(0, rows).index_select(1, cols), b.index_select(0, rows))
+    elif provider == "masked full-width":
+        m_out = torch.zeros(N, device=DEVICE, dtype=x.dtype).index_fill_(0, rows, 1)
+        m_in = torch.zeros(K, device=DEVICE, dtype=x.dtype).index_fill_(0, cols, 1)
+        x_full = torch.zeros(M, K, device=DEVICE, dtype=x.dtype).index_copy_(1, cols, x.detach())
+        x_full.requires_grad_(x.requires_grad)
+        g = torch.zeros(M, N, device=DEVICE, dtype=x.dtype).index_copy_(1, rows, g)
+        inputs = (x_full, w, b)
+
+        def fwd():
+            return TF.linear(x_full * m_in, w, b) * m_out
+    else:  # pre-gathered matmul
+        wc = w.detach()[rows][:, cols].clone().requires_grad_(w.requires_grad)
+        bc = b.detach()[rows].clone().requires_grad_(b.requires_grad)
+        inputs = (x, wc, bc)
+
+        def fwd():
+            return TF.linear(x, wc, bc)
+
+    if not backward:
+        return lambda: fwd()
+    return lambda: torch.autograd.grad(fwd(), inputs, g)
+
+
+def bench_one(benchmark, peaks, M, N, K, keep, dtype, provider, backward):
+    x, w, b, rows, cols = problem(M, N, K, keep, dtype, requires_grad=backward)
+    flops = 2 * M * len(rows) * len(cols) * (3 if backward else 1)
+    mode = "fwd+bwd" if backward else "fwd"
+    record(benchmark, group=f"subnet_linear {mode} {str(dtype)[6:]} M={M} N={N} K={K} keep=1/{keep} rows+cols",
+           provider=provider, flops=flops, dtype=dtype, peaks=peaks, keep=1 / keep)
+    fn = provider_fn(provider, x, w, b, rows, cols, backward)
+    with torch.no_grad() if not backward else torch.enable_grad():
+        run(benchmark, fn, rounds=15 if DEVICE == "cpu" else None)  # more rounds: CPU times are noisy
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("keep", KEEP)
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_subnet_linear_cpu(benchmark, peaks, keep, provider, backward):
+    if DEVICE != "cpu":
+        pytest.skip("CPU sizes")
+    bench_one(benchmark, peaks, 256, 1024, 1024, keep, torch.float32, provider, backward)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("keep", KEEP)
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_subnet_linear_cuda(benchmark, peaks, keep, provider, backward):
+    bench_one(benchmark, peaks, 8192, 8192, 8192, keep, torch.bfloat16, provider, backward)

@@ -1,0 +1,95 @@
+"""subnet_linear: the linear layer of one subnetwork of neurons (IST, paper 001 §3.1).
+
+y = x W[rows][:, cols]^T + b[rows]; the backward gives grad_x for the compact x and full-size
+grad_weight / grad_bias that are zero outside the selected rows x cols. Fake kernels and autograd
+here; CPU kernels in csrc/cpu/subnet.cpp; CUDA kernels in Triton (ist_kernels/triton/subnet.py).
+"""
+import torch
+
+from ._checks import check, check_index_list, check_same_device
+
+# dtypes each backend implements.
+CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # csrc/cpu/subnet.cpp
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # triton/subnet.py (CUDA)
+
+
+def check_subnet(op, x, weight, bias, rows, cols, values=False, dtypes=None):
+    """Shape, dtype and device checks shared by the fake kernels and the Triton launchers (the C++
+    kernels check the same in csrc/cpu/subnet.cpp). With ``values`` the index entries are checked
+    too (range, no repeats). ``dtypes``: those the kernel implements (default: those of weight's
+    device). Returns (len(rows), len(cols)) with None meaning all."""
+    check(weight.dim() == 2, op, f"weight must be 2-D [out_features, in_features], got {weight.dim()} dimensions")
+    if dtypes is None:
+        dtypes = CPU_DTYPES if weight.device.type == "cpu" else TRITON_DTYPES
+    check(weight.dtype in dtypes, op,
+          f"weight must be {', '.join(str(d).replace('torch.', '') for d in dtypes)} on "
+          f"{weight.device.type}, got {weight.dtype}")
+    check(x.dim() >= 1, op, "x must have at least 1 dimension (features last), got a 0-d tensor")
+    check_same_device(op, weight=weight, x=x, bias=bias)
+    check(x.dtype == weight.dtype, op, f"x has dtype {x.dtype} but weight has dtype {weight.dtype}; they must match")
+    N, K = weight.shape
+    if bias is not None:
+        check(bias.dtype == weight.dtype, op,
+              f"bias has dtype {bias.dtype} but weight has dtype {weight.dtype}; they must match")
+        check(bias.dim() == 1 and bias.shape[0] == N, op,
+              f"bias must have shape [{N}] (weight's out_features), got {list(bias.shape)}")
+    check_index_list(rows, N, op, "rows", "weight dim 0 (out_features)", weight.device, values=values)
+    check_index_list(cols, K, op, "cols", "weight dim 1 (in_features)", weight.device, values=values)
+    Nr = N if rows is None else rows.shape[0]
+    Kc = K if cols is None else cols.shape[0]
+    check(x.shape[-1] == Kc, op, f"x has {x.shape[-1]} features but the subnetwork has {Kc} "
+          + ("(len(cols))" if cols is not None else "(weight's in_features; cols is None)"))
+    return Nr, Kc
+
+
+def check_grad_out(op, grad_out, x, weight, Nr):
+    check_same_device(op, weight=weight, grad_out=grad_out)
+    check(grad_out.dtype == weight.dtype, op,
+          f"grad_out has dtype {grad_out.dtype} but weight has dtype {weight.dtype}; they must match")
+    want = (*x.shape[:-1], Nr)
+    check(tuple(grad_out.shape) == tuple(want), op,
+          f"grad_out must have shape {list(want)} (x's leading dims, len(rows) outputs), got {list(grad_out.shape)}")
+
+
+@torch.library.register_fake("ist_kernels::subnet_linear")
+def _subnet_linear_fake(x, weight, bias, rows, cols):
+    Nr, _ = check_subnet("subnet_linear", x, weight, bias, rows, cols)
+    return x.new_empty((*x.shape[:-1], Nr))
+
+
+@torch.library.register_fake("ist_kernels::subnet_linear_backward")
+def _subnet_linear_backward_fake(grad_out, x, weight, rows, cols, output_mask):
+    op = "subnet_linear_backward"
+    Nr, _ = check_subnet(op, x, weight, None, rows, cols)
+    check_grad_out(op, grad_out, x, weight, Nr)
+    grad_x = x.new_empty(x.shape) if output_mask[0] else weight.new_empty((0,))
+    grad_weight = weight.new_empty(weight.shape) if output_mask[1] else weight.new_empty((0,))
+    grad_bias = weight.new_empty((weight.shape[0],)) if output_mask[2] else weight.new_empty((0,))
+    return grad_x, grad_weight, grad_bias
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, rows, cols = inputs
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(x, weight, rows, cols)
+
+
+def _backward(ctx, grad):
+    x, weight, rows, cols = ctx.saved_tensors
+    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
+    grad_x, grad_weight, grad_bias = torch.ops.ist_kernels.subnet_linear_backward(
+        grad, x, weight, rows, cols, mask)
+    return (grad_x if mask[0] else None, grad_weight if mask[1] else None, grad_bias if mask[2] else None,
+            None, None)
+
+
+torch.library.register_autograd("ist_kernels::subnet_linear", _backward, setup_context=_setup_context)
+
+try:
+    from ..triton import subnet as _triton
+except ImportError:  # pragma: no cover (no triton: CUDA tensors have no subnet_linear kernel)
+    _triton = None
+
+if _triton is not None:
+    torch.library.register_kernel("ist_kernels::subnet_linear", "cuda", _triton.subnet_linear)
+    torch.library.register_kernel("ist_kernels::subnet_linear_backward", "cuda", _triton.subnet_linear_backward)
