@@ -443,3 +443,22 @@ def test_experiment_quick(tmp_path, capsys, name, files):
     for f in files:
         assert os.path.getsize(tmp_path / f) > 0
     assert "|" in capsys.readouterr().out  # the table was printed
+
+
+def test_slice_plan_names_and_owners(gen):
+    m = _model(gen, 1, True, True)
+    plan = _plan(gen, 1, 37, 3, 0.5)
+    sp = m.slice_plan(plan)
+    state = m.state_dict()
+    assert sp.num_subnetworks == 3 and all(t.name in state for t in sp.tensors)
+    assert [t.dim for t in sp.tensors] == [0, 0, 1, None]
+    for t in sp.partitioned:
+        assert all(torch.equal(o, p[0]) for o, p in zip(t.owners, plan))
+    # the compact tensors a plan describes are what extract returns
+    for s, params in enumerate(m.extract_all(plan)):
+        for t, c in zip(sp.tensors, params):
+            full = state[t.name]
+            expected = full if t.shared else full.index_select(t.dim, t.owners[s])
+            assert torch.equal(c, expected)
+    with pytest.raises(ValueError, match="rows x columns"):
+        _model(gen, 2, False, False).slice_plan(_plan(gen, 2, 37, 2, 0.5))

@@ -164,6 +164,25 @@ class SubnetMLP(nn.Module):
                 shapes.append(shape)
         return targets, dims, ids, indices, shapes
 
+    def slice_plan(self, neurons_list: Sequence[Neurons]):
+        """The round as a :class:`~ist_kernels.partition.SlicePlan` (state-dict names, one dim per
+        tensor; the output bias is shared). Only for depth 1: from the second hidden layer on a
+        weight is owned by rows x columns, which one dim per tensor cannot state."""
+        from ..partition.plan import SlicePlan, TensorSlices
+
+        if self.depth != 1:
+            raise ValueError(f"SubnetMLP.slice_plan: depth={self.depth}; a SlicePlan states one dim per tensor, "
+                             "hidden layers after the first are owned by rows x columns (use extract_all/aggregate_)")
+        rows = [self._slices(n)[0][2] for n in neurons_list]
+        tensors = [TensorSlices("hidden_weights.0", 0, tuple(rows))]
+        if self.hidden_biases is not None:
+            tensors.append(TensorSlices("hidden_biases.0", 0, tuple(rows)))
+        if self.train_output:
+            tensors.append(TensorSlices("output_weight", 1, tuple(rows)))
+            if self.output_bias is not None:
+                tensors.append(TensorSlices("output_bias", None))
+        return SlicePlan(len(neurons_list), tuple(tensors))
+
     # ---- extract / aggregate (Algorithm 1 lines 5 and 11-13)
     def extract_all(self, neurons_list: Sequence[Neurons]) -> List[List[Tensor]]:
         """Compact copies of every subnetwork's parameters, in one gather for all tensors."""
