@@ -123,9 +123,11 @@ def _heatmaps(path: str, panels) -> None:
         ax.set_xlabel(col_name)
         ax.set_ylabel(row_name)
         ax.set_title(title, fontsize=10)
+        lo, hi = min(map(min, grid)), max(map(max, grid))
         for i in range(len(rows)):
-            for j in range(len(cols)):
-                ax.text(j, i, f"{grid[i][j]:.2f}", ha="center", va="center", fontsize=8, color="w")
+            for j in range(len(cols)):  # dark cells (high error in viridis_r) get white text
+                dark = hi > lo and (grid[i][j] - lo) / (hi - lo) > 0.5
+                ax.text(j, i, f"{grid[i][j]:.2f}", ha="center", va="center", fontsize=8, color="w" if dark else "k")
         fig.colorbar(im, ax=ax, label="training error ‖y − u_K‖²")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
