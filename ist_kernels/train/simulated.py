@@ -97,6 +97,9 @@ def train_round(model: SubnetMLP, x: Tensor, y: Tensor, neurons_list, local_step
                 loss_fn: Callable[[Tensor, Tensor], Tensor] = regression_loss):
     """One global iteration: extract every subnetwork (one gather), train each for τ steps, one
     after another, aggregate (one scatter). Returns (mean sampled loss, mean local loss)."""
+    device = model.hidden_weights[0].device  # plans are made on the CPU: move them once per round
+    neurons_list = [neurons.to(device) if isinstance(neurons, Tensor)
+                    else [None if n is None else n.to(device) for n in neurons] for neurons in neurons_list]
     params_list = model.extract_all(neurons_list)
     first, last = [], []
     for params, neurons in zip(params_list, neurons_list):
