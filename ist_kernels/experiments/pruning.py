@@ -163,13 +163,15 @@ def main(argv: Sequence[str] = ()) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for s in args.sigma_n:
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    pos = list(range(len(args.rates)))  # evenly spaced: the interesting rates crowd near 1
+    for c, s in enumerate(args.sigma_n):
         for k, (label, style) in enumerate([("train", "--"), ("test", "-")]):
             mean = [summary[(s, p)][k][0] for p in args.rates]
             std = [summary[(s, p)][k][1] for p in args.rates]
-            ax.errorbar(args.rates, mean, yerr=std, linestyle=style, marker="o", capsize=3,
+            ax.errorbar(pos, mean, yerr=std, linestyle=style, marker="o", capsize=3, color=f"C{c}",
                         label=f"{label}, σ_n={s:g}")
+    ax.set_xticks(pos, [f"{p:g}" for p in args.rates])
     ax.set_xlabel("pruning rate p (fraction of weights removed)")
     ax.set_ylabel("classification error")
     ax.set_title("Random pruning at initialisation (paper 002 §5.1)", fontsize=10)
