@@ -53,3 +53,48 @@ inline std::vector<uint32_t> check_index_list(const std::optional<at::Tensor>& i
 }
 
 }  // namespace ist
+
+// ---- GReLU layers (relu_gates, gated_linear, gated_linear_backward): x [..., K], weight [N, K],
+// bias [N] or none, gates [..., ceil(N/32)] int32 with x's leading dimensions.
+namespace ist {
+
+inline bool grelu_dtype_ok(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
+}
+
+inline void check_grelu_linear(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension (features last), got a 0-d tensor");
+  TORCH_CHECK(weight.dim() == 2, op, ": weight must be 2-D [out_features, in_features], got ", weight.dim(), "-D");
+  TORCH_CHECK(grelu_dtype_ok(x.scalar_type()), op,
+              ": x must be float32, float64, bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), op, ": weight must have x's dtype ", x.scalar_type(),
+              ", got ", weight.scalar_type());
+  TORCH_CHECK(weight.device() == x.device(), op, ": weight is on ", weight.device(), " but x is on ", x.device(),
+              "; all tensors must be on one device");
+  TORCH_CHECK(x.size(-1) == weight.size(1), op, ": x has ", x.size(-1), " features (last dim) but weight expects ",
+              weight.size(1), " (weight is [", weight.size(0), ", ", weight.size(1), "])");
+  if (bias.has_value()) {
+    const auto& b = *bias;
+    TORCH_CHECK(b.device() == x.device(), op, ": bias is on ", b.device(), " but x is on ", x.device(),
+                "; all tensors must be on one device");
+    TORCH_CHECK(b.scalar_type() == x.scalar_type(), op, ": bias must have x's dtype ", x.scalar_type(), ", got ",
+                b.scalar_type());
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == weight.size(0), op, ": bias must be [", weight.size(0),
+                "] (out_features), got ", b.sizes());
+  }
+}
+
+// gates must be int32 [*lead, ceil(N/32)] where lead are x's (or grad_out's) leading dimensions.
+inline void check_grelu_gates(const char* op, const at::Tensor& gates, const at::Tensor& x, int64_t num_features) {
+  TORCH_CHECK(gates.device() == x.device(), op, ": gates is on ", gates.device(), " but x is on ", x.device(),
+              "; all tensors must be on one device");
+  TORCH_CHECK(gates.scalar_type() == at::kInt, op, ": gates must be int32 (packed with pack_gates), got ",
+              gates.scalar_type());
+  auto expected = x.sizes().vec();
+  expected.back() = gate_words(num_features);
+  TORCH_CHECK(gates.sizes() == at::IntArrayRef(expected), op, ": gates must be ", at::IntArrayRef(expected),
+              " (x's leading dims, ceil(", num_features, "/32) words), got ", gates.sizes());
+}
+
+}  // namespace ist

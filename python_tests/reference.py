@@ -50,6 +50,77 @@ def neurons_aggregate(w, updated, owned):
     X = torch.stack([o.double() for o in owned]).sum(0)
     delta = sum(torch.where(o, u.double() - w, torch.zeros_like(w)) for u, o in zip(updated, owned))
     return w + X.clamp(max=1) / X.clamp(min=1) * delta
+# ---- multi-tensor slices (partitions). Aggregation of paper 001 Algorithm 1 (step size N⊥/N): a
+# slice (neuron, filter, channel) is averaged over the subnetworks that own it and keeps its value
+# when none does.
+def slice_gather(sources, source_ids, indices, dims):
+    """Segment j = sources[source_ids[j]].index_select(dim, indices[j]), flattened and concatenated."""
+    parts = [sources[s].index_select(dims[s] % sources[s].dim(), indices[j].to(sources[s].device)).reshape(-1)
+             for j, s in enumerate(source_ids)]
+    return torch.cat(parts) if parts else sources[0].new_empty(0)
+
+
+def slice_scatter(targets, target_ids, updates, indices, dims, reduce):
+    """New tensors (float64 for floating targets, int64 for integer ones; inputs untouched): for every
+    slice i of every target, its owners are the segments j with target_ids[j] == t listing i, in
+    segment order; copy = the last owner, sum = target + sum of owners, mean = sum / number of owners
+    (toward zero for integers). Unowned slices keep their value."""
+    out = []
+    for t, x in enumerate(targets):
+        wide = torch.float64 if x.is_floating_point() else torch.int64
+        y = x.detach().to(wide).clone()
+        d = dims[t] % x.dim()
+        for i in range(x.shape[d]):
+            owners = []
+            for j, (tid, idx) in enumerate(zip(target_ids, indices)):
+                if tid != t:
+                    continue
+                hit = (idx.cpu() == i).nonzero().flatten()
+                if hit.numel():
+                    owners.append(updates[j].to(wide).select(d, int(hit[0])))
+            if not owners:
+                continue
+            if reduce == "copy":
+                y.select(d, i).copy_(owners[-1])
+            elif reduce == "sum":
+                y.select(d, i).add_(sum(owners))
+            elif wide == torch.int64:
+                y.select(d, i).copy_(torch.div(sum(owners), len(owners), rounding_mode="trunc"))
+            else:
+                y.select(d, i).copy_(sum(owners) / len(owners))
+        out.append(y)
+    return out
+
+
+def owner_average(target, updates, indices, dim=0):
+    """Every slice of `target` along `dim` owned by k >= 1 of the compact updates becomes their mean."""
+    return slice_scatter([target], [0] * len(updates), updates, indices, [dim], "mean")[0]
+# ---- GReLU layers (paper 004 §2.1: z = x Wᵀ + b; gate layer relu(z) with D = [z > 0];
+# trained layer y = z ⊙ D; backward g' = g ⊙ D, dx = g' W, dW = g'ᵀ x, db = Σ g')
+def _linear64(x, weight, bias):
+    z = x.double() @ weight.double().T
+    return z if bias is None else z + bias.double()
+
+
+def relu_gates(x, weight, bias=None):
+    z = _linear64(x, weight, bias)
+    return torch.relu(z), pack_gates(z > 0)
+
+
+def gated_linear(x, weight, bias, gates):
+    z = _linear64(x, weight, bias)
+    return z * unpack_gates(gates, weight.shape[0]).double()
+
+
+def gated_linear_backward(grad_out, x, weight, gates):
+    """(grad_x, grad_weight, grad_bias) in float64."""
+    N, K = weight.shape
+    M = 1
+    for s in x.shape[:-1]:
+        M *= s
+    gm = grad_out.double() * unpack_gates(gates, N).double()
+    gm2 = gm.reshape(M, N)
+    return gm @ weight.double(), gm2.T @ x.double().reshape(M, K), gm2.sum(0)
 # ---- subnetworks of neurons (paper 001 §3.1): the linear layer of one subnetwork
 def subnet_linear(x, weight, bias=None, rows=None, cols=None):
     """y = x W[rows][:, cols]^T + b[rows] in float64, by gathering the subnetwork weight."""

@@ -11,10 +11,12 @@ fi
 PY=${PYTHON:-python3}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+# the flags torch.utils.cpp_extension adds to every nvcc call (no implicit half/bf16 conversions)
+TORCH_NVCC_FLAGS="-D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__"
 shopt -s globstar nullglob
 for f in csrc/**/*.cu; do
   echo "nvcc -c $f"
-  nvcc -std=c++20 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icsrc -c "$f" -o "$tmp/$(basename "$f").o"
+  nvcc -std=c++20 -O3 -arch=sm_90 --expt-relaxed-constexpr $TORCH_NVCC_FLAGS -Icsrc -c "$f" -o "$tmp/$(basename "$f").o"
 done
 TI=$("$PY" -c "import torch.utils.cpp_extension as c; print(' '.join('-I'+p for p in c.include_paths()))")
 PYINC=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['include'])")

@@ -15,6 +15,11 @@ template <>
 __device__ __forceinline__ bool is_on<bool>(bool v) { return v; }
 template <>
 __device__ __forceinline__ bool is_on<double>(double v) { return v > 0.0; }
+// torch builds with __CUDA_NO_HALF_CONVERSIONS__ / __CUDA_NO_BFLOAT16_CONVERSIONS__: convert explicitly.
+template <>
+__device__ __forceinline__ bool is_on<__half>(__half v) { return __half2float(v) > 0.f; }
+template <>
+__device__ __forceinline__ bool is_on<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v) > 0.f; }
 
 // One warp per packed word: lane j reads feature 32w + j (coalesced) and the warp ballots.
 template <typename T>

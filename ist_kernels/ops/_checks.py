@@ -55,3 +55,40 @@ def check_index_list(idx, size: int, op: str, name: str, what: str, device, valu
     v = int(idx[p])
     first = int((idx == v).nonzero()[0, 0])
     check(False, op, f"{name} must not repeat an index, but {name}[{p}] = {v} repeats {name}[{first}]")
+
+
+# ---- GReLU layers (relu_gates, gated_linear, gated_linear_backward); mirrors csrc/checks.h.
+GRELU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def check_grelu_linear(op: str, x, weight, bias) -> None:
+    """x [..., K], weight [N, K], bias [N] or None: one device, one supported dtype, matching sizes."""
+    check(x.dim() >= 1, op, "x must have at least 1 dimension (features last), got a 0-d tensor")
+    check(weight.dim() == 2, op, f"weight must be 2-D [out_features, in_features], got {weight.dim()}-D")
+    check(x.dtype in GRELU_DTYPES, op, f"x must be float32, float64, bfloat16 or float16, got {x.dtype}")
+    check(weight.dtype == x.dtype, op, f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    check_same_device(op, x=x, weight=weight, bias=bias)
+    check(x.shape[-1] == weight.shape[1], op,
+          f"x has {x.shape[-1]} features (last dim) but weight expects {weight.shape[1]} "
+          f"(weight is {list(weight.shape)})")
+    if bias is not None:
+        check(bias.dtype == x.dtype, op, f"bias must have x's dtype {x.dtype}, got {bias.dtype}")
+        check(bias.dim() == 1 and bias.shape[0] == weight.shape[0], op,
+              f"bias must be [{weight.shape[0]}] (out_features), got {list(bias.shape)}")
+
+
+def check_grelu_gates(op: str, gates, x, num_features: int) -> None:
+    """gates: int32 [*x.shape[:-1], ceil(num_features / 32)] on x's device."""
+    check_same_device(op, x=x, gates=gates)
+    check(gates.dtype == torch.int32, op, f"gates must be int32 (packed with pack_gates), got {gates.dtype}")
+    expected = [*x.shape[:-1], gate_words(num_features)]
+    check(list(gates.shape) == expected, op,
+          f"gates must be {expected} (x's leading dims, ceil({num_features}/32) words), got {list(gates.shape)}")
+
+
+def check_grelu_grad_out(op: str, grad_out, x, num_features: int) -> None:
+    check_same_device(op, x=x, grad_out=grad_out)
+    check(grad_out.dtype == x.dtype, op, f"grad_out must have x's dtype {x.dtype}, got {grad_out.dtype}")
+    expected = [*x.shape[:-1], num_features]
+    check(list(grad_out.shape) == expected, op,
+          f"grad_out must be {expected} (x's leading dims, out_features), got {list(grad_out.shape)}")

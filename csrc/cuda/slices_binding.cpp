@@ -1,0 +1,176 @@
+// torch bindings of the CUDA slice kernels (csrc/cuda/slices.cu). Checks and the host plan come from
+// csrc/slices_plan.h (shared with the CPU kernels); here the plan is written into one pinned host
+// buffer (records, then index lists or inverse maps), copied to the device in one transfer on the
+// current stream, and one kernel runs for all tensors.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/all.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+#include "cuda/slices.cuh"
+#include "slices_plan.h"
+
+namespace ist::cuda {
+namespace {
+
+// A byte buffer laid out on the host, then copied to the device; addresses of its parts are known
+// before the copy, so records can point into the device copy.
+struct PlanBuffer {
+  at::Tensor host, device;
+
+  PlanBuffer(int64_t bytes, const at::Device& dev) {
+    host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    device = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(dev));
+  }
+  template <typename T>
+  T* host_at(int64_t offset) { return reinterpret_cast<T*>(host.data_ptr<uint8_t>() + offset); }
+  template <typename T>
+  T* device_at(int64_t offset) { return reinterpret_cast<T*>(device.data_ptr<uint8_t>() + offset); }
+  void upload() { device.copy_(host, /*non_blocking=*/true); }  // stream-ordered; the pinned block is kept until done
+};
+
+int64_t align16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+
+// Largest power of two <= max_bytes dividing `bytes` and aligning every address in `ptrs`.
+int64_t common_unit(int64_t bytes, std::initializer_list<uintptr_t> ptrs, int64_t max_bytes = 16) {
+  int64_t unit = max_bytes;
+  while (unit > 1) {
+    bool ok = bytes % unit == 0;
+    for (const auto p : ptrs) ok = ok && p % static_cast<uintptr_t>(unit) == 0;
+    if (ok) break;
+    unit /= 2;
+  }
+  return unit;
+}
+
+constexpr int64_t kMaxBlocks = (int64_t{1} << 31) - 1;
+
+at::Tensor slice_gather_cuda(at::TensorList sources, at::IntArrayRef source_ids, at::TensorList indices,
+                             at::IntArrayRef dims) {
+  c10::cuda::OptionalCUDAGuard guard;
+  if (!sources.empty() && sources[0].is_cuda()) guard.set_device(sources[0].device());
+  const GatherPlan plan(sources, source_ids, indices, dims, "slice_gather");
+  const auto& src0 = plan.sources[0];
+  auto out = at::empty({plan.total()}, src0.options());
+  if (plan.total() == 0) return out;
+  const int64_t esize = src0.element_size();
+  std::vector<int64_t> live;  // segments that move at least one element
+  int64_t num_idx = 0;
+  for (int64_t j = 0; j < plan.segments(); ++j)
+    if (plan.offset[j + 1] > plan.offset[j]) {
+      live.push_back(j);
+      num_idx += plan.idx.len[j];
+    }
+  const int64_t L = static_cast<int64_t>(live.size());
+  const int64_t records = align16(L * static_cast<int64_t>(sizeof(GatherSegment)));
+  PlanBuffer buf(records + num_idx * static_cast<int64_t>(sizeof(int64_t)), src0.device());
+  auto* seg = buf.host_at<GatherSegment>(0);
+  int64_t idx_at = records, blocks = 0;
+  char* dst = static_cast<char*>(out.data_ptr());
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t j = live[l];
+    const SliceView& v = plan.view[j];
+    GatherSegment& s = seg[l];
+    s.src = static_cast<const char*>(plan.sources[plan.source[j]].const_data_ptr());
+    s.dst = dst + plan.offset[j] * esize;
+    s.unit = static_cast<int32_t>(common_unit(v.inner * esize, {reinterpret_cast<uintptr_t>(s.src),
+                                                               reinterpret_cast<uintptr_t>(s.dst)}));
+    s.row_units = v.inner * esize / s.unit;
+    s.n = plan.idx.len[j];
+    s.size = v.size;
+    s.units = v.outer * s.n * s.row_units;
+    s.wide = s.units > kFastDivMax ? 1 : 0;
+    s.row_div = make_fast_div(static_cast<uint32_t>(s.wide ? 1 : s.row_units));
+    s.n_div = make_fast_div(static_cast<uint32_t>(s.wide ? 1 : s.n));
+    s.block_start = blocks;
+    blocks += (s.units + kSliceThreads * kGatherUnroll - 1) / (kSliceThreads * kGatherUnroll);
+    std::memcpy(buf.host_at<int64_t>(idx_at), plan.idx.ptr[j], s.n * sizeof(int64_t));
+    s.idx = buf.device_at<const int64_t>(idx_at);
+    idx_at += s.n * static_cast<int64_t>(sizeof(int64_t));
+  }
+  TORCH_CHECK(blocks <= kMaxBlocks, "slice_gather: ", plan.total(), " elements need ", blocks,
+              " blocks, more than one launch allows");
+  buf.upload();
+  C10_CUDA_CHECK(ist::cuda::slice_gather(buf.device_at<const GatherSegment>(0), L, blocks,
+                                         c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+ScalarKind scalar_kind(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return ScalarKind::Float32;
+    case at::kDouble: return ScalarKind::Float64;
+    case at::kHalf: return ScalarKind::Float16;
+    case at::kBFloat16: return ScalarKind::BFloat16;
+    case at::kLong: return ScalarKind::Int64;
+    case at::kInt: return ScalarKind::Int32;
+    case at::kShort: return ScalarKind::Int16;
+    case at::kChar: return ScalarKind::Int8;
+    case at::kByte: return ScalarKind::UInt8;
+    default: return ScalarKind::Float32;  // copy only: checked by the plan
+  }
+}
+
+void slice_scatter_cuda(at::TensorList targets, at::IntArrayRef target_ids, at::TensorList updates,
+                        at::TensorList indices, at::IntArrayRef dims, c10::string_view reduce) {
+  c10::cuda::OptionalCUDAGuard guard;
+  if (!targets.empty() && targets[0].is_cuda()) guard.set_device(targets[0].device());
+  const ScatterPlan plan(targets, target_ids, updates, indices, dims, reduce, "slice_scatter_");
+  const int64_t A = plan.active();
+  if (A == 0) return;
+  const int64_t esize = targets[0].element_size();
+  const int64_t S = static_cast<int64_t>(plan.seg.size());
+  const int64_t t_bytes = align16(A * static_cast<int64_t>(sizeof(ScatterTarget)));
+  const int64_t s_bytes = align16(S * static_cast<int64_t>(sizeof(ScatterSegment)));
+  PlanBuffer buf(t_bytes + s_bytes + static_cast<int64_t>(plan.pos.size() * sizeof(int32_t)), targets[0].device());
+  auto* tgt = buf.host_at<ScatterTarget>(0);
+  auto* seg = buf.host_at<ScatterSegment>(t_bytes);
+  std::memcpy(buf.host_at<int32_t>(t_bytes + s_bytes), plan.pos.data(), plan.pos.size() * sizeof(int32_t));
+  const int32_t* pos = buf.device_at<const int32_t>(t_bytes + s_bytes);
+  int64_t blocks = 0;
+  for (int64_t a = 0; a < A; ++a) {
+    const SliceView& v = plan.view[a];
+    ScatterTarget& t = tgt[a];
+    t.data = static_cast<char*>(plan.work[a].data_ptr());
+    // Vectors of 16 bytes where the row length and every address allow it, else single elements.
+    bool vec_ok = esize < 16 && common_unit(v.inner * esize, {reinterpret_cast<uintptr_t>(t.data)}) == 16;
+    for (int64_t s = plan.seg_begin[a]; s < plan.seg_begin[a + 1]; ++s) {
+      const int64_t j = plan.seg[s];
+      seg[s].update = static_cast<const char*>(plan.updates[j].const_data_ptr());
+      seg[s].pos = pos + plan.pos_offset[j];
+      seg[s].n = plan.n[j];
+      vec_ok = vec_ok && (seg[s].n == 0 || reinterpret_cast<uintptr_t>(seg[s].update) % 16 == 0);
+    }
+    t.vec = vec_ok ? static_cast<int32_t>(16 / esize) : 1;
+    t.vecs = v.outer * v.size * v.inner / t.vec;
+    t.size = v.size;
+    t.inner_vecs = v.inner / t.vec;
+    t.seg_begin = plan.seg_begin[a];
+    t.seg_end = plan.seg_begin[a + 1];
+    t.wide = t.vecs > kFastDivMax ? 1 : 0;
+    t.inner_div = make_fast_div(static_cast<uint32_t>(t.wide || t.vecs == 0 ? 1 : t.inner_vecs));
+    t.size_div = make_fast_div(static_cast<uint32_t>(t.wide || t.vecs == 0 ? 1 : t.size));
+    t.block_start = blocks;
+    // Targets whose slices no segment owns need no blocks.
+    const bool owned = plan.owned_begin[a + 1] > plan.owned_begin[a];
+    if (owned) blocks += (t.vecs + kSliceThreads * kScatterUnroll - 1) / (kSliceThreads * kScatterUnroll);
+  }
+  TORCH_CHECK(blocks <= kMaxBlocks, "slice_scatter_: the targets need ", blocks, " blocks, more than one launch allows");
+  buf.upload();
+  C10_CUDA_CHECK(ist::cuda::slice_scatter(buf.device_at<const ScatterTarget>(0), A,
+                                          buf.device_at<const ScatterSegment>(t_bytes), blocks, plan.reduce,
+                                          scalar_kind(targets[0].scalar_type()), esize,
+                                          c10::cuda::getCurrentCUDAStream()));
+  plan.copy_back(targets);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ist_kernels, CUDA, m) {
+  m.impl("slice_gather", &slice_gather_cuda);
+  m.impl("slice_scatter_", &slice_scatter_cuda);
+}
+
+}  // namespace ist::cuda

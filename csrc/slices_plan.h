@@ -1,0 +1,301 @@
+#pragma once
+// Argument checks and host-side plans of the multi-tensor slice ops, shared by the CPU kernels
+// (csrc/cpu/slices.cpp) and the CUDA binding (csrc/cuda/slices_binding.cpp). Every check runs
+// before anything is written; every message names the op and the argument. The index math itself
+// is in common/slices.h; index-list validation in common/indices.h.
+//
+// Costs of the conveniences (all O(1) launches or copies per call, none per element on the hot path):
+//  - index lists living on a CUDA device are concatenated and copied to the host once (one sync) to
+//    validate them and build the plan; lists already on the CPU cost no sync;
+//  - a non-contiguous source, update or target is made contiguous once (a full copy of that tensor;
+//    for a target, a second copy writes the result back). Parameters and the compact updates the
+//    gather produces are contiguous, so the usual path copies nothing.
+#include <ATen/MemoryOverlap.h>
+#include <torch/all.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/indices.h"
+#include "common/slices.h"
+
+namespace ist {
+
+// ---- index lists, validated and readable on the host
+struct HostIndices {
+  std::vector<at::Tensor> keep;     // host tensors that own the data below
+  std::vector<const int64_t*> ptr;  // ptr[j]: host pointer to index list j
+  std::vector<int64_t> len;         // len[j]: its length
+
+  HostIndices() = default;
+  // Index lists must be int64 and 1-D, on the CPU or on `device`. Lists on a CUDA device are
+  // concatenated there and copied to the host in one transfer.
+  HostIndices(at::TensorList indices, const at::Device& device, const char* op) {
+    const int64_t J = static_cast<int64_t>(indices.size());
+    std::vector<at::Tensor> remote;
+    for (int64_t j = 0; j < J; ++j) {
+      const auto& t = indices[j];
+      TORCH_CHECK(t.scalar_type() == at::kLong, op, ": indices[", j, "] must be int64, got ", t.scalar_type());
+      TORCH_CHECK(t.dim() == 1, op, ": indices[", j, "] must be 1-D, got ", t.dim(), " dimensions");
+      TORCH_CHECK(t.device().is_cpu() || t.device() == device, op, ": indices[", j, "] is on ", t.device(),
+                  " but the tensors are on ", device, "; index lists must be on the CPU or on ", device);
+      if (!t.device().is_cpu()) remote.push_back(t);
+    }
+    at::Tensor fetched;
+    if (!remote.empty()) fetched = at::cat(remote).to(at::kCPU);
+    ptr.resize(J);
+    len.resize(J);
+    int64_t at_remote = 0;
+    for (int64_t j = 0; j < J; ++j) {
+      const auto& t = indices[j];
+      len[j] = t.numel();
+      if (t.device().is_cpu()) {
+        keep.push_back(t.contiguous());
+        ptr[j] = keep.back().const_data_ptr<int64_t>();
+      } else {
+        ptr[j] = fetched.const_data_ptr<int64_t>() + at_remote;
+        at_remote += len[j];
+      }
+    }
+    if (fetched.defined()) keep.push_back(fetched);
+  }
+
+  // In range [0, size) and no value twice (common/indices.h). `what` names the dimension, e.g.
+  // "sources[2] along dim 1"; `bitmap` is scratch reused across lists.
+  void check_values(int64_t j, int64_t size, const std::string& what, const char* op,
+                    std::vector<uint32_t>& bitmap) const {
+    bitmap.assign(static_cast<size_t>(index_bitmap_words(size)), 0u);
+    const IndexCheck r = check_indices(ptr[j], len[j], size, bitmap.data());
+    const std::string name = "indices[" + std::to_string(j) + "]";
+    TORCH_CHECK(r.status != IndexStatus::kOutOfRange, op, ": ", name, "[", r.position, "] = ", r.value,
+                " is out of range for ", what, " of size ", size);
+    TORCH_CHECK(r.status != IndexStatus::kDuplicate, op, ": ", name, " must not repeat an index, but ", name, "[",
+                r.position, "] = ", r.value, " repeats ", name, "[", r.first, "]; a segment holds each slice at most once");
+  }
+};
+
+inline std::string shape_str(at::IntArrayRef s) {
+  std::string out = "[";
+  for (size_t d = 0; d < s.size(); ++d) out += (d ? ", " : "") + std::to_string(s[d]);
+  return out + "]";
+}
+
+// Tensors sliced along one dim each: one dtype, one device, at least 1-D, dims wrapped.
+inline std::vector<int64_t> check_sliced_tensors(at::TensorList ts, at::IntArrayRef dims, const char* op,
+                                                 const char* name) {
+  TORCH_CHECK(dims.size() == ts.size(), op, ": dims must have one entry per ", name, " (", ts.size(), "), got ",
+              dims.size());
+  std::vector<int64_t> wrapped(ts.size());
+  for (size_t t = 0; t < ts.size(); ++t) {
+    TORCH_CHECK(ts[t].scalar_type() == ts[0].scalar_type(), op, ": ", name, "[", t, "] has dtype ",
+                ts[t].scalar_type(), " but ", name, "[0] has ", ts[0].scalar_type(),
+                "; all ", name, " must share one dtype (the functional wrappers group mixed dtypes)");
+    TORCH_CHECK(ts[t].device() == ts[0].device(), op, ": ", name, "[", t, "] is on ", ts[t].device(), " but ", name,
+                "[0] is on ", ts[0].device(), "; all tensors must be on one device");
+    const int64_t nd = ts[t].dim();
+    TORCH_CHECK(nd >= 1, op, ": ", name, "[", t, "] is 0-d; a sliced tensor needs at least 1 dimension");
+    TORCH_CHECK(dims[t] >= -nd && dims[t] < nd, op, ": dims[", t, "] = ", dims[t], " is out of range for ", name, "[",
+                t, "] with ", nd, " dimensions");
+    wrapped[t] = dims[t] < 0 ? dims[t] + nd : dims[t];
+    TORCH_CHECK(ts[t].size(wrapped[t]) <= kFastDivMax, op, ": ", name, "[", t, "] has ", ts[t].size(wrapped[t]),
+                " slices along dim ", wrapped[t], "; at most 2^31 - 1 are supported");
+  }
+  return wrapped;
+}
+
+inline void check_ids(at::IntArrayRef ids, int64_t count, const char* op, const char* ids_name, const char* name) {
+  for (size_t j = 0; j < ids.size(); ++j)
+    TORCH_CHECK(ids[j] >= 0 && ids[j] < count, op, ": ", ids_name, "[", j, "] = ", ids[j], " is out of range: there are ",
+                count, " ", name);
+}
+
+inline SliceView view_of(const at::Tensor& t, int64_t dim) {
+  return slice_view(t.sizes().data(), t.dim(), dim);
+}
+
+// ---- slice_gather: segment j = sources[source_ids[j]].index_select(dims[...], indices[j]), flattened.
+struct GatherPlan {
+  std::vector<at::Tensor> sources;  // contiguous (a copy where the caller's was not)
+  std::vector<int64_t> source;      // source[j]: the segment's source
+  std::vector<SliceView> view;      // view[j]: its source as [outer, size, inner]
+  std::vector<int64_t> offset;      // offset[j]: first element of segment j in the output; offset[J] = total
+  HostIndices idx;
+
+  GatherPlan(at::TensorList srcs, at::IntArrayRef source_ids, at::TensorList indices, at::IntArrayRef dims,
+             const char* op)
+  {
+    TORCH_CHECK(!srcs.empty(), op, ": sources is empty; give at least one tensor");
+    TORCH_CHECK(source_ids.size() == indices.size(), op, ": source_ids and indices must have one entry per segment, got ",
+                source_ids.size(), " and ", indices.size());
+    const auto d = check_sliced_tensors(srcs, dims, op, "sources");
+    check_ids(source_ids, static_cast<int64_t>(srcs.size()), op, "source_ids", "sources");
+    const int64_t J = static_cast<int64_t>(source_ids.size());
+    idx = HostIndices(indices, srcs[0].device(), op);
+    std::vector<uint32_t> seen;
+    offset.assign(J + 1, 0);
+    for (int64_t j = 0; j < J; ++j) {
+      const int64_t s = source_ids[j];
+      source.push_back(s);
+      view.push_back(view_of(srcs[s], d[s]));
+      idx.check_values(j, view[j].size, "sources[" + std::to_string(s) + "] along dim " + std::to_string(d[s]), op,
+                       seen);
+      offset[j + 1] = offset[j] + segment_numel(view[j], idx.len[j]);
+    }
+    for (const auto& t : srcs) sources.push_back(t.contiguous());
+  }
+
+  int64_t segments() const { return static_cast<int64_t>(source.size()); }
+  int64_t total() const { return offset.back(); }
+};
+
+// ---- slice_scatter_: segment j (updates[j]) written back into targets[target_ids[j]] at indices[j].
+inline SliceReduce parse_reduce(c10::string_view reduce, const char* op) {
+  if (reduce == "copy") return SliceReduce::Copy;
+  if (reduce == "sum") return SliceReduce::Sum;
+  if (reduce == "mean") return SliceReduce::Mean;
+  TORCH_CHECK(false, op, ": reduce must be \"copy\", \"sum\" or \"mean\", got \"", std::string(reduce), "\"");
+}
+
+// Dtypes the sum / mean reductions support (copy moves any dtype).
+inline bool reducible_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16:
+    case at::kLong: case at::kInt: case at::kShort: case at::kChar: case at::kByte:
+      return true;
+    default:
+      return false;
+  }
+}
+
+struct ScatterPlan {
+  SliceReduce reduce;
+  // Active targets: those at least one segment writes to, in ascending target order.
+  std::vector<int64_t> target;        // target[a]: index into targets
+  std::vector<at::Tensor> work;       // work[a]: contiguous tensor written (the target, or a temp)
+  std::vector<SliceView> view;        // view[a]
+  std::vector<int64_t> seg_begin;     // segments of target a: seg[seg_begin[a] .. seg_begin[a+1]), in segment order
+  std::vector<int64_t> seg;           // segment ids
+  std::vector<int64_t> owned_begin;   // slices of target a with >= 1 owner: owned[owned_begin[a] .. owned_begin[a+1])
+  std::vector<int64_t> owned;         // ascending within a target
+  // Per segment j: the compact update (contiguous) and the inverse map pos[pos_offset[j] + i].
+  std::vector<at::Tensor> updates;
+  std::vector<int64_t> n;             // n[j] = len(indices[j])
+  std::vector<int64_t> pos_offset;
+  std::vector<int32_t> pos;
+
+  ScatterPlan(at::TensorList targets, at::IntArrayRef target_ids, at::TensorList upds, at::TensorList indices,
+              at::IntArrayRef dims, c10::string_view reduce_name, const char* op) {
+    TORCH_CHECK(!targets.empty(), op, ": targets is empty; give at least one tensor");
+    TORCH_CHECK(target_ids.size() == upds.size() && upds.size() == indices.size(), op,
+                ": target_ids, updates and indices must have one entry per segment, got ", target_ids.size(), ", ",
+                upds.size(), " and ", indices.size());
+    reduce = parse_reduce(reduce_name, op);
+    const auto d = check_sliced_tensors(targets, dims, op, "targets");
+    const auto dtype = targets[0].scalar_type();
+    const auto device = targets[0].device();
+    TORCH_CHECK(reduce == SliceReduce::Copy || reducible_dtype(dtype), op, ": reduce=\"", std::string(reduce_name),
+                "\" needs a floating or integer dtype, got ", dtype, "; use reduce=\"copy\"");
+    check_ids(target_ids, static_cast<int64_t>(targets.size()), op, "target_ids", "targets");
+    const int64_t J = static_cast<int64_t>(target_ids.size());
+    HostIndices idx(indices, device, op);
+    std::vector<uint32_t> seen;
+    for (int64_t j = 0; j < J; ++j) {
+      const int64_t t = target_ids[j];
+      const auto& u = upds[j];
+      TORCH_CHECK(u.scalar_type() == dtype, op, ": updates[", j, "] has dtype ", u.scalar_type(), " but targets[", t,
+                  "] has ", dtype);
+      TORCH_CHECK(u.device() == device, op, ": updates[", j, "] is on ", u.device(), " but targets are on ", device);
+      auto expect = targets[t].sizes().vec();
+      expect[d[t]] = idx.len[j];
+      TORCH_CHECK(u.sizes().vec() == expect, op, ": updates[", j, "] has shape ", shape_str(u.sizes()), " but targets[",
+                  t, "] ", shape_str(targets[t].sizes()), " sliced along dim ", d[t], " by indices[", j, "] (",
+                  idx.len[j], " slices) needs ", shape_str(expect));
+      idx.check_values(j, targets[t].size(d[t]), "targets[" + std::to_string(t) + "] along dim " + std::to_string(d[t]),
+                       op, seen);
+    }
+    // Active targets and their segments, in order.
+    std::vector<std::vector<int64_t>> segs_of(targets.size());
+    for (int64_t j = 0; j < J; ++j) segs_of[target_ids[j]].push_back(j);
+    for (size_t t = 0; t < targets.size(); ++t)
+      if (!segs_of[t].empty()) target.push_back(static_cast<int64_t>(t));
+    check_no_overlap(targets, upds, op);
+
+    // Inverse maps and owned slices (nothing written to any target yet).
+    n.resize(J);
+    pos_offset.resize(J);
+    seg_begin.push_back(0);
+    owned_begin.push_back(0);
+    for (const int64_t t : target) {
+      const SliceView v = view_of(targets[t], d[t]);
+      view.push_back(v);
+      std::vector<uint8_t> any(v.size, 0);
+      for (const int64_t j : segs_of[t]) {
+        seg.push_back(j);
+        n[j] = idx.len[j];
+        pos_offset[j] = static_cast<int64_t>(pos.size());
+        pos.resize(pos.size() + v.size, -1);
+        fill_inverse_map(idx.ptr[j], n[j], pos.data() + pos_offset[j]);
+        for (int64_t k = 0; k < n[j]; ++k) any[idx.ptr[j][k]] = 1;
+      }
+      for (int64_t i = 0; i < v.size; ++i)
+        if (any[i]) owned.push_back(i);
+      seg_begin.push_back(static_cast<int64_t>(seg.size()));
+      owned_begin.push_back(static_cast<int64_t>(owned.size()));
+    }
+    for (int64_t j = 0; j < J; ++j) updates.push_back(upds[j].contiguous());
+    for (const int64_t t : target) work.push_back(targets[t].is_contiguous() ? targets[t] : targets[t].contiguous());
+  }
+
+  int64_t active() const { return static_cast<int64_t>(target.size()); }
+
+  // Write the results of non-contiguous targets back (after the kernel ran into `work`).
+  void copy_back(at::TensorList targets) const {
+    for (int64_t a = 0; a < active(); ++a)
+      if (!work[a].is_same(targets[target[a]])) targets[target[a]].copy_(work[a]);
+  }
+
+ private:
+  // A target must not share memory with another target, nor with an update (the kernel would read
+  // what it writes). Spans are sorted, so the usual case (nothing overlaps) costs O(T log T).
+  void check_no_overlap(at::TensorList targets, at::TensorList upds, const char* op) const {
+    struct Span {
+      uintptr_t begin, end;
+      bool is_target;
+      int64_t index;
+    };
+    auto span_of = [](const at::Tensor& t, bool is_target, int64_t index) {
+      int64_t last = 0;
+      for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+      const auto b = reinterpret_cast<uintptr_t>(t.const_data_ptr()) ;
+      return Span{b, b + static_cast<uintptr_t>((last + 1) * t.element_size()), is_target, index};
+    };
+    std::vector<Span> spans;
+    for (const int64_t t : target) {
+      const auto& x = targets[t];
+      if (x.numel() == 0) continue;
+      TORCH_CHECK(at::has_internal_overlap(x) != at::MemOverlap::Yes, op, ": targets[", t,
+                  "] has elements that share memory (an expanded view?); it cannot be written in place");
+      spans.push_back(span_of(x, true, t));
+    }
+    for (size_t j = 0; j < upds.size(); ++j)
+      if (upds[j].numel() > 0) spans.push_back(span_of(upds[j], false, static_cast<int64_t>(j)));
+    std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+    for (size_t a = 0; a < spans.size(); ++a) {
+      for (size_t b = a + 1; b < spans.size() && spans[b].begin < spans[a].end; ++b) {
+        const Span &x = spans[a], &y = spans[b];
+        if (!x.is_target && !y.is_target) continue;
+        const auto& tx = x.is_target ? targets[x.index] : upds[x.index];
+        const auto& ty = y.is_target ? targets[y.index] : upds[y.index];
+        if (at::get_overlap_status(tx, ty) == at::MemOverlapStatus::No) continue;
+        const Span& t = x.is_target ? x : y;
+        const Span& o = x.is_target ? y : x;
+        TORCH_CHECK(false, op, ": targets[", t.index, "] shares memory with ", o.is_target ? "targets[" : "updates[",
+                    o.index, "]; targets are written in place and must not alias another target or an update");
+      }
+    }
+  }
+};
+
+}  // namespace ist

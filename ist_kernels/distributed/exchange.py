@@ -1,0 +1,712 @@
+"""Owner-averaged exchange of partitioned slices between rounds (ResIST §2.5, Figure 3).
+
+After round t, rank s holds subnetwork s of plan t (decentralized storage: only its compact tensors
+and the shared ones) or the whole model (replicated storage). :class:`Exchange` gives every rank its
+part of round t+1 in two collectives:
+
+1. pack, with one ``slice_gather``, the slices every other rank needs (decentralized: the slices
+   that rank owns in plan t+1; replicated: everything this rank updated), peers in rank order;
+2. one ``all_to_all_single`` with per-peer split sizes (both ends know them from the plans);
+3. one flat ``all_reduce`` (sum, then / S) of the shared tensors;
+4. unpack with one ``slice_scatter_(reduce="mean")`` whose segments come in ascending source rank,
+   so a slice owned by several subnetworks is the mean of their values taken in the same order
+   as in the simulated single-process path (``slice_scatter_`` over subnetworks 0..S-1, then
+   ``slice_gather`` of the next subnetwork): the partitioned part is bit-identical to it.
+
+The shared part: ``shared="all_reduce"`` (default) sums in the backend's order (ring chunks), so
+it equals the simulated mean to a few ulps (|error| <= (S-1) * eps * max|x| per element), not bit
+for bit. ``shared="exact"`` moves the shared tensors through the same all-to-all (as one slice that
+every subnetwork owns) and averages them with the same ``slice_scatter_``: bit-identical to the
+simulated path, one collective per round, (S-1) times the shared bytes per rank instead of the
+ring all-reduce's 2(S-1)/S.
+
+Plans are never sent: every rank derives both from the shared seed.
+"""
+from dataclasses import dataclass, field
+from datetime import timedelta
+from math import prod
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..partition.plan import SlicePlan
+from . import quantize as Q
+from .group import collective_timeout, wait_collective
+from .routing import (
+    Entry,
+    Routing,
+    first_owner,
+    owner_ids,
+    passthrough_entries,
+    per_entry_count,
+    route,
+    sole_owner_in_place,
+)
+
+Spec = Mapping[str, Union[Tensor, Tuple[Sequence[int], torch.dtype]]]
+
+_STORAGE = ("decentralized", "replicated")
+_SHARED = ("all_reduce", "exact")
+
+
+@dataclass
+class CommStats:
+    """What one call moved, counted from the buffers passed to the collectives (this rank)."""
+    round: Optional[int]
+    world_size: int
+    collectives: int = 0
+    all_to_all_bytes_sent: int = 0  # to other ranks (the part addressed to this rank itself excluded)
+    all_to_all_bytes_received: int = 0
+    all_reduce_bytes: int = 0  # bytes of the flat buffer(s) passed to all_reduce
+    seconds: float = 0.0
+    collective_seconds: Dict[str, float] = field(default_factory=dict)
+
+    @property
+    def all_reduce_wire_bytes(self) -> int:
+        """Bytes a rank sends (and receives) in a bandwidth-optimal (ring) all-reduce of the buffer:
+        2 (S - 1) / S of it."""
+        S = self.world_size
+        return (2 * (S - 1) * self.all_reduce_bytes) // S if S > 0 else 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.all_to_all_bytes_sent + self.all_reduce_wire_bytes
+
+    @property
+    def bytes_received(self) -> int:
+        return self.all_to_all_bytes_received + self.all_reduce_wire_bytes
+
+
+def _normalise_spec(spec: Spec) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+    out = {}
+    for name, v in spec.items():
+        if isinstance(v, Tensor):
+            out[name] = (tuple(v.shape), v.dtype)
+        else:
+            shape, dtype = v
+            out[name] = (tuple(shape), dtype)
+    return out
+
+
+def _functional():
+    from .. import functional as F
+
+    if not hasattr(F, "slice_gather") or not hasattr(F, "slice_scatter_"):
+        raise RuntimeError("ist_kernels.distributed needs ist_kernels.functional.slice_gather / slice_scatter_")
+    return F
+
+
+class _Mover:
+    """Pack -> (quantise) -> one all_to_all_single -> unpack with owner means, for one routing.
+
+    Buffer layout: per destination rank in rank order its segments (tensors in entry order: floating
+    ones first, then integer ones), then this rank's own part, which never goes on the wire.
+    Quantised wire chunk per peer: [fp32 scale per floating segment][integer segments, raw in the
+    buffer dtype][int8 codes of the floating segments], each part padded to the alignment.
+    """
+
+    def __init__(self, entries: List[Entry], routing: Routing, dtype: torch.dtype):
+        self.entries = entries
+        self.routing = routing
+        self.dtype = dtype
+        self.esize = torch.empty(0, dtype=dtype).element_size()
+        self.align = max(4, self.esize)
+        r, S = routing.rank, routing.world_size
+        self.peers = [q for q in range(S) if q != r]
+        self.pack = [seg for q in self.peers for seg in routing.send[q]] + routing.send[r]
+        self.wire_numel = sum(routing.send_numel[q] for q in self.peers)
+        self.recv_wire_numel = sum(routing.recv_numel[k] for k in self.peers)
+        self.source_entries = sorted({s.entry for s in self.pack})
+        self.target_entries = sorted({s.entry for segs in routing.recv for s in segs})
+        self.q_send = [self._qlayout(routing.send[q]) if q != r else (0, 0, 0, 0, 0) for q in range(S)]
+        self.q_recv = [self._qlayout(routing.recv[k]) if k != r else (0, 0, 0, 0, 0) for k in range(S)]
+        self._dev: Dict[torch.device, tuple] = {}
+
+    def _qlayout(self, segs):
+        """(bytes, scales, raw integer part offset, codes offset, floating elements) of one chunk."""
+        pad = lambda n: (n + self.align - 1) // self.align * self.align  # noqa: E731
+        n_f = sum(1 for s in segs if not self.entries[s.entry].integral)
+        f_el = sum(s.numel for s in segs if not self.entries[s.entry].integral)
+        i_el = sum(s.numel for s in segs if self.entries[s.entry].integral)
+        raw = pad(4 * n_f)
+        codes = raw + pad(self.esize * i_el)
+        return pad(codes + f_el), n_f, raw, codes, f_el
+
+    def _indices(self, device):
+        if device not in self._dev:
+            move = (lambda i: i) if device.type == "cpu" else (lambda i: i.to(device, non_blocking=True))
+            pack_idx = [move(s.index) for s in self.pack]
+            recv_idx = [[move(s.index) for s in segs] for segs in self.routing.recv]
+            self._dev[device] = (pack_idx, recv_idx)
+        return self._dev[device]
+
+    def run(self, sources: Dict[int, Tensor], targets: Dict[int, Tensor], *, quantize: bool, device,
+            name: str, round: Optional[int], group, timeout: timedelta, stats: CommStats) -> None:
+        """sources: entry -> this rank's tensor, viewed as the entry's compact shape;
+        targets: entry -> tensor to write the owner means into (same views, own dtype)."""
+        F = _functional()
+        r, S = self.routing.rank, self.routing.world_size
+        pack_idx, recv_idx = self._indices(device)
+        src_list = [sources[e] if not self.entries[e].integral else
+                    _as_buffer(sources[e], self.dtype, self.entries[e].name, name) for e in self.source_entries]
+        src_pos = {e: i for i, e in enumerate(self.source_entries)}
+        if self.pack:
+            send = F.slice_gather(src_list, [src_pos[s.entry] for s in self.pack], pack_idx,
+                                  [self.entries[e].dim for e in self.source_entries])
+        else:
+            send = torch.empty(0, dtype=self.dtype, device=device)
+        own = send[self.wire_numel:]
+
+        if quantize:
+            # one scale per (this rank, tensor) over everything it sends of that tensor; its own
+            # part is dequantised too, so every copy of a slice ends up equal on every rank
+            views = torch.split(send, [s.numel for s in self.pack])
+            fl = [j for j, s in enumerate(self.pack) if not self.entries[s.entry].integral]
+            seg_entry = torch.tensor([self.pack[j].entry for j in fl], dtype=torch.int64, device=device)
+            fviews = [views[j] for j in fl]
+            scales = Q.segment_scales(fviews, seg_entry, len(self.entries))
+            Q.quantize_(fviews, scales)  # send's floating segments now hold the codes, as floats
+            n_own = sum(1 for s in self.routing.send[r] if not self.entries[s.entry].integral)
+            Q.dequantize_(fviews[len(fviews) - n_own:], scales[len(fviews) - n_own:])
+            wire = torch.empty(sum(c[0] for c in self.q_send), dtype=torch.uint8, device=device)
+            off = f_seg = el = 0
+            for q in self.peers:
+                size, n_f, raw, codes, f_el = self.q_send[q]
+                i_el = self.routing.send_numel[q] - f_el
+                chunk = wire[off:off + size]
+                chunk[:4 * n_f].view(torch.float32).copy_(scales[f_seg:f_seg + n_f])
+                chunk[raw:raw + self.esize * i_el].view(self.dtype).copy_(send[el + f_el:el + f_el + i_el])
+                chunk[codes:codes + f_el].view(torch.int8).copy_(send[el:el + f_el])
+                off, f_seg, el = off + size, f_seg + n_f, el + f_el + i_el
+            out = torch.empty(sum(c[0] for c in self.q_recv), dtype=torch.uint8, device=device)
+            in_splits, out_splits, esize = [c[0] for c in self.q_send], [c[0] for c in self.q_recv], 1
+        else:
+            wire = send[:self.wire_numel]
+            out = torch.empty(self.recv_wire_numel, dtype=self.dtype, device=device)
+            in_splits = [self.routing.send_numel[q] if q != r else 0 for q in range(S)]
+            out_splits = [self.routing.recv_numel[k] if k != r else 0 for k in range(S)]
+            esize = self.esize
+
+        stats.collective_seconds[name] = wait_collective(
+            lambda: dist.all_to_all_single(out, wire, out_splits, in_splits, group=group, async_op=True),
+            name=name, round=round, timeout=timeout, group=group)
+        stats.collectives += 1
+        stats.all_to_all_bytes_sent += sum(in_splits) * esize
+        stats.all_to_all_bytes_received += sum(out_splits) * esize
+
+        if quantize:  # decode every peer's chunk into one flat buffer in rank order
+            recv = torch.empty(self.recv_wire_numel, dtype=self.dtype, device=device)
+            off = el = 0
+            scales_in, fviews = [], []
+            for k in self.peers:
+                size, n_f, raw, codes, f_el = self.q_recv[k]
+                i_el = self.routing.recv_numel[k] - f_el
+                chunk = out[off:off + size]
+                scales_in.append(chunk[:4 * n_f].view(torch.float32))
+                recv[el:el + f_el].copy_(chunk[codes:codes + f_el].view(torch.int8))
+                recv[el + f_el:el + f_el + i_el].copy_(chunk[raw:raw + self.esize * i_el].view(self.dtype))
+                fviews += list(torch.split(recv[el:el + f_el], [s.numel for s in self.routing.recv[k]
+                                                                 if not self.entries[s.entry].integral]))
+                off, el = off + size, el + f_el + i_el
+            Q.dequantize_(fviews, torch.cat(scales_in) if scales_in else torch.zeros(0, device=device))
+        else:
+            recv = out
+
+        # unpack: segments from ranks 0..S-1 in order (this rank's own part taken from `own`);
+        # integer targets take the owner mean in the buffer dtype, then truncate back
+        tgt_list = [targets[e] if not self.entries[e].integral else targets[e].to(self.dtype)
+                    for e in self.target_entries]
+        tgt_pos = {e: i for i, e in enumerate(self.target_entries)}
+        updates, ids, idx = [], [], []
+        recv_off = 0
+        for k in range(S):
+            buf, off = (own, 0) if k == r else (recv, recv_off)
+            for seg, index in zip(self.routing.recv[k], recv_idx[k]):
+                e = self.entries[seg.entry]
+                updates.append(buf[off:off + seg.numel].view(e.compact_shape(index.numel())))
+                ids.append(tgt_pos[seg.entry])
+                idx.append(index)
+                off += seg.numel
+            if k != r:
+                recv_off = off
+        if updates:
+            F.slice_scatter_(tgt_list, ids, updates, idx, [self.entries[e].dim for e in self.target_entries],
+                             reduce="mean")
+        for e, t in zip(self.target_entries, tgt_list):
+            if self.entries[e].integral:
+                targets[e].copy_(t)
+
+
+def _all_reduce_mean_(tensors: List[Tensor], *, name: str, round, group, timeout, stats: CommStats) -> None:
+    """Average ``tensors`` over the group in place: one flat all_reduce per dtype (sum, then / S)."""
+    S = dist.get_world_size(group)
+    by_dtype: Dict[torch.dtype, List[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype, ts in by_dtype.items():
+        if not (dtype.is_floating_point or dtype.is_complex):
+            raise TypeError(f"{name}: can only average floating tensors, got {dtype}")
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        stats.collective_seconds[name] = stats.collective_seconds.get(name, 0.0) + wait_collective(
+            lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True),
+            name=name, round=round, timeout=timeout, group=group)
+        stats.collectives += 1
+        stats.all_reduce_bytes += flat.numel() * flat.element_size()
+        flat.div_(S)
+        views = list(torch.split(flat, [t.numel() for t in ts]))
+        torch._foreach_copy_(ts, [v.view(t.shape) for v, t in zip(views, ts)])
+
+
+def _plan_masks(plan: SlicePlan, spec, S: int, shared_as_slice: bool, what: str):
+    """The all-to-all entries of a plan (partitioned tensors, plus the shared ones as one slice each
+    when shared_as_slice; floating tensors first, then integer ones) and its [S, N] owner mask.
+
+    Integer partitioned tensors (e.g. the BN step counters of a ResIST block) travel with their
+    block, as exact integers in the floating buffer; integer shared tensors are counters that every
+    rank keeps as they are. A 0-d tensor is one slice (viewed as [1])."""
+    missing = [t.name for t in plan.tensors if t.name not in spec]
+    if missing:
+        raise KeyError(f"spec lacks tensors of the {what} plan: {missing[:8]}")
+    found = []
+    everyone = [torch.zeros(1, dtype=torch.int64)] * S
+    for t in plan.tensors:
+        shape, dtype = spec[t.name]
+        if t.shared:
+            if not shared_as_slice or not dtype.is_floating_point:
+                continue
+            found.append((Entry(t.name, 0, (1, prod(shape)), shape, dtype, True), everyone))
+            continue
+        if not shape:
+            if t.dim not in (0, -1):
+                raise ValueError(f"the {what} plan partitions the scalar {t.name!r} along dim {t.dim}; use 0")
+            e = Entry(t.name, 0, (1,), shape, dtype, False)
+        elif not -len(shape) <= t.dim < len(shape):
+            raise ValueError(f"the {what} plan partitions {t.name!r} of shape {shape} along dim {t.dim}, "
+                             f"which it does not have")
+        else:
+            e = Entry(t.name, t.dim % len(shape), shape, shape, dtype, False)
+        found.append((e, [o.cpu() for o in t.owners]))
+    found = [f for f in found if not f[0].integral] + [f for f in found if f[0].integral]
+    base = 0
+    for e, _ in found:
+        e.base = base
+        base += e.size
+    entries = [e for e, _ in found]
+    return entries, owner_ids(entries, [o for _, o in found], S, f"the {what} plan")
+
+
+def _buffer_dtype(entries: List[Entry], who: str) -> torch.dtype:
+    """The one floating dtype of the all-to-all buffer (float64 when only integers travel)."""
+    floats = sorted({e.dtype for e in entries if not e.integral}, key=str)
+    if len(floats) > 1:
+        raise TypeError(f"{who}: the tensors moved through the all-to-all must share one floating dtype "
+                        f"(one buffer), got {floats}; exchange each dtype's tensors in a separate call (names=...)")
+    return floats[0] if floats else torch.float64
+
+
+def _as_buffer(t: Tensor, dtype: torch.dtype, name: str, who: str) -> Tensor:
+    """An integer tensor as exact floats of the buffer dtype (checked: |v| <= 1 / eps)."""
+    limit = 1 / torch.finfo(dtype).eps
+    if t.numel() and int(t.abs().max()) > limit:
+        raise ValueError(f"{who}: integer tensor {name!r} holds values beyond {limit:g}, which {dtype} cannot "
+                         f"carry exactly; exchange it in a separate call (names=...), which moves it in float64")
+    return t.to(dtype)
+
+
+def _check_covered(entries: List[Entry], mask: Tensor, what: str, hint: str) -> None:
+    hole = (~mask.any(0)).nonzero().flatten()
+    if hole.numel():
+        i = int(hole[0])
+        e = max((x for x in entries if x.base <= i), key=lambda x: x.base)
+        raise ValueError(f"{what} slice {i - e.base} along dim {e.dim} of {e.name!r} ({hole.numel()} slices in "
+                         f"all) has no owner, and no rank would hold it; {hint}")
+
+
+def plan_fingerprint(plan: SlicePlan) -> int:
+    """A 32-bit checksum of a plan (names, dims, owner indices), equal on ranks that derived the same plan."""
+    import zlib
+
+    h = zlib.crc32(repr((plan.num_subnetworks, [(t.name, t.dim) for t in plan.tensors])).encode())
+    for t in plan.partitioned:
+        for o in t.owners:
+            h = zlib.crc32(o.detach().to("cpu", torch.int64).contiguous().numpy().tobytes(), h)
+            h = zlib.crc32(b"|", h)
+    return h
+
+
+def plan_bytes(current: SlicePlan, next: Optional[SlicePlan], spec: Spec, *, storage: str = "decentralized",
+               shared: str = "all_reduce", names: Optional[Sequence[str]] = None) -> List[CommStats]:
+    """What every rank's :class:`Exchange` call will move, from the plans alone (no process group):
+    one CommStats per rank (bytes unquantised; ``seconds`` 0)."""
+    if storage not in _STORAGE or shared not in _SHARED:
+        raise ValueError(f"plan_bytes: storage in {_STORAGE}, shared in {_SHARED}")
+    spec = _normalise_spec(spec)
+    S = current.num_subnetworks
+    chosen = set(names if names is not None else current.names())
+    entries, cur = _plan_masks(current, spec, S, shared == "exact", "current")
+    if storage == "decentralized":
+        if next is None:
+            raise ValueError("plan_bytes: decentralized storage needs the next plan")
+        dst = _plan_masks(next, spec, S, shared == "exact", "next")[1]
+    else:
+        dst = torch.ones_like(cur)
+    keep = torch.zeros(cur.shape[1], dtype=torch.bool)
+    w = torch.zeros(cur.shape[1], dtype=torch.float64)
+    esize = torch.empty(0, dtype=_buffer_dtype([e for e in entries if e.name in chosen], "plan_bytes")).element_size()
+    for e in entries:
+        if e.name in chosen:
+            keep[e.base:e.base + e.size] = True
+            w[e.base:e.base + e.size] = e.slice_numel * esize
+    # M[k, q]: bytes rank k sends rank q
+    M = (cur.double() * w) @ (dst & keep).double().T
+    diag = M.diagonal()
+    sent, recv = (M.sum(1) - diag).tolist(), (M.sum(0) - diag).tolist()
+    ar_bytes, ar_dtypes = 0, set()
+    if shared == "all_reduce":
+        for t in current.shared:
+            shape, dtype = spec[t.name]
+            if t.name in chosen and dtype.is_floating_point:
+                ar_bytes += prod(shape) * torch.empty(0, dtype=dtype).element_size()
+                ar_dtypes.add(dtype)
+    a2a = 1 if any(e.name in chosen for e in entries) else 0
+    return [CommStats(None, S, a2a + len(ar_dtypes), int(sent[r]), int(recv[r]), ar_bytes) for r in range(S)]
+
+
+class Exchange:
+    """Move every rank from its part of ``current``'s round to its part of ``next``'s.
+
+    current, next: this round's and the next round's plans (next unused with replicated storage).
+    spec: name -> global tensor (a meta tensor will do) or (shape, dtype), for every plan tensor;
+        required with decentralized storage (a rank does not hold the tensors it does not own).
+    storage: "decentralized": rank s holds subnetwork s's compact tensors
+        (``global[t].index_select(dim, current.owners[s])`` for every partitioned t it owns, none
+        for the others) and the shared tensors; the call returns its next compact tensors (new
+        ones, or the same tensor where it stays unchanged with its sole owner, e.g. a ResIST block
+        that does not move) and the shared ones (averaged in place). Every slice must be owned by
+        >= 1 subnetwork in both plans (otherwise nobody would hold it). "replicated": every rank holds every tensor
+        full size and gets the whole aggregated model in place: owner means where >= 1 subnetwork
+        owned a slice this round, unchanged elsewhere.
+    shared: "all_reduce" (one flat all_reduce; ulp-close) or "exact" (through the all-to-all;
+        bit-identical to the simulated path). See the module docstring.
+    quantize: None or "int8" (paper 003 A.5; the all-to-all part only, one scale per slice).
+    Integer tensors: a shared one (a counter such as BN num_batches_tracked) is returned as it is,
+    never averaged; a partitioned one (a ResIST block's counter) moves with its slices, exactly, in
+    the floating buffer (integer owner mean, toward zero, like slice_scatter_ on integers).
+    round: the round number, named in errors. timeout: seconds each collective may wait (default:
+        the one given to init_process_group).
+
+    verify_plans: check, with one all_gather at construction, that every rank derived the same plans
+        (for debugging; plans are otherwise never communicated).
+
+    ``last_stats`` holds what the last call moved; ``history`` every call's stats.
+    """
+
+    def __init__(self, current: SlicePlan, next: Optional[SlicePlan] = None, spec: Optional[Spec] = None, *,
+                 storage: str = "decentralized", shared: str = "all_reduce", quantize: Optional[str] = None,
+                 round: Optional[int] = None, group=None, timeout: Union[None, float, timedelta] = None,
+                 verify_plans: bool = False):
+        if storage not in _STORAGE:
+            raise ValueError(f"Exchange: storage must be one of {_STORAGE}, got {storage!r}")
+        if shared not in _SHARED:
+            raise ValueError(f"Exchange: shared must be one of {_SHARED}, got {shared!r}")
+        if quantize not in (None, "int8"):
+            raise ValueError(f"Exchange: quantize must be None or 'int8', got {quantize!r}")
+        if storage == "decentralized" and (next is None or spec is None):
+            raise ValueError("Exchange: decentralized storage needs the next plan and the spec (global shapes)")
+        if not dist.is_initialized():
+            raise RuntimeError("Exchange: no process group; call ist_kernels.distributed.init_process_group first")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        for what, plan in (("current", current), ("next", next)):
+            if plan is not None and plan.num_subnetworks != self.world_size:
+                raise ValueError(f"Exchange: the {what} plan has {plan.num_subnetworks} subnetworks but the group "
+                                 f"has {self.world_size} ranks (one subnetwork per rank)")
+        self.current, self.next, self.storage, self.shared = current, next, storage, shared
+        self.quantize, self.round = quantize, round
+        self.timeout = collective_timeout(timeout)
+        self.last_stats: Optional[CommStats] = None
+        self.history: List[CommStats] = []
+        self._layouts: Dict[Tuple[str, ...], tuple] = {}
+        self._spec = _normalise_spec(spec) if spec is not None else None
+        if self._spec is not None:
+            self._prepare(self._spec)
+        if verify_plans:
+            self._verify_plans()
+
+    def _verify_plans(self) -> None:
+        """One all_gather of the plans' fingerprints: every rank must have derived the same plans
+        (a mismatch would make the all-to-all split sizes disagree)."""
+        mine = torch.tensor([plan_fingerprint(self.current),
+                             plan_fingerprint(self.next) if self.next is not None else 0], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        wait_collective(lambda: dist.all_gather(everyone, mine, group=self.group, async_op=True),
+                        name="all_gather (plan fingerprints)", round=self.round, timeout=self.timeout,
+                        group=self.group)
+        differ = [k for k, fp in enumerate(everyone) if not torch.equal(fp, mine)]
+        if differ:
+            raise ValueError(f"Exchange: rank {self.rank} derived different plans than ranks {differ} in round "
+                             f"{self.round}; every rank must build the plans from the same seed and round")
+
+    # ---- plans -> owner masks over every plan tensor (once), routing per name set (cached)
+    def _prepare(self, spec):
+        cur, nxt = self.current, self.next
+        if nxt is not None:
+            a = {t.name: t.dim for t in cur.tensors}
+            b = {t.name: t.dim for t in nxt.tensors}
+            if a != b:
+                diff = sorted(n for n in set(a) | set(b) if a.get(n, "absent") != b.get(n, "absent"))
+                raise ValueError(f"Exchange: the current and next plans must hold the same tensors with the same "
+                                 f"dims (shared: None); they differ at {diff[:8]}")
+        self._entries, self._cur_mask = _plan_masks(cur, spec, self.world_size, self.shared == "exact", "current")
+        self._nxt_mask = (_plan_masks(nxt, spec, self.world_size, self.shared == "exact", "next")[1]
+                          if nxt is not None else None)
+        self._shared_names = [t.name for t in cur.tensors if t.shared and spec[t.name][1].is_floating_point]
+        self._counters = {t.name for t in cur.tensors if t.shared and not spec[t.name][1].is_floating_point}
+        if self.storage == "decentralized":
+            for what, mask in (("current", self._cur_mask), ("next", self._nxt_mask)):
+                _check_covered(self._entries, mask, f"Exchange: decentralized storage needs every partitioned "
+                               f"slice owned by >= 1 subnetwork, but in the {what} plan (round {self.round})",
+                               "use storage='replicated' for plans with unowned slices (e.g. Bernoulli masks)")
+
+    def _layout(self, names: Tuple[str, ...], quantized: bool):
+        key = (names, quantized)
+        if key in self._layouts:
+            return self._layouts[key]
+        chosen = set(names)
+        sel = [e for e in self._entries if e.name in chosen]
+        cols, sub, base = [], [], 0
+        for e in sel:
+            cols.append(torch.arange(e.base, e.base + e.size))
+            sub.append(Entry(e.name, e.dim, e.shape, e.real_shape, e.dtype, e.shared, base))
+            base += e.size
+        cols = torch.cat(cols) if cols else torch.zeros(0, dtype=torch.int64)
+        cur = self._cur_mask[:, cols]
+        r, S = self.rank, self.world_size
+        if self.storage == "decentralized":
+            # a compact tensor that stays with its sole owner is handed back as it is
+            nxt = self._nxt_mask[:, cols]
+            passthrough = passthrough_entries(sub, cur, nxt, r)
+            flag = torch.zeros(len(sub), dtype=torch.bool)
+            flag[passthrough] = True
+            keep = torch.repeat_interleave(flag, torch.tensor([e.size for e in sub], dtype=torch.int64))
+            routing = route(sub, r, cur, nxt, source_held=cur[r], target_held=nxt[r], keep_own=keep)
+            cur_rows = per_entry_count(cur[r], sub).tolist() if sub else []
+            nxt_rows = per_entry_count(nxt[r], sub).tolist() if sub else []
+        else:
+            # a slice only this rank updated is already in place (unless quantised: then every
+            # replica, this one too, takes the dequantised value, so that replicas stay equal)
+            passthrough = []
+            keep = None if quantized else sole_owner_in_place(cur, r)
+            routing = route(sub, r, cur, torch.ones_like(cur), source_held=None, target_held=None, keep_own=keep)
+            cur_rows = nxt_rows = [e.size for e in sub]
+        mover = _Mover(sub, routing, _buffer_dtype(sub, "Exchange"))
+        ar = [n for n in self._shared_names if n in chosen] if self.shared == "all_reduce" else []
+        lay = (sub, mover, cur_rows, nxt_rows, ar, set(passthrough))
+        self._layouts[key] = lay
+        return lay
+
+    def prepare(self, names: Optional[Sequence[str]] = None) -> "Exchange":
+        """Derive this rank's routing for ``names`` now (the first call would otherwise), e.g. while
+        the last local steps run. Needs the spec. Returns self."""
+        if self._spec is None:
+            raise ValueError("Exchange.prepare: needs the spec (given at construction)")
+        plan_names = self.current.names()
+        chosen = set(plan_names if names is None else names)
+        self._layout(tuple(n for n in plan_names if n in chosen), self.quantize == "int8")
+        return self
+
+    def _names(self, local: Mapping[str, Tensor], names: Optional[Sequence[str]]) -> Tuple[str, ...]:
+        plan_names = self.current.names()
+        if names is None:
+            names = plan_names
+        unknown = [n for n in names if n not in set(plan_names)]
+        if unknown:
+            raise KeyError(f"Exchange: names not in the plan: {unknown[:8]}")
+        extra = [n for n in local if n not in set(names)]
+        if extra:
+            raise KeyError(f"Exchange: local holds tensors outside the exchanged names: {extra[:8]} "
+                           f"(pass names=..., or leave them out)")
+        chosen = set(names)
+        return tuple(n for n in plan_names if n in chosen)
+
+    # ---- the exchange
+    @torch.no_grad()
+    def __call__(self, local: Mapping[str, Tensor], names: Optional[Sequence[str]] = None, *,
+                 quantize: Union[None, str, bool] = False) -> Dict[str, Tensor]:
+        """Exchange ``local`` (this rank's tensors, parameters and buffers or optimizer state keyed
+        like them) and return this rank's tensors for the next round (see the class docstring).
+
+        names: the plan tensors this call moves (default: all); the same on every rank.
+        quantize: False keeps the exchange's setting; None / "int8" override it for this call.
+        """
+        import time
+
+        t0 = time.perf_counter()
+        if self._spec is None:  # replicated storage without a spec: the full local tensors are it
+            self._spec = _normalise_spec(local)
+            self._prepare(self._spec)
+        q = self.quantize if quantize is False else quantize
+        if q not in (None, "int8"):
+            raise ValueError(f"Exchange: quantize must be None or 'int8', got {q!r}")
+        names = self._names(local, names)
+        sub, mover, cur_rows, nxt_rows, ar, passthrough = self._layout(names, q == "int8")
+        r = self.rank
+        decentral = self.storage == "decentralized"
+
+        index_of = {e.name: i for i, e in enumerate(sub)}
+        device = None
+        for n in names:
+            shape, dtype = self._spec[n]
+            i = index_of.get(n)
+            if decentral and i is not None and not sub[i].shared:
+                expect, held = sub[i].local_shape(cur_rows[i]), cur_rows[i] > 0
+            else:
+                expect, held = shape, True
+            t = local.get(n)
+            if t is None:
+                if held:
+                    raise KeyError(f"Exchange: rank {r} holds {n!r} in round {self.round} ({self.storage} storage) "
+                                   f"but local lacks it")
+                continue
+            if tuple(t.shape) != tuple(expect) or t.dtype != dtype:
+                raise ValueError(f"Exchange: {n!r} on rank {r} must have shape {tuple(expect)} and dtype {dtype} "
+                                 f"(round {self.round}, {self.storage} storage), got {tuple(t.shape)} {t.dtype}")
+            if device is None:
+                device = t.device
+            elif t.device != device:
+                raise ValueError(f"Exchange: all tensors must be on one device, {n!r} is on {t.device}, not {device}")
+        if device is None:
+            device = torch.device("cpu")
+
+        sources, targets = {}, {}
+        stats = CommStats(self.round, self.world_size)
+        out: Dict[str, Tensor] = {}
+        for i, e in enumerate(sub):
+            t = local.get(e.name)
+            if t is not None:
+                if not t.is_contiguous():
+                    if not decentral or e.shared:
+                        raise ValueError(f"Exchange: {e.name!r} is written in place and must be contiguous")
+                    t = t.contiguous()
+                sources[i] = t.view(e.compact_shape(cur_rows[i]))
+            if e.shared or not decentral:
+                targets[i] = sources[i]  # in place
+                out[e.name] = local[e.name]
+            elif i in passthrough:
+                out[e.name] = t
+            elif nxt_rows[i] > 0:
+                tgt = torch.empty(e.local_shape(nxt_rows[i]), dtype=e.dtype, device=device)
+                targets[i] = tgt.view(e.compact_shape(nxt_rows[i]))
+                out[e.name] = tgt
+        if sub:
+            mover.run(sources, targets, quantize=q == "int8", device=device,
+                      name="all_to_all_single (partitioned slices)", round=self.round, group=self.group,
+                      timeout=self.timeout, stats=stats)
+        for n in names:
+            if n in self._counters and n in local:
+                out[n] = local[n]
+        if ar:
+            _all_reduce_mean_([local[n] for n in ar], name="all_reduce (shared tensors)", round=self.round,
+                              group=self.group, timeout=self.timeout, stats=stats)
+            for n in ar:
+                out[n] = local[n]
+        stats.seconds = time.perf_counter() - t0
+        self.last_stats = stats
+        self.history.append(stats)
+        return {n: out[n] for n in names if n in out}
+
+
+@torch.no_grad()
+def gather_full_model(local: Mapping[str, Tensor], plan: SlicePlan, spec: Spec, *, dst: int = 0,
+                      reduce: str = "copy", round: Optional[int] = None, group=None,
+                      timeout: Union[None, float, timedelta] = None,
+                      stats: Optional[List[CommStats]] = None) -> Optional[Dict[str, Tensor]]:
+    """Assemble the full model on rank ``dst`` from decentralized storage, in one all_to_all_single.
+
+    local: this rank's compact tensors under ``plan`` and its shared tensors (as for Exchange).
+    reduce: "copy": every slice from its lowest-rank owner and the shared tensors from ``dst``
+        (right after an Exchange, when all copies of a slice are equal); "mean": owner means and
+        the mean of the shared tensors over all ranks (the aggregate, e.g. at the end of a round
+        before the exchange; bit-identical to the simulated aggregation).
+    Returns name -> full tensor (new) on ``dst``, None on the other ranks. ``local`` is not changed.
+    """
+    import time
+
+    t0 = time.perf_counter()
+    if reduce not in ("copy", "mean"):
+        raise ValueError(f"gather_full_model: reduce must be 'copy' or 'mean', got {reduce!r}")
+    if not dist.is_initialized():
+        raise RuntimeError("gather_full_model: no process group; call init_process_group first")
+    r, S = dist.get_rank(group), dist.get_world_size(group)
+    if plan.num_subnetworks != S:
+        raise ValueError(f"gather_full_model: the plan has {plan.num_subnetworks} subnetworks, the group {S} ranks")
+    if not 0 <= dst < S:
+        raise ValueError(f"gather_full_model: dst must be in [0, {S}), got {dst}")
+    spec = _normalise_spec(spec)
+    entries, cur = _plan_masks(plan, spec, S, True, "gathered")
+    _check_covered(entries, cur, "gather_full_model: in the plan", "the full model cannot be assembled")
+    src = cur
+    if reduce == "copy":
+        src = first_owner(cur)
+        for e in entries:
+            if e.shared:
+                src[:, e.base] = False
+                src[dst, e.base] = True
+    need = torch.zeros_like(cur)
+    need[dst] = True
+    routing = route(entries, r, src, need, source_held=cur[r], target_held=None)
+    mover = _Mover(entries, routing, _buffer_dtype(entries, "gather_full_model"))
+    rows = per_entry_count(cur[r], entries).tolist() if entries else []
+    sources, targets, device = {}, {}, None
+    for i, e in enumerate(entries):
+        t = local.get(e.name)
+        expect = e.local_shape(rows[i])
+        if t is None:
+            if rows[i] > 0:
+                raise KeyError(f"gather_full_model: rank {r} holds {e.name!r} but local lacks it")
+            continue
+        if tuple(t.shape) != tuple(expect) or t.dtype != e.dtype:
+            raise ValueError(f"gather_full_model: {e.name!r} on rank {r} must have shape {tuple(expect)} and dtype "
+                             f"{e.dtype}, got {tuple(t.shape)} {t.dtype}")
+        device = device or t.device
+        sources[i] = t.contiguous().view(e.compact_shape(rows[i]))
+    device = device or torch.device("cpu")
+    out = {}
+    if r == dst:
+        for i, e in enumerate(entries):
+            out[e.name] = torch.empty(e.real_shape, dtype=e.dtype, device=device)
+            targets[i] = out[e.name].view(e.shape)
+    st = CommStats(round, S)
+    mover.run(sources, targets, quantize=False, device=device, name="all_to_all_single (gather full model)",
+              round=round, group=group, timeout=collective_timeout(timeout), stats=st)
+    st.seconds = time.perf_counter() - t0
+    if stats is not None:
+        stats.append(st)
+    if r != dst:
+        return None
+    for t in plan.tensors:  # counters (non-floating shared tensors): dst's own
+        if t.name not in out and t.name in local:
+            out[t.name] = local[t.name].clone()
+    return {t.name: out[t.name] for t in plan.tensors if t.name in out}
+
+
+@torch.no_grad()
+def average_model_(tensors: Union[Mapping[str, Tensor], Sequence[Tensor]], *, round: Optional[int] = None,
+                   group=None, timeout: Union[None, float, timedelta] = None) -> CommStats:
+    """The local-SGD baseline: average the whole model over the group in place, one flat all_reduce
+    (per dtype). Returns what it moved."""
+    import time
+
+    t0 = time.perf_counter()
+    ts = list(tensors.values()) if isinstance(tensors, Mapping) else list(tensors)
+    bad = [i for i, t in enumerate(ts) if not t.is_contiguous()]
+    if bad:
+        raise ValueError(f"average_model_: tensors are averaged in place and must be contiguous (not: {bad[:8]})")
+    st = CommStats(round, dist.get_world_size(group))
+    _all_reduce_mean_(ts, name="all_reduce (local SGD, full model)", round=round, group=group,
+                      timeout=collective_timeout(timeout), stats=st)
+    st.seconds = time.perf_counter() - t0
+    return st

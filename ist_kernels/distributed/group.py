@@ -1,0 +1,131 @@
+"""Process groups, created once, and collectives that fail loudly instead of hanging.
+
+``init_process_group`` picks NCCL for CUDA tensors and gloo for CPU tensors, reads torchrun's
+environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) or takes an explicit
+``init_method`` (``file://`` for tests spawned with torch.multiprocessing, ``tcp://host:port``) and
+keeps one timeout that every collective of this package waits at most.
+
+Every collective here is issued with ``async_op=True`` and waited with that timeout; a peer that
+died (gloo: connection closed) or stalls (no matching collective within the timeout) makes
+:func:`wait_collective` raise :class:`CollectiveError` naming the collective, the round, this rank
+and the group size. The process group is unusable afterwards (as torch.distributed states for any
+failed collective): the caller should tear down and exit.
+"""
+import os
+import time
+from datetime import timedelta
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+_timeout: timedelta = DEFAULT_TIMEOUT
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or did not complete within the timeout (a peer died or stalls)."""
+
+
+def _as_timedelta(timeout: Union[None, float, timedelta]) -> Optional[timedelta]:
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    if timeout <= 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    return timedelta(seconds=float(timeout))
+
+
+def default_backend(device: Union[str, torch.device, None] = None) -> str:
+    """'nccl' for CUDA tensors, 'gloo' for CPU tensors (device None: CUDA when available)."""
+    if device is None:
+        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_process_group(
+    backend: Optional[str] = None,
+    *,
+    device: Union[str, torch.device, None] = None,
+    timeout: Union[None, float, timedelta] = None,
+    init_method: Optional[str] = None,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+) -> dist.ProcessGroup:
+    """Create the default process group once and return it; later calls return the same group.
+
+    backend: 'nccl' or 'gloo'; None picks from ``device`` (see :func:`default_backend`).
+    timeout: seconds or timedelta every collective of this package waits at most (default 10 min).
+    init_method / rank / world_size: as torch.distributed.init_process_group; when all are None the
+    torchrun environment (``env://``) is used.
+    """
+    global _timeout
+    timeout = _as_timedelta(timeout)
+    if dist.is_initialized():
+        if backend is not None and dist.get_backend() != backend:
+            raise RuntimeError(
+                f"init_process_group: the default group already exists with backend "
+                f"{dist.get_backend()!r}, asked for {backend!r} (process groups are created once)")
+        if timeout is not None:
+            _timeout = timeout
+        return dist.group.WORLD
+    backend = backend or default_backend(device)
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"init_process_group: backend must be 'nccl' or 'gloo', got {backend!r}")
+    if init_method is None and (rank is None or world_size is None):
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"init_process_group: no init_method given and the torchrun environment lacks {missing}; "
+                f"run under torchrun or pass init_method='file://...' (or 'tcp://host:port'), rank and world_size")
+        init_method = "env://"
+    if backend == "nccl":
+        # A blocking wait makes Work.wait() honour the timeout and raise on the host instead of
+        # leaving the watchdog to abort the process.
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        local_rank = int(os.environ.get("LOCAL_RANK", rank if rank is not None else 0))
+        torch.cuda.set_device(local_rank % max(torch.cuda.device_count(), 1))
+    _timeout = timeout or DEFAULT_TIMEOUT
+    kwargs = dict(backend=backend, init_method=init_method, timeout=_timeout)
+    if rank is not None:
+        kwargs.update(rank=rank, world_size=world_size)
+    dist.init_process_group(**kwargs)
+    return dist.group.WORLD
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def collective_timeout(timeout: Union[None, float, timedelta] = None) -> timedelta:
+    """The timeout a collective waits: the argument, else the one given to init_process_group."""
+    return _as_timedelta(timeout) or _timeout
+
+
+def wait_collective(issue, *, name: str, round: Optional[int], timeout: timedelta, group=None):
+    """Issue ``issue()`` (a collective started with async_op=True) and wait at most ``timeout``.
+
+    Raises CollectiveError naming the collective and the round when it fails or times out.
+    Returns the seconds the collective took.
+    """
+    t0 = time.perf_counter()
+
+    def fail(reason, cause=None):
+        rank = dist.get_rank(group) if dist.is_initialized() else -1
+        size = dist.get_world_size(group) if dist.is_initialized() else -1
+        where = f"round {round}" if round is not None else "no round"
+        raise CollectiveError(
+            f"{name} ({where}) on rank {rank} of {size} {reason} after {time.perf_counter() - t0:.1f} s "
+            f"(timeout {timeout.total_seconds():g} s): a peer died, stalled or issued a different "
+            f"collective; the process group is unusable now") from cause
+
+    try:
+        work = issue()
+        done = work.wait(timeout=timeout)
+    except CollectiveError:
+        raise
+    except Exception as e:  # gloo: connection closed / timed out; nccl: blocking-wait timeout
+        fail(f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", e)
+    if done is False:
+        fail("timed out")
+    return time.perf_counter() - t0

@@ -1,0 +1,206 @@
+"""slice_gather / slice_scatter_: many tensors, each sliced along its own dim by index lists.
+
+Segment j of a gather is ``sources[source_ids[j]].index_select(dims[source_ids[j]], indices[j])``;
+all segments, flattened, make one 1-D buffer. A scatter writes compact segments back into their
+targets with reduce = copy / sum / mean over the owners (csrc/ops.cpp has the schemas,
+csrc/common/slices.h the math). The fake kernels check what can be checked without reading data
+(list lengths, dtypes, devices, dims, shapes); the kernels also check the index values.
+"""
+from typing import List, Sequence
+
+import torch
+
+from ._checks import check
+
+REDUCES = ("copy", "sum", "mean")
+# dtypes the sum / mean reductions support (copy moves any dtype)
+REDUCIBLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
+             torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def wrap_dims(op: str, tensors: Sequence[torch.Tensor], dims: Sequence[int], name: str,
+              same_dtype: bool = True) -> List[int]:
+    """One dim per tensor, wrapped; one device (and unless told otherwise one dtype) for all tensors."""
+    check(len(tensors) > 0, op, f"{name} is empty; give at least one tensor")
+    check(len(dims) == len(tensors), op, f"dims must have one entry per {name} ({len(tensors)}), got {len(dims)}")
+    out = []
+    for t, (x, d) in enumerate(zip(tensors, dims)):
+        check(not same_dtype or x.dtype == tensors[0].dtype, op,
+              f"{name}[{t}] has dtype {x.dtype} but {name}[0] has {tensors[0].dtype}; all {name} must share one "
+              "dtype (the functional wrappers group mixed dtypes)")
+        check(x.device == tensors[0].device, op,
+              f"{name}[{t}] is on {x.device} but {name}[0] is on {tensors[0].device}; all tensors must be on one device")
+        check(x.dim() >= 1, op, f"{name}[{t}] is 0-d; a sliced tensor needs at least 1 dimension")
+        check(-x.dim() <= d < x.dim(), op, f"dims[{t}] = {d} is out of range for {name}[{t}] with {x.dim()} dimensions")
+        out.append(d % x.dim())
+    return out
+
+
+def check_ids(op: str, ids: Sequence[int], count: int, ids_name: str, name: str) -> None:
+    for j, i in enumerate(ids):
+        check(0 <= i < count, op, f"{ids_name}[{j}] = {i} is out of range: there are {count} {name}")
+
+
+def check_index_lists(op: str, indices: Sequence[torch.Tensor], device: torch.device) -> None:
+    for j, idx in enumerate(indices):
+        check(idx.dtype == torch.int64, op, f"indices[{j}] must be int64, got {idx.dtype}")
+        check(idx.dim() == 1, op, f"indices[{j}] must be 1-D, got {idx.dim()} dimensions")
+        check(idx.device.type == "cpu" or idx.device == device, op,
+              f"indices[{j}] is on {idx.device} but the tensors are on {device}; index lists must be on the CPU "
+              f"or on {device}")
+
+
+def segment_shape(shape: Sequence[int], dim: int, n: int) -> List[int]:
+    out = list(shape)
+    out[dim] = n
+    return out
+
+
+def check_gather(sources, source_ids, indices, dims, same_dtype: bool = True) -> List[int]:
+    op = "slice_gather"
+    check(len(source_ids) == len(indices), op,
+          f"source_ids and indices must have one entry per segment, got {len(source_ids)} and {len(indices)}")
+    d = wrap_dims(op, sources, dims, "sources", same_dtype)
+    check_ids(op, source_ids, len(sources), "source_ids", "sources")
+    check_index_lists(op, indices, sources[0].device)
+    return d
+
+
+def check_scatter(targets, target_ids, updates, indices, dims, reduce, same_dtype: bool = True) -> List[int]:
+    op = "slice_scatter_"
+    check(len(target_ids) == len(updates) == len(indices), op,
+          "target_ids, updates and indices must have one entry per segment, got "
+          f"{len(target_ids)}, {len(updates)} and {len(indices)}")
+    check(reduce in REDUCES, op, f'reduce must be "copy", "sum" or "mean", got "{reduce}"')
+    d = wrap_dims(op, targets, dims, "targets", same_dtype)
+    device = targets[0].device
+    for x in targets:
+        check(reduce == "copy" or x.dtype in REDUCIBLE, op,
+              f'reduce="{reduce}" needs a floating or integer dtype, got {x.dtype}; use reduce="copy"')
+    check_ids(op, target_ids, len(targets), "target_ids", "targets")
+    check_index_lists(op, indices, device)
+    for j, (t, u, idx) in enumerate(zip(target_ids, updates, indices)):
+        check(u.dtype == targets[t].dtype, op, f"updates[{j}] has dtype {u.dtype} but targets[{t}] has {targets[t].dtype}")
+        check(u.device == device, op, f"updates[{j}] is on {u.device} but targets are on {device}")
+        want = segment_shape(targets[t].shape, d[t], idx.shape[0])
+        check(list(u.shape) == want, op,
+              f"updates[{j}] has shape {list(u.shape)} but targets[{t}] {list(targets[t].shape)} sliced along dim "
+              f"{d[t]} by indices[{j}] ({idx.shape[0]} slices) needs {want}")
+    return d
+
+
+
+@torch.library.register_fake("ist_kernels::slice_gather")
+def _slice_gather_fake(sources, source_ids, indices, dims):
+    d = check_gather(sources, source_ids, indices, dims)
+    total = 0
+    for s, idx in zip(source_ids, indices):
+        shape = segment_shape(sources[s].shape, d[s], idx.shape[0])
+        n = 1
+        for x in shape:
+            n = n * x
+        total = total + n
+    return sources[0].new_empty((total,))
+
+
+@torch.library.register_fake("ist_kernels::slice_scatter_")
+def _slice_scatter_fake(targets, target_ids, updates, indices, dims, reduce):
+    check_scatter(targets, target_ids, updates, indices, dims, reduce)
+    return None
+
+
+# ---- autograd of the gather: the gradient of a source is the sum of its segments' gradients
+# scattered back (reduce="sum" into zeros), one launch for all sources.
+def _gather_setup_context(ctx, inputs, output):
+    sources, source_ids, indices, dims = inputs
+    ctx.shapes = [s.shape for s in sources]
+    ctx.needs = [s.requires_grad for s in sources]
+    ctx.source_ids = list(source_ids)
+    ctx.dims = [d % len(shape) for d, shape in zip(dims, ctx.shapes)]
+    ctx.save_for_backward(*indices)
+
+
+def _gather_backward(ctx, grad):
+    indices = ctx.saved_tensors
+    grads = [grad.new_zeros(shape) for shape in ctx.shapes]
+    segments = split_segments(grad, [ctx.shapes[s] for s in ctx.source_ids],
+                              [ctx.dims[s] for s in ctx.source_ids], [i.shape[0] for i in indices])
+    if segments:
+        torch.ops.ist_kernels.slice_scatter_(grads, ctx.source_ids, segments, list(indices), ctx.dims, "sum")
+    return [g if need else None for g, need in zip(grads, ctx.needs)], None, [None] * len(indices), None
+
+
+def split_segments(flat: torch.Tensor, shapes, dims, lengths) -> List[torch.Tensor]:
+    """Views of a flat gather buffer as the compact segment tensors."""
+    shapes = [segment_shape(shape, d, n) for shape, d, n in zip(shapes, dims, lengths)]
+    numels = []
+    for shape in shapes:
+        n = 1
+        for x in shape:
+            n = n * x
+        numels.append(n)
+    if not shapes:
+        return []
+    return [part.view(shape) for part, shape in zip(torch.split(flat, numels), shapes)]
+
+
+torch.library.register_autograd("ist_kernels::slice_gather", _gather_backward, setup_context=_gather_setup_context)
+
+
+def check_index_values(op: str, indices: Sequence[torch.Tensor], sizes: Sequence[int]) -> None:
+    """Range and duplicate checks of all index lists at once (a few vectorised ops, one sync).
+
+    Used where one call is split into several kernel launches (mixed dtypes), so that bad input is
+    rejected before the first launch writes anything; a single launch checks in C++.
+    """
+    if not indices:
+        return
+    lengths = torch.tensor([i.shape[0] for i in indices])
+    if int(lengths.sum()) == 0:
+        return
+    flat = torch.cat([i.cpu() for i in indices])
+    size = torch.repeat_interleave(torch.tensor(list(sizes), dtype=torch.int64), lengths)
+    seg = torch.repeat_interleave(torch.arange(len(indices)), lengths)
+    bad = ((flat < 0) | (flat >= size)).nonzero()
+    if bad.numel():
+        e = int(bad[0])
+        j = int(seg[e])
+        k = e - int(lengths[:j].sum())
+        raise ValueError(f"{op}: indices[{j}][{k}] = {int(flat[e])} is out of range for a dimension of size "
+                         f"{int(size[e])}")
+    base = torch.cumsum(torch.tensor([0] + list(sizes[:-1]), dtype=torch.int64), 0)
+    key = base.repeat_interleave(lengths) + flat
+    if torch.unique(key).numel() != key.numel():
+        for j, idx in enumerate(indices):
+            idx = idx.cpu()
+            for p in range(1, idx.numel()):
+                earlier = (idx[:p] == idx[p]).nonzero()
+                if earlier.numel():
+                    name = f"indices[{j}]"
+                    raise ValueError(f"{op}: {name} must not repeat an index, but {name}[{p}] = {int(idx[p])} repeats "
+                                     f"{name}[{int(earlier[0])}]; a segment holds each slice at most once")
+
+
+def _span(x: torch.Tensor):
+    extent = sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1
+    return x.data_ptr(), x.data_ptr() + extent * x.element_size()
+
+
+def check_no_alias(op: str, targets, target_ids, updates) -> None:
+    """No target may share memory with another target or with an update (conservative: byte
+    spans that intersect count as shared). The C++ kernels check the same, precisely, per launch;
+    this runs where one call is split into several launches."""
+    spans = []
+    for t in sorted(set(target_ids)):
+        if targets[t].numel():
+            spans.append((*_span(targets[t]), True, t))
+    spans += [(*_span(u), False, j) for j, u in enumerate(updates) if u.numel()]
+    spans.sort()
+    for a in range(len(spans)):
+        for b in range(a + 1, len(spans)):
+            if spans[b][0] >= spans[a][1]:
+                break
+            if spans[a][2] or spans[b][2]:
+                t, o = (spans[a], spans[b]) if spans[a][2] else (spans[b], spans[a])
+                raise ValueError(f"{op}: targets[{t[3]}] shares memory with {'targets' if o[2] else 'updates'}"
+                                 f"[{o[3]}]; targets are written in place and must not alias another target or an update")

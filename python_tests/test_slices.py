@@ -1,0 +1,428 @@
+import pytest
+import torch
+
+import ist_kernels.functional as F
+import reference as ref
+from conftest import DEVICES
+
+ops = torch.ops.ist_kernels
+
+# A model's worth of tensors in miniature: (shape, dim) with conv filters (dim 0), the next conv's
+# input channels (dim 1), BN vectors, linear columns (last dim), a middle dim, odd sizes.
+TENSORS = [((8, 5, 3, 3), 0), ((7, 8, 3, 3), 1), ((8,), 0), ((33, 7), -1), ((5, 129), 1), ((1,), 0),
+           ((3, 4, 5, 6), 2), ((129, 2), 0), ((6, 48), 0), ((4, 6, 16), 1)]  # the last two: rows of 16-byte vectors
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-12, atol=1e-12),
+       torch.float16: dict(rtol=1e-3, atol=1e-3), torch.bfloat16: dict(rtol=8e-3, atol=8e-3)}
+
+
+def rand(shape, dtype, gen, device):
+    if dtype == torch.bool:
+        return (torch.randn(shape, generator=gen) > 0).to(device)
+    if not dtype.is_floating_point:
+        return torch.randint(-1000, 1000, shape, generator=gen).to(dtype).to(device)
+    return torch.randn(shape, generator=gen).to(dtype).to(device)
+
+
+def random_plan(gen, sizes, owners, *, p_empty=0.15, device="cpu"):
+    """owners index lists per tensor (random subsets in random order, some empty, overlapping);
+    segments interleaved owner-major, as a round's plan lists them."""
+    ids, indices = [], []
+    for s in range(owners):
+        for t, n in enumerate(sizes):
+            if torch.rand(1, generator=gen).item() < p_empty:
+                k = 0
+            else:
+                k = int(torch.randint(1, n + 1, (1,), generator=gen))
+            ids.append(t)
+            indices.append(torch.randperm(n, generator=gen)[:k].to(device))
+    return ids, indices
+
+
+def model(gen, dtype, device, tensors=TENSORS):
+    xs = [rand(shape, dtype, gen, device) for shape, _ in tensors]
+    dims = [d for _, d in tensors]
+    sizes = [x.shape[d] for x, d in zip(xs, dims)]
+    return xs, dims, sizes
+
+
+def compact_updates(gen, targets, ids, indices, dims, dtype, device):
+    out = []
+    for t, idx in zip(ids, indices):
+        shape = list(targets[t].shape)
+        shape[dims[t] % len(shape)] = idx.numel()
+        out.append(rand(shape, dtype, gen, device))
+    return out
+
+
+def unowned_mask(target, dim, owned):
+    keep = torch.ones(target.shape[dim], dtype=torch.bool)
+    for idx in owned:
+        keep[idx.cpu()] = False
+    return keep
+
+
+# ---- gather
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.bool])
+def test_gather_matches_reference(device, dtype, gen):
+    xs, dims, sizes = model(gen, dtype, device)
+    ids, indices = random_plan(gen, sizes, 3, device=device)
+    out = F.slice_gather(xs, ids, indices, dims)
+    assert out.dtype == dtype and out.dim() == 1
+    assert torch.equal(out.cpu(), ref.slice_gather([x.cpu() for x in xs], ids, [i.cpu() for i in indices], dims))
+    segs = F.gather_slices(xs, ids, indices, dims)
+    for seg, t, idx in zip(segs, ids, indices):
+        assert torch.equal(seg, xs[t].index_select(dims[t] % xs[t].dim(), idx))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_slices_are_views_of_one_buffer_per_dtype(device, gen):
+    xs, dims, sizes = model(gen, torch.float32, device)
+    ints = [torch.randint(0, 100, (6, 4), generator=gen).to(device), torch.arange(9, device=device)]
+    sources = xs[:3] + ints + xs[3:]
+    dims = dims[:3] + [1, 0] + dims[3:]
+    sizes = [s.shape[d] for s, d in zip(sources, dims)]
+    ids, indices = random_plan(gen, sizes, 2, p_empty=0.0, device=device)
+    segs = F.gather_slices(sources, ids, indices, dims)
+    storages = {}
+    for seg, t, idx in zip(segs, ids, indices):
+        assert seg.dtype == sources[t].dtype and seg.is_contiguous()
+        assert torch.equal(seg, sources[t].index_select(dims[t] % sources[t].dim(), idx))
+        storages.setdefault(seg.dtype, set()).add(seg.untyped_storage().data_ptr())
+    assert {k: len(v) for k, v in storages.items()} == {torch.float32: 1, torch.int64: 1}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_noncontiguous_and_empty(device, gen):
+    base = torch.randn(10, 12, 7, generator=gen).to(device)
+    sources = [base.transpose(0, 2), base[:, ::3], base[2:5].permute(2, 0, 1)]  # all non-contiguous
+    assert not any(s.is_contiguous() for s in sources)
+    dims = [0, 1, -1]
+    ids = [0, 1, 2, 2, 0]
+    indices = [torch.tensor([6, 0, 3]), torch.tensor([3, 1]), torch.tensor([], dtype=torch.int64),
+               torch.tensor([4, 1]), torch.tensor([1])]
+    indices = [i.to(device) for i in indices]
+    out = F.slice_gather(sources, ids, indices, dims)
+    assert torch.equal(out.cpu(), ref.slice_gather([s.cpu() for s in sources], ids, [i.cpu() for i in indices], dims))
+    # Nothing gathered at all.
+    empty = F.slice_gather(sources, [1], [torch.tensor([], dtype=torch.int64, device=device)], dims)
+    assert empty.shape == (0,) and empty.dtype == base.dtype
+    assert F.slice_gather(sources, [], [], dims).shape == (0,)
+    assert F.gather_slices(sources, [], [], dims) == []
+
+
+def test_gather_gradcheck(gen):
+    xs, dims, sizes = model(gen, torch.float64, "cpu", TENSORS[:4])
+    ids, indices = random_plan(gen, sizes, 3, p_empty=0.2)
+    ids, indices = ids + [0], indices + [torch.tensor([2, 5])]  # the same slices twice across segments
+    xs = [x.requires_grad_() for x in xs]
+    torch.autograd.gradcheck(lambda *s: F.slice_gather(list(s), ids, indices, dims), xs)
+    # Only some sources need a gradient.
+    xs[1].requires_grad_(False)
+    F.slice_gather(xs, ids, indices, dims).sum().backward()
+    assert xs[1].grad is None and xs[0].grad is not None
+
+
+# ---- scatter
+def run_scatter(gen, device, dtype, reduce, owners=4):
+    targets, dims, sizes = model(gen, dtype, device)
+    ids, indices = random_plan(gen, sizes, owners, device=device)
+    updates = compact_updates(gen, targets, ids, indices, dims, dtype, device)
+    before = [t.clone() for t in targets]
+    expect = ref.slice_scatter([t.cpu() for t in targets], ids, [u.cpu() for u in updates],
+                               [i.cpu() for i in indices], dims, reduce)
+    F.slice_scatter_(targets, ids, updates, indices, dims, reduce)
+    return targets, before, expect, ids, indices, dims
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduce", ["copy", "sum", "mean"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_scatter_matches_reference(device, dtype, reduce, gen):
+    targets, before, expect, ids, indices, dims = run_scatter(gen, device, dtype, reduce)
+    for t, (x, x0, e) in enumerate(zip(targets, before, expect)):
+        tol = dict(rtol=0, atol=0) if reduce == "copy" else TOL[dtype]
+        torch.testing.assert_close(x.cpu().double(), e, **tol)
+        # Slices no segment owns keep their value exactly.
+        d = dims[t] % x.dim()
+        keep = unowned_mask(x, d, [i for j, i in zip(ids, indices) if j == t])
+        assert torch.equal(x.cpu().index_select(d, keep.nonzero().flatten()),
+                           x0.cpu().index_select(d, keep.nonzero().flatten()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduce", ["copy", "sum", "mean"])
+def test_scatter_int64(device, reduce, gen):
+    targets, _, expect, *_ = run_scatter(gen, device, torch.int64, reduce)
+    for x, e in zip(targets, expect):
+        assert torch.equal(x.cpu(), e)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scatter_copy_bool(device, gen):
+    targets, _, expect, *_ = run_scatter(gen, device, torch.bool, "copy")
+    for x, e in zip(targets, expect):
+        assert torch.equal(x.cpu(), e.bool())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sum_and_copy_equal_the_index_loop_bit_for_bit(device, gen):
+    """sum runs owners in segment order: exactly the fp32 loop of index_add_; copy: index_copy_."""
+    targets, dims, sizes = model(gen, torch.float32, device)
+    ids, indices = random_plan(gen, sizes, 4, device=device)
+    updates = compact_updates(gen, targets, ids, indices, dims, torch.float32, device)
+    for reduce, method in (("sum", "index_add_"), ("copy", "index_copy_")):
+        loop = [t.clone() for t in targets]
+        for t, u, idx in zip(ids, updates, indices):
+            getattr(loop[t], method)(dims[t] % loop[t].dim(), idx, u)
+        ours = [t.clone() for t in targets]
+        F.slice_scatter_(ours, ids, updates, indices, dims, reduce)
+        for a, b in zip(ours, loop):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_owner_average(device, dtype, gen):
+    target = rand((13, 6, 3, 3), dtype, gen, device)
+    original = target.clone()
+    # slice 0: unowned; 1..3: one owner; 4..12: 2, 3 or 4 owners (overlapping, in scrambled order).
+    owned = [[1, 4, 5, 6, 7, 8, 9, 10, 11, 12], [12, 2, 4, 5, 6, 7, 8], [3, 11, 10, 9, 4, 5], [6, 7, 8, 9, 10, 12]]
+    indices = [torch.tensor(o, device=device) for o in owned]
+    updates = [rand((len(o), 6, 3, 3), dtype, gen, device) for o in owned]
+    out = F.owner_average_(target, updates, indices, dim=0)
+    assert out is target
+    assert torch.equal(target[0], original[0])  # unowned: unchanged
+    assert torch.equal(target[1], updates[0][0])  # single owner: copied exactly
+    assert torch.equal(target[2], updates[1][1]) and torch.equal(target[3], updates[2][0])
+    torch.testing.assert_close(target.double().cpu(), ref.owner_average(original.cpu(), [u.cpu() for u in updates],
+                                                                         [i.cpu() for i in indices]), **TOL[dtype])
+    # Three owners of slice 8 (positions 5, 6 and 2 of lists 0, 1 and 3), four of slice 12.
+    mean8 = (updates[0][5].double() + updates[1][6].double() + updates[3][2].double()) / 3
+    torch.testing.assert_close(target[8].double(), mean8, **TOL[dtype])
+    mean12 = (updates[0][9].double() + updates[1][0].double() + updates[3][5].double()) / 3
+    torch.testing.assert_close(target[12].double(), mean12, **TOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64])
+def test_idempotent_when_subnetworks_return_global_values(device, dtype, gen):
+    """Aggregating unchanged subnetworks gives the model back, bit for bit (with -0.0, and with up
+    to 7 owners per slice, where a plain sum-then-divide would round)."""
+    targets, dims, sizes = model(gen, dtype, device)
+    if dtype.is_floating_point:
+        targets[0].view(-1)[:5] = -0.0
+    ids, indices = random_plan(gen, sizes, 7, p_empty=0.1, device=device)
+    updates = [targets[t].index_select(dims[t] % targets[t].dim(), idx) for t, idx in zip(ids, indices)]
+    before = [t.clone() for t in targets]
+    for reduce in ("mean", "copy"):
+        F.slice_scatter_(targets, ids, updates, indices, dims, reduce)
+        for a, b in zip(targets, before):
+            assert torch.equal(a.view(-1).view(torch.uint8) if a.dtype.is_floating_point else a,
+                               b.view(-1).view(torch.uint8) if b.dtype.is_floating_point else b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_noncontiguous_targets_and_updates(device, gen):
+    base = torch.randn(9, 14, 5, generator=gen).to(device)
+    targets = [base.transpose(0, 1), base[:, ::2]]  # views of one tensor, written in place
+    assert not targets[0].is_contiguous()
+    dims = [1, 2]
+    ids = [0, 0, 1]
+    indices = [torch.tensor([8, 1, 4], device=device), torch.tensor([4, 0], device=device),
+               torch.tensor([3, 0], device=device)]
+    wide = torch.randn(14, 3, 2, 5, generator=gen).to(device)
+    updates = [wide[:, :, 0], torch.randn(14, 2, 5, generator=gen).to(device),
+               torch.randn(9, 7, 2, generator=gen).to(device)]
+    assert not updates[0].is_contiguous()
+    # The two views of `base` overlap in memory: one call may not write both.
+    with pytest.raises((RuntimeError, ValueError), match="shares memory with targets"):
+        F.slice_scatter_(targets, ids, updates, indices, dims, "mean")
+    expect = ref.slice_scatter([targets[0].cpu()], ids[:2], [u.cpu() for u in updates[:2]],
+                               [i.cpu() for i in indices[:2]], dims[:1], "mean")[0]
+    F.slice_scatter_(targets[:1], ids[:2], updates[:2], indices[:2], dims[:1], "mean")
+    torch.testing.assert_close(base.transpose(0, 1).double().cpu(), expect, **TOL[torch.float32])
+    expect = ref.slice_scatter([targets[1].cpu()], [0], [updates[2].cpu()], [indices[2].cpu()], [2], "sum")[0]
+    F.slice_scatter_([targets[1]], [0], updates[2:], indices[2:], [2], "sum")
+    torch.testing.assert_close(base[:, ::2].double().cpu(), expect, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scatter_empty_segments_and_untouched_targets(device, gen):
+    targets, dims, sizes = model(gen, torch.float32, device)
+    before = [t.clone() for t in targets]
+    empty = torch.tensor([], dtype=torch.int64, device=device)
+    F.slice_scatter_(targets, [1], [torch.empty(7, 0, 3, 3, device=device)], [empty], dims, "mean")
+    F.slice_scatter_(targets, [], [], [], dims, "sum")
+    F.owner_average_(targets[0], [torch.empty(8, 0, 3, 3, device=device)], [empty], dim=1)
+    F.owner_average_(targets[0], [], [])
+    F.slice_scatter_([], [], [], [], [])
+    with pytest.raises(ValueError, match="targets is empty"):
+        F.slice_scatter_([], [0], [targets[0]], [empty], [])
+    for a, b in zip(targets, before):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_dtypes_grouped(device, gen):
+    w = torch.randn(6, 4, generator=gen).to(device)
+    tracked = torch.arange(5, device=device) * 10
+    half = torch.randn(3, 8, generator=gen).to(device).half()
+    targets, dims = [w, tracked, half], [0, 0, 1]
+    indices = [torch.tensor([0, 2], device=device), torch.tensor([1, 2, 4], device=device),
+               torch.tensor([5, 0], device=device), torch.tensor([2], device=device)]
+    ids = [0, 1, 2, 0]
+    segs = F.gather_slices(targets, ids, indices, dims)
+    segs = [s + 1 for s in segs]
+    expect = ref.slice_scatter([t.cpu() for t in targets], ids, [s.cpu() for s in segs],
+                               [i.cpu() for i in indices], dims, "mean")
+    F.slice_scatter_(targets, ids, segs, indices, dims, "mean")
+    for x, e in zip(targets, expect):
+        torch.testing.assert_close(x.cpu().to(e.dtype), e, **(TOL[x.dtype] if x.is_floating_point() else {}))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deterministic(device, gen):
+    targets, dims, sizes = model(gen, torch.float32, device)
+    ids, indices = random_plan(gen, sizes, 6, device=device)
+    updates = compact_updates(gen, targets, ids, indices, dims, torch.float32, device)
+    for reduce in ("sum", "mean"):
+        a = [t.clone() for t in targets]
+        b = [t.clone() for t in targets]
+        F.slice_scatter_(a, ids, updates, indices, dims, reduce)
+        F.slice_scatter_(b, ids, updates, indices, dims, reduce)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_index_lists_on_cpu(device, gen):
+    """Plans are made on the host: index lists may stay on the CPU for tensors on a device."""
+    targets, dims, sizes = model(gen, torch.float32, device)
+    ids, indices = random_plan(gen, sizes, 2)
+    flat = F.slice_gather(targets, ids, indices, dims)
+    assert torch.equal(flat, F.slice_gather(targets, ids, [i.to(device) for i in indices], dims))
+
+
+# ---- registration: opcheck, torch.compile
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device, gen):
+    xs, dims, sizes = model(gen, torch.float32, device, TENSORS[:5])
+    ids, indices = random_plan(gen, sizes, 2, p_empty=0.2, device=device)
+    for x in xs:
+        x.requires_grad_()
+    torch.library.opcheck(ops.slice_gather.default, (xs, ids, indices, dims))
+    targets = [x.detach().clone() for x in xs]
+    updates = compact_updates(gen, targets, ids, indices, dims, torch.float32, device)
+    for reduce in ("copy", "sum", "mean"):
+        torch.library.opcheck(ops.slice_scatter_.default, (targets, ids, updates, indices, dims, reduce))
+
+
+def test_compile(gen):
+    xs, dims, sizes = model(gen, torch.float32, "cpu", TENSORS[:5])
+    ids, indices = random_plan(gen, sizes, 3, p_empty=0.0)
+
+    def round_trip(targets):
+        segs = F.gather_slices(targets, ids, indices, dims)
+        F.slice_scatter_(targets, ids, [2 * s for s in segs], indices, dims, "mean")
+        return F.slice_gather(targets, ids, indices, dims)
+
+    eager = [x.clone() for x in xs]
+    compiled = [x.clone() for x in xs]
+    expect = round_trip(eager)
+    got = torch.compile(round_trip, fullgraph=True)(compiled)
+    assert torch.equal(got, expect)
+    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
+
+
+# ---- bad input: a clear error naming the argument, nothing written
+def bad_cases(device):
+    i64 = dict(dtype=torch.int64, device=device)
+    w = torch.randn(6, 4, device=device)
+    v = torch.randn(5, device=device)
+    good = dict(targets=[w, v], target_ids=[0, 1], updates=[torch.ones(2, 4, device=device), torch.ones(1, device=device)],
+                indices=[torch.tensor([1, 3], **i64), torch.tensor([4], **i64)], dims=[0, 0], reduce="mean")
+
+    def case(match, **kw):
+        return match, {**good, **kw}
+
+    return good, [
+        case(r"indices\[0\]\[1\] = 6 is out of range", indices=[torch.tensor([1, 6], **i64), good["indices"][1]]),
+        case(r"indices\[1\]\[0\] = -1 is out of range", indices=[good["indices"][0], torch.tensor([-1], **i64)]),
+        case(r"indices\[0\] must not repeat an index, but indices\[0\]\[1\] = 3 repeats indices\[0\]\[0\]", indices=[torch.tensor([3, 3], **i64), good["indices"][1]]),
+        case(r"indices\[1\] must be int64", indices=[good["indices"][0], torch.tensor([4], dtype=torch.int32, device=device)]),
+        case(r"indices\[1\] must be 1-D", indices=[good["indices"][0], torch.tensor([[4]], **i64)]),
+        case(r"updates\[1\] has dtype", updates=[good["updates"][0], torch.ones(1, dtype=torch.float64, device=device)]),
+        case(r"updates\[0\] has shape \[2, 3\] but targets\[0\] \[6, 4\]", updates=[torch.ones(2, 3, device=device), good["updates"][1]]),
+        case(r"updates\[0\] has shape \[3, 4\].*needs \[2, 4\]", updates=[torch.ones(3, 4, device=device), good["updates"][1]]),
+        case(r'reduce must be "copy", "sum" or "mean", got "max"', reduce="max"),
+        case(r"target_ids, updates and indices must have one entry per segment", target_ids=[0]),
+        case(r"dims must have one entry per targets", dims=[0]),
+        case(r"dims\[1\] = 1 is out of range for targets\[1\]", dims=[0, 1]),
+        case(r"target_ids\[1\] = 2 is out of range", target_ids=[0, 2]),
+        case(r"targets\[0\] shares memory with updates\[0\]", updates=[w[1:3], good["updates"][1]]),
+        # the op rejects mixed target dtypes; the wrapper groups them, then finds the update's dtype wrong
+        case(r"(targets|updates)\[1\] has dtype", targets=[w, v.double()]),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scatter_bad_input_writes_nothing(device):
+    good, cases = bad_cases(device)
+    for match, kw in cases:
+        before = [t.clone() for t in kw["targets"]]
+        with pytest.raises((RuntimeError, ValueError), match=match):
+            F.slice_scatter_(**kw)
+        with pytest.raises((RuntimeError, ValueError), match=match):  # the op itself, not only the wrapper
+            ops.slice_scatter_(*kw.values())
+        for a, b in zip(kw["targets"], before):
+            assert torch.equal(a, b)
+    b = torch.zeros(4, dtype=torch.bool, device=device)
+    with pytest.raises((RuntimeError, ValueError), match='reduce="sum" needs a floating or integer dtype'):
+        F.slice_scatter_([b], [0], [b[:1].clone()], [torch.tensor([0], device=device)], [0], "sum")
+    w = torch.randn(6, 4, device=device)
+    with pytest.raises((RuntimeError, ValueError), match=r"targets\[0\] shares memory with targets\[1\]"):
+        F.slice_scatter_([w, w[2:]], [0, 1], [torch.ones(1, 4, device=device)] * 2,
+                         [torch.tensor([0], device=device)] * 2, [0, 0], "copy")
+    with pytest.raises((RuntimeError, ValueError), match="expanded view"):
+        F.slice_scatter_([torch.zeros(1, 3, device=device).expand(4, 3)], [0], [torch.ones(1, 3, device=device)],
+                         [torch.tensor([0], device=device)], [0], "copy")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_dtype_bad_input_writes_nothing(device):
+    """Split into one launch per dtype, the call is still checked as a whole before any launch."""
+    w = torch.randn(6, 4, device=device)
+    n = torch.arange(5, device=device)
+    before = [w.clone(), n.clone()]
+    upd = [torch.ones(2, 4, device=device), torch.ones(1, dtype=torch.int64, device=device)]
+    for match, idx in ((r"indices\[1\]\[0\] = 7 is out of range", torch.tensor([7])),
+                       (r"indices\[1\] must not repeat an index, but indices\[1\]\[1\] = 2 repeats", torch.tensor([2, 2]))):
+        u = upd if idx.numel() == 1 else [upd[0], torch.ones(2, dtype=torch.int64, device=device)]
+        with pytest.raises((RuntimeError, ValueError), match=match):
+            F.slice_scatter_([w, n], [0, 1], u, [torch.tensor([0, 1], device=device), idx.to(device)], [0, 0])
+    with pytest.raises((RuntimeError, ValueError), match=r"targets\[0\] shares memory with updates\[0\]"):
+        F.slice_scatter_([w, n], [0, 1], [w[:2], upd[1]], [torch.tensor([0, 1], device=device),
+                                                            torch.tensor([0], device=device)], [0, 0])
+    with pytest.raises((RuntimeError, ValueError), match=r"updates\[1\] has dtype"):
+        F.slice_scatter_([w, n], [0, 1], [upd[0], upd[0][0, :1]],
+                         [torch.tensor([0, 1], device=device), torch.tensor([0], device=device)], [0, 0])
+    assert torch.equal(w, before[0]) and torch.equal(n, before[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_bad_input(device):
+    w = torch.randn(6, 4, device=device)
+    i = torch.tensor([1], device=device)
+    for match, args in [
+        (r"indices\[0\]\[0\] = 4 is out of range for sources\[0\] along dim 1", ([w], [0], [torch.tensor([4], device=device)], [1])),
+        (r"indices\[0\]\[2\] = 1 repeats indices\[0\]\[0\]", ([w], [0], [torch.tensor([1, 2, 1], device=device)], [0])),
+        (r"source_ids\[0\] = 1 is out of range", ([w], [1], [i], [0])),
+        (r"source_ids and indices must have one entry per segment", ([w], [0, 0], [i], [0])),
+        (r"sources\[1\] has dtype", ([w, w.half()], [0], [i], [0, 0])),
+        (r"dims\[0\] = 2 is out of range", ([w], [0], [i], [2])),
+        (r"indices\[0\] must be int64", ([w], [0], [i.int()], [0])),
+        (r"sources\[0\] is 0-d", ([torch.tensor(1.0, device=device)], [0], [i], [0])),
+        (r"sources is empty", ([], [], [], [])),
+    ]:
+        with pytest.raises((RuntimeError, ValueError), match=match):
+            F.slice_gather(*args)
