@@ -237,7 +237,8 @@ def test_subnet_mlp_paper_initialisation(gen):
     expected = (torch.relu(x @ m.hidden_weights[0].T) @ m.output_weight.T) / math.sqrt(4000)
     torch.testing.assert_close(m(x), expected)  # f(W, x) = 1/√m Σ a_r σ(<w_r, x>)
     g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    assert torch.equal(SubnetMLP(3, 9, 2, generator=g1).hidden_weights[0], SubnetMLP(3, 9, 2, generator=g2).hidden_weights[0])
+    w1, w2 = (SubnetMLP(3, 9, 2, generator=g).hidden_weights[0] for g in (g1, g2))
+    assert torch.equal(w1, w2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
