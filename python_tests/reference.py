@@ -45,6 +45,31 @@ def grelu_mlp(x, C, psi, weights, B, gates=None, C_bias=None, psi_bias=None, bia
     for k, w in enumerate(weights):
         h = (h @ w.double().T + (0 if biases is None else biases[k].double())) * gates[..., k, :].double()
     return h @ B.double().T + (0 if B_bias is None else B_bias.double())
+# ---- subnetworks of neurons (paper 001 §3.1, Algorithm 1)
+def neurons_subnet_mlp(x, hidden_weights, hidden_biases, output_weight, output_bias, neurons, scale, keep=1.0):
+    """Float64 forward of the MLP with every hidden neuron outside ``neurons`` (one index list per
+    hidden layer, None = all) removed, by zeroing its activation: h_l = relu(h_{l-1} W_lᵀ + b_l) ⊙ m_l,
+    later layers see keep·scale·h. The output is 1/√m-scaled as f_m in §3.1."""
+    h = x.double()
+    for l, w in enumerate(hidden_weights):
+        z = h @ w.double().T
+        if hidden_biases is not None:
+            z = z + hidden_biases[l].double()
+        mask = torch.zeros(w.shape[0], dtype=torch.float64)
+        mask[neurons[l].cpu() if neurons[l] is not None else slice(None)] = 1.0
+        h = torch.relu(z) * mask.to(z.device) * (scale * keep)
+    out = h @ output_weight.double().T
+    return out if output_bias is None else out + output_bias.double()
+
+
+def neurons_aggregate(w, updated, owned):
+    """Algorithm 1 lines 11-13 for one tensor, literally: w + η ⊙ Σ_l ΔW_l with η = N⊥/N,
+    N = max(X, 1), N⊥ = min(X, 1), X = number of owners per entry. ``updated[l]`` is subnetwork
+    l's full-size tensor after local training, ``owned[l]`` (bool, full-size) the entries it owns."""
+    w = w.double()
+    X = torch.stack([o.double() for o in owned]).sum(0)
+    delta = sum(torch.where(o, u.double() - w, torch.zeros_like(w)) for u, o in zip(updated, owned))
+    return w + X.clamp(max=1) / X.clamp(min=1) * delta
 # ---- multi-tensor slices (partitions). Aggregation of paper 001 Algorithm 1 (step size N⊥/N): a
 # slice (neuron, filter, channel) is averaged over the subnetworks that own it and keeps its value
 # when none does.
