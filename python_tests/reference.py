@@ -83,6 +83,51 @@ def filter_distance(norms_a, norms_b, keep=None):
         sigma = top_b.get(j, l + 1)
         total += abs(math.log(i) - math.log(sigma)) / i
     return total
+# ---- GReLU MLP (paper 004 §2.1, eq. 1): y = B D_L W_L ... D_1 W_1 [C x]^+, D_k from the frozen net
+def grelu_mlp_gates(x, C, psi, C_bias=None, psi_bias=None):
+    """D_1..D_L of the frozen network z_0 = [Cx + c]^+, z_k = [Ψ_k z_{k-1} + ψ_k]^+, as bool [..., L, m]."""
+    z = torch.relu(x.double() @ C.double().T + (0 if C_bias is None else C_bias.double()))
+    gates = []
+    for k in range(psi.shape[0]):
+        pre = z @ psi[k].double().T + (0 if psi_bias is None else psi_bias[k].double())
+        gates.append(pre > 0)
+        z = torch.relu(pre)
+    return torch.stack(gates, dim=-2)
+
+
+def grelu_mlp(x, C, psi, weights, B, gates=None, C_bias=None, psi_bias=None, biases=None, B_bias=None):
+    """Float64 output of the GReLU network; ``gates`` (bool [..., L, m]) default to the frozen net's."""
+    if gates is None:
+        gates = grelu_mlp_gates(x, C, psi, C_bias, psi_bias)
+    h = torch.relu(x.double() @ C.double().T + (0 if C_bias is None else C_bias.double()))
+    for k, w in enumerate(weights):
+        h = (h @ w.double().T + (0 if biases is None else biases[k].double())) * gates[..., k, :].double()
+    return h @ B.double().T + (0 if B_bias is None else B_bias.double())
+# ---- subnetworks of neurons (paper 001 §3.1, Algorithm 1)
+def neurons_subnet_mlp(x, hidden_weights, hidden_biases, output_weight, output_bias, neurons, scale, keep=1.0):
+    """Float64 forward of the MLP with every hidden neuron outside ``neurons`` (one index list per
+    hidden layer, None = all) removed, by zeroing its activation: h_l = relu(h_{l-1} W_lᵀ + b_l) ⊙ m_l,
+    later layers see keep·scale·h. The output is 1/√m-scaled as f_m in §3.1."""
+    h = x.double()
+    for l, w in enumerate(hidden_weights):
+        z = h @ w.double().T
+        if hidden_biases is not None:
+            z = z + hidden_biases[l].double()
+        mask = torch.zeros(w.shape[0], dtype=torch.float64)
+        mask[neurons[l].cpu() if neurons[l] is not None else slice(None)] = 1.0
+        h = torch.relu(z) * mask.to(z.device) * (scale * keep)
+    out = h @ output_weight.double().T
+    return out if output_bias is None else out + output_bias.double()
+
+
+def neurons_aggregate(w, updated, owned):
+    """Algorithm 1 lines 11-13 for one tensor, literally: w + η ⊙ Σ_l ΔW_l with η = N⊥/N,
+    N = max(X, 1), N⊥ = min(X, 1), X = number of owners per entry. ``updated[l]`` is subnetwork
+    l's full-size tensor after local training, ``owned[l]`` (bool, full-size) the entries it owns."""
+    w = w.double()
+    X = torch.stack([o.double() for o in owned]).sum(0)
+    delta = sum(torch.where(o, u.double() - w, torch.zeros_like(w)) for u, o in zip(updated, owned))
+    return w + X.clamp(max=1) / X.clamp(min=1) * delta
 # ---- multi-tensor slices (partitions). Aggregation of paper 001 Algorithm 1 (step size N⊥/N): a
 # slice (neuron, filter, channel) is averaged over the subnetworks that own it and keeps its value
 # when none does.

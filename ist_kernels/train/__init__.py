@@ -1,0 +1,1 @@
+"""Training: data sets, the simulated and distributed trainers of independent subnetworks."""
