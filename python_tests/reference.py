@@ -25,6 +25,64 @@ def unpack_gates(words: torch.Tensor, num_features: int) -> torch.Tensor:
     return bits.reshape(*words.shape[:-1], words.shape[-1] * 32)[..., :num_features].bool().to(words.device)
 
 
+# ---- CNN subnetworks: owner-averaged aggregation (LOFT paper 000 §4, ResIST paper 003 §2.3)
+def aggregate_owner_mean(global_tensors, dims, owners, sub_values):
+    """float64 loop: ``global_tensors[name]`` (any shape), ``dims[name]`` the partitioned dim
+    (None: shared), ``owners[name][s]`` the indices subnetwork s holds (None or empty: not held;
+    ignored for shared), ``sub_values[s][name]`` subnetwork s's compact copy (missing: not held).
+    Every slice becomes the mean of its owners' copies; shared tensors the mean over every
+    subnetwork holding them; a slice nobody owns keeps its value."""
+    out = {}
+    for name, g in global_tensors.items():
+        g64 = g.detach().double().cpu().clone()
+        scalar = g64.dim() == 0
+        if scalar:
+            g64 = g64.view(1)
+        d = 0 if dims[name] is None else dims[name]
+        total = torch.zeros_like(g64)
+        count = torch.zeros(g64.shape[d], dtype=torch.float64)
+        for s, values in enumerate(sub_values):
+            if name not in values:
+                continue
+            v = values[name].detach().double().cpu()
+            v = v.view(1) if scalar else v
+            if dims[name] is None:
+                idx = list(range(g64.shape[0]))
+            else:
+                idx = owners[name][s]
+                if idx is None:
+                    continue
+                idx = [int(i) for i in idx]
+            idx = torch.as_tensor(idx, dtype=torch.long)
+            total.index_add_(d, idx, v)
+            count.index_add_(0, idx, torch.ones(len(idx), dtype=torch.float64))
+        owned = (count > 0).nonzero().flatten()
+        shape = [-1 if k == d else 1 for k in range(g64.dim())]
+        g64.index_copy_(d, owned, total.index_select(d, owned) / count[owned].view(shape))
+        out[name] = g64.view(()) if scalar else g64
+    return out
+
+
+# ---- Filter distance (paper 000 §3.1): position-weighted Spearman footrule on filter norms
+def filter_distance(norms_a, norms_b, keep=None):
+    """sum over the positions i (1-based) of ranking a (largest norm first, ties to the lower
+    index) of (1/i)|ln i - ln sigma(i)|; with keep = l only a's top l, and sigma(i) = l + 1 where
+    a's i-th filter is not in b's top l."""
+    import math
+
+    a = [float(x) for x in torch.as_tensor(norms_a).detach().double().cpu()]
+    b = [float(x) for x in torch.as_tensor(norms_b).detach().double().cpu()]
+    n = len(a)
+    rank_a = sorted(range(n), key=lambda j: (-a[j], j))
+    rank_b = sorted(range(n), key=lambda j: (-b[j], j))
+    l = n if keep is None else keep
+    top_b = {j: pos + 1 for pos, j in enumerate(rank_b[:l])}
+    total = 0.0
+    for pos, j in enumerate(rank_a[:l]):
+        i = pos + 1
+        sigma = top_b.get(j, l + 1)
+        total += abs(math.log(i) - math.log(sigma)) / i
+    return total
 # ---- GReLU MLP (paper 004 §2.1, eq. 1): y = B D_L W_L ... D_1 W_1 [C x]^+, D_k from the frozen net
 def grelu_mlp_gates(x, C, psi, C_bias=None, psi_bias=None):
     """D_1..D_L of the frozen network z_0 = [Cx + c]^+, z_k = [Ψ_k z_{k-1} + ψ_k]^+, as bool [..., L, m]."""
@@ -45,6 +103,31 @@ def grelu_mlp(x, C, psi, weights, B, gates=None, C_bias=None, psi_bias=None, bia
     for k, w in enumerate(weights):
         h = (h @ w.double().T + (0 if biases is None else biases[k].double())) * gates[..., k, :].double()
     return h @ B.double().T + (0 if B_bias is None else B_bias.double())
+# ---- subnetworks of neurons (paper 001 §3.1, Algorithm 1)
+def neurons_subnet_mlp(x, hidden_weights, hidden_biases, output_weight, output_bias, neurons, scale, keep=1.0):
+    """Float64 forward of the MLP with every hidden neuron outside ``neurons`` (one index list per
+    hidden layer, None = all) removed, by zeroing its activation: h_l = relu(h_{l-1} W_lᵀ + b_l) ⊙ m_l,
+    later layers see keep·scale·h. The output is 1/√m-scaled as f_m in §3.1."""
+    h = x.double()
+    for l, w in enumerate(hidden_weights):
+        z = h @ w.double().T
+        if hidden_biases is not None:
+            z = z + hidden_biases[l].double()
+        mask = torch.zeros(w.shape[0], dtype=torch.float64)
+        mask[neurons[l].cpu() if neurons[l] is not None else slice(None)] = 1.0
+        h = torch.relu(z) * mask.to(z.device) * (scale * keep)
+    out = h @ output_weight.double().T
+    return out if output_bias is None else out + output_bias.double()
+
+
+def neurons_aggregate(w, updated, owned):
+    """Algorithm 1 lines 11-13 for one tensor, literally: w + η ⊙ Σ_l ΔW_l with η = N⊥/N,
+    N = max(X, 1), N⊥ = min(X, 1), X = number of owners per entry. ``updated[l]`` is subnetwork
+    l's full-size tensor after local training, ``owned[l]`` (bool, full-size) the entries it owns."""
+    w = w.double()
+    X = torch.stack([o.double() for o in owned]).sum(0)
+    delta = sum(torch.where(o, u.double() - w, torch.zeros_like(w)) for u, o in zip(updated, owned))
+    return w + X.clamp(max=1) / X.clamp(min=1) * delta
 # ---- multi-tensor slices (partitions). Aggregation of paper 001 Algorithm 1 (step size N⊥/N): a
 # slice (neuron, filter, channel) is averaged over the subnetworks that own it and keeps its value
 # when none does.

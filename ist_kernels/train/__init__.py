@@ -1,1 +1,1 @@
-"""The thin trainer: ist-train."""
+"""Training: data sets, the simulated and distributed trainers of independent subnetworks."""

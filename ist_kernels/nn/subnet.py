@@ -1,0 +1,226 @@
+"""An MLP of ReLU neurons trained as independent subnetworks (paper 001 §3.1, Algorithm 1).
+
+The full model is paper 001's shallow network, generalised to ``depth`` hidden layers:
+
+    f(W, x) = 1/√m · Σ_r a_r σ(⟨w_r, x⟩),   w_r ~ N(0, κ² I),  a_r ~ Unif{-1, +1} and fixed,
+
+with m = ``width``. Layers after the first see their input multiplied by 1/√m (the same scaling,
+so deeper layers keep the NTK parametrisation), their weights start N(0, 1). A subnetwork is a
+set of neurons per hidden layer; its surrogate f_m (§3.1) keeps only those neurons, with the same
+1/√m scaling. Evaluating the full model as the paper does (§4) multiplies each neuron's output by
+the selection probability ξ: ``forward(x, keep=xi)``.
+
+Parameters of a subnetwork are compact tensors: hidden weight rows of its neurons (and, from the
+second layer on, the columns of the previous layer's neurons), bias entries of its neurons, and,
+when the output layer trains, output columns of its last layer's neurons plus the shared output
+bias. :meth:`SubnetMLP.extract_all` gathers every subnetwork's tensors in one
+:func:`~ist_kernels.functional.gather_slices` call; :meth:`SubnetMLP.aggregate_` writes them back
+in one :func:`~ist_kernels.functional.slice_scatter_` with ``reduce="mean"``: every entry becomes
+the mean over the subnetworks that own it, entries that no subnetwork owns keep their value —
+Algorithm 1 line 12 with η_r = N⊥_r / N_r.
+"""
+import math
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import functional as IF
+
+Neurons = Union[None, Tensor, Sequence[Optional[Tensor]]]
+
+
+class SubnetMLP(nn.Module):
+    """Full model of independent subnetwork training: ``depth`` hidden layers of ``width`` ReLU
+    neurons and an output layer (fixed ±1 weights unless ``train_output``).
+
+    Args:
+        bias: hidden layers have biases (zero at init); with ``train_output`` the output layer has
+            a bias too, shared by every subnetwork. Paper 001 has none.
+        train_output: train the output weights (and bias); paper 001 keeps a fixed.
+        kappa: standard deviation of the first layer's weights (paper 001: w_r ~ N(0, κ² I)).
+        generator: for the initialisation (CPU generator; the same seed gives the same model on
+            every rank).
+    """
+
+    def __init__(self, in_features: int, width: int, out_features: int, depth: int = 1, *,
+                 bias: bool = False, train_output: bool = False, kappa: float = 1.0,
+                 generator: Optional[torch.Generator] = None, device=None, dtype=None):
+        super().__init__()
+        if depth < 1 or width < 1 or in_features < 1 or out_features < 1:
+            raise ValueError("SubnetMLP: in_features, width, out_features and depth must be >= 1")
+        self.in_features, self.width, self.out_features, self.depth = in_features, width, out_features, depth
+        self.train_output = train_output
+        self.scale = 1.0 / math.sqrt(width)
+        kw = dict(dtype=dtype or torch.get_default_dtype())
+        fan_in = [in_features] + [width] * (depth - 1)
+        self.hidden_weights = nn.ParameterList(
+            nn.Parameter((torch.randn(width, f, generator=generator, **kw) * (kappa if l == 0 else 1.0)).to(device))
+            for l, f in enumerate(fan_in))
+        self.hidden_biases = (nn.ParameterList(nn.Parameter(torch.zeros(width, device=device, **kw)) for _ in fan_in)
+                              if bias else None)
+        a = (torch.randint(0, 2, (out_features, width), generator=generator) * 2 - 1).to(device=device, **kw)
+        if train_output:
+            self.output_weight = nn.Parameter(a)
+            self.output_bias = nn.Parameter(torch.zeros(out_features, device=device, **kw)) if bias else None
+        else:
+            self.register_buffer("output_weight", a)
+            self.output_bias = None
+
+    # ---- neurons
+    def _neurons(self, neurons: Neurons) -> List[Optional[Tensor]]:
+        """One index list (or None = all) per hidden layer, on the model's device."""
+        if neurons is None or isinstance(neurons, Tensor):
+            if isinstance(neurons, Tensor) and self.depth > 1:
+                raise ValueError(f"SubnetMLP: with depth={self.depth} pass one index list per hidden layer")
+            neurons = [neurons] * self.depth
+        neurons = list(neurons)
+        if len(neurons) != self.depth:
+            raise ValueError(f"SubnetMLP: neurons must list {self.depth} index tensors (one per hidden layer), "
+                             f"got {len(neurons)}")
+        dev = self.hidden_weights[0].device
+        return [None if n is None else n.to(dev, torch.int64) for n in neurons]
+
+    # ---- forward
+    def forward(self, x: Tensor, neurons: Neurons = None, keep: float = 1.0) -> Tensor:
+        """The full model (``neurons=None``) or the subnetwork of ``neurons`` (one sorted int64
+        index list per hidden layer, or one tensor when depth == 1), on the full-size parameters
+        through :func:`~ist_kernels.functional.subnet_linear` (gradients land in the selected rows
+        and columns only). ``keep`` multiplies every hidden neuron's output (paper 001 §4: ξ)."""
+        neurons = self._neurons(neurons)
+        h, cols = x, None
+        for l, rows in enumerate(neurons):
+            b = self.hidden_biases[l] if self.hidden_biases is not None else None
+            h = F.relu(IF.subnet_linear(h, self.hidden_weights[l], b, rows, cols)) * (keep * self.scale)
+            cols = rows
+        return IF.subnet_linear(h, self.output_weight, self.output_bias, None, cols)
+
+    def subnet_forward(self, x: Tensor, params: Sequence[Tensor], neurons: Neurons) -> Tensor:
+        """The subnetwork of ``neurons`` computed from its compact parameters ``params`` (as
+        returned by :meth:`extract`): costs what the subnetwork costs."""
+        neurons = self._neurons(neurons)
+        it = iter(params)
+        h = x
+        for l in range(self.depth):
+            w = next(it)
+            b = next(it) if self.hidden_biases is not None else None
+            h = F.relu(F.linear(h, w, b)) * self.scale
+        if self.train_output:
+            w = next(it)
+            b = next(it) if self.output_bias is not None else None
+            return F.linear(h, w, b)
+        return IF.subnet_linear(h, self.output_weight, None, None, neurons[-1])
+
+    def subnet_parameters(self) -> List[Tensor]:
+        """The full-size parameters a subnetwork holds slices of, in the order of :meth:`extract`:
+        per hidden layer its weight (and bias), then the output weight (and bias) if trained."""
+        out: List[Tensor] = []
+        for l in range(self.depth):
+            out.append(self.hidden_weights[l])
+            if self.hidden_biases is not None:
+                out.append(self.hidden_biases[l])
+        if self.train_output:
+            out.append(self.output_weight)
+            if self.output_bias is not None:
+                out.append(self.output_bias)
+        return out
+
+    # ---- the slices of a subnetwork: (global tensor, dim, indices, compact shape)
+    def _slices(self, neurons: Neurons) -> List[Tuple[Tensor, int, Tensor, Tuple[int, ...]]]:
+        neurons = self._neurons(neurons)
+        dev = self.hidden_weights[0].device
+        all_neurons = torch.arange(self.width, device=dev)
+        rows_l = [all_neurons if n is None else n for n in neurons]
+        out = []
+        for l, rows in enumerate(rows_l):
+            w = self.hidden_weights[l].detach()
+            if l == 0:
+                out.append((w, 0, rows, (len(rows), w.shape[1])))
+            else:  # rows x cols of a width x width weight: one index list into its flat view
+                cols = rows_l[l - 1]
+                flat = (rows.unsqueeze(1) * w.shape[1] + cols.unsqueeze(0)).reshape(-1)
+                out.append((w.view(-1), 0, flat, (len(rows), len(cols))))
+            if self.hidden_biases is not None:
+                out.append((self.hidden_biases[l].detach(), 0, rows, (len(rows),)))
+        if self.train_output:
+            w = self.output_weight.detach()
+            out.append((w, 1, rows_l[-1], (w.shape[0], len(rows_l[-1]))))
+            if self.output_bias is not None:  # shared by every subnetwork
+                b = self.output_bias.detach()
+                out.append((b, 0, torch.arange(b.shape[0], device=dev), tuple(b.shape)))
+        return out
+
+    def _plan(self, neurons_list: Sequence[Neurons]):
+        """Targets (distinct global tensors), target id, indices, compact shape per segment."""
+        targets, dims, ids, indices, shapes = [], [], [], [], []
+        for s, neurons in enumerate(neurons_list):
+            for t, (tensor, dim, idx, shape) in enumerate(self._slices(neurons)):
+                if s == 0:
+                    targets.append(tensor)
+                    dims.append(dim)
+                ids.append(t)
+                indices.append(idx)
+                shapes.append(shape)
+        return targets, dims, ids, indices, shapes
+
+    def slice_plan(self, neurons_list: Sequence[Neurons]):
+        """The round as a :class:`~ist_kernels.partition.SlicePlan` (state-dict names, one dim per
+        tensor; the output bias is shared). Only for depth 1: from the second hidden layer on a
+        weight is owned by rows x columns, which one dim per tensor cannot state."""
+        from ..partition.plan import SlicePlan, TensorSlices
+
+        if self.depth != 1:
+            raise ValueError(f"SubnetMLP.slice_plan: depth={self.depth}; a SlicePlan states one dim per tensor, "
+                             "hidden layers after the first are owned by rows x columns (use extract_all/aggregate_)")
+        rows = [self._slices(n)[0][2] for n in neurons_list]
+        tensors = [TensorSlices("hidden_weights.0", 0, tuple(rows))]
+        if self.hidden_biases is not None:
+            tensors.append(TensorSlices("hidden_biases.0", 0, tuple(rows)))
+        if self.train_output:
+            tensors.append(TensorSlices("output_weight", 1, tuple(rows)))
+            if self.output_bias is not None:
+                tensors.append(TensorSlices("output_bias", None))
+        return SlicePlan(len(neurons_list), tuple(tensors))
+
+    # ---- extract / aggregate (Algorithm 1 lines 5 and 11-13)
+    def extract_all(self, neurons_list: Sequence[Neurons]) -> List[List[Tensor]]:
+        """Compact copies of every subnetwork's parameters, in one gather for all tensors."""
+        if len(neurons_list) == 0:
+            return []
+        targets, dims, ids, indices, shapes = self._plan(neurons_list)
+        with torch.no_grad():
+            segments = IF.gather_slices(targets, ids, indices, dims)
+        per = len(segments) // len(neurons_list)
+        segments = [seg.reshape(shape) for seg, shape in zip(segments, shapes)]
+        return [segments[s * per:(s + 1) * per] for s in range(len(neurons_list))]
+
+    def extract(self, neurons: Neurons) -> List[Tensor]:
+        """Compact copies of the parameters of the subnetwork of ``neurons`` (Algorithm 1 line 5)."""
+        return self.extract_all([neurons])[0]
+
+    @torch.no_grad()
+    def aggregate_(self, params_list: Sequence[Sequence[Tensor]], neurons_list: Sequence[Neurons]) -> None:
+        """Write the subnetworks' compact parameters back (Algorithm 1 lines 11-13): every entry
+        becomes the mean over the subnetworks that own it; entries no subnetwork owns are
+        unchanged. One scatter for all tensors of all subnetworks."""
+        if len(params_list) != len(neurons_list):
+            raise ValueError(f"SubnetMLP.aggregate_: got {len(params_list)} parameter lists for "
+                             f"{len(neurons_list)} subnetworks")
+        if len(neurons_list) == 0:
+            return
+        targets, dims, ids, indices, shapes = self._plan(neurons_list)
+        updates = [p.detach() for params in params_list for p in params]
+        if len(updates) != len(ids):
+            raise ValueError(f"SubnetMLP.aggregate_: expected {len(ids) // len(neurons_list)} tensors per "
+                             "subnetwork (as extract returns)")
+        for u, shape in zip(updates, shapes):
+            if tuple(u.shape) != shape:
+                raise ValueError(f"SubnetMLP.aggregate_: compact parameter of shape {tuple(u.shape)}, expected {shape}")
+        updates = [u.reshape(-1) if len(shape) == 2 and targets[t].dim() == 1 else u.contiguous()
+                   for u, shape, t in zip(updates, shapes, ids)]
+        IF.slice_scatter_(targets, ids, updates, indices, dims, reduce="mean")
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, width={self.width}, out_features={self.out_features}, "
+                f"depth={self.depth}, bias={self.hidden_biases is not None}, train_output={self.train_output}")

@@ -1,0 +1,390 @@
+"""Subnetwork plans for CNNs: which slice of every tensor each subnetwork owns, real standalone
+subnetworks built from the global model with one slice gather, and aggregation back with one slice
+scatter (mean over owners; unowned slices keep their value).
+
+``plan.slices`` is the round as plain data (a :class:`SlicePlan`): for every parameter and buffer
+of the global model (state_dict key), the dim it is partitioned along and per subnetwork the
+indices it owns (empty: the subnetwork does not hold the tensor), or ``dim=None`` for a tensor
+shared whole by all. A 0-dim tensor (``num_batches_tracked`` of a ResIST block) is partitioned
+along dim 0 with owners ``[0]`` or empty. Optimizer state follows its parameter: a state tensor of
+the parameter's shape (SGD momentum, Adam moments) is sliced like it, a 0-dim one (Adam step) is
+held whole by the parameter's owners. The distributed exchange derives pack/unpack from this.
+"""
+import copy
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .. import functional as F
+from .plan import SlicePlan, TensorSlices
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Internal form of one tensor's division: indices per subnetwork (None: not held); shared
+    tensors carry the full index range for every subnetwork so gather/scatter treat all alike."""
+
+    name: str
+    dim: int
+    owned: Tuple[Optional[Tensor], ...]
+    local_names: Tuple[Optional[str], ...]
+    shared: bool
+
+
+@dataclass(eq=False)
+class Subnetwork:
+    """Subnetwork ``index`` of a plan: a standalone ``nn.Module`` (and, when the plan was built with
+    the global optimizer, an optimizer of the same class and hyperparameters whose state is the
+    matching slice of the global optimizer's)."""
+
+    index: int
+    module: nn.Module
+    optimizer: Optional[torch.optim.Optimizer] = None
+    plan: "SubnetworkPlan" = field(default=None, repr=False)
+
+
+class _Tree:
+    """The global model's module tree flattened once per plan (depth-first, shared modules once),
+    so that a subnetwork's structure is cloned without walking names: a clone shares no container
+    with the global model and holds no tensors until they are attached."""
+
+    def __init__(self, model: nn.Module):
+        self.modules: List[nn.Module] = []
+        self.names: List[str] = []
+        pos: Dict[int, int] = {}
+        stack = [("", model)]
+        while stack:
+            name, m = stack.pop()
+            if id(m) in pos:
+                continue
+            pos[id(m)] = len(self.modules)
+            self.modules.append(m)
+            self.names.append(name)
+            kids = [(f"{name}.{k}" if name else k, c) for k, c in m._modules.items() if c is not None]
+            stack.extend(reversed(kids))
+        self.pos_of_name = {n: i for i, n in enumerate(self.names)}
+        self.children = [[(k, None if c is None else pos[id(c)]) for k, c in m._modules.items()]
+                         for m in self.modules]
+        self.containers = [
+            tuple(k for k, v in m.__dict__.items()
+                  if isinstance(v, (dict, list, set)) and k not in ("_parameters", "_buffers", "_modules"))
+            for m in self.modules]
+
+    def clone(self) -> List[nn.Module]:
+        clones = []
+        for m, keys in zip(self.modules, self.containers):
+            new = type(m).__new__(type(m))
+            d = m.__dict__.copy()
+            for k in keys:
+                d[k] = d[k].copy()
+            d["_parameters"] = dict.fromkeys(m._parameters)
+            d["_buffers"] = dict.fromkeys(m._buffers)
+            new.__dict__ = d
+            clones.append(new)
+        for new, kids in zip(clones, self.children):
+            new.__dict__["_modules"] = {k: (None if j is None else clones[j]) for k, j in kids}
+        return clones
+
+
+class SubnetworkPlan:
+    """Base of the CNN plans. Subclasses pass ``partitioned`` (name -> (dim, owned indices per
+    subnetwork, None where not held)) and override ``_edit`` to shape subnetwork ``s``'s cloned
+    structure (narrower convs, fewer blocks)."""
+
+    who = "plan"
+
+    def __init__(self, model: nn.Module, num_subnetworks: int,
+                 partitioned: Dict[str, Tuple[int, List[Optional[Tensor]]]]):
+        self.model = model
+        self.num_subnetworks = S = num_subnetworks
+        self._tree = tree = _Tree(model)
+        # Where each global tensor lives: (module position, attribute, is parameter).
+        where: Dict[str, Tuple[int, str, bool]] = {}
+        for i, (m, mname) in enumerate(zip(tree.modules, tree.names)):
+            for attrs, is_param in ((m._parameters, True), (m._buffers, False)):
+                for attr, v in attrs.items():
+                    if v is not None:
+                        where.setdefault(f"{mname}.{attr}" if mname else attr, (i, attr, is_param))
+        tensors = {n: getattr(tree.modules[i], "_parameters" if p else "_buffers")[a]
+                   for n, (i, a, p) in where.items()}
+        device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+        self._scalar_index = torch.zeros(1, dtype=torch.long, device=device)
+
+        # Each subnetwork's structure names the tensors it holds; the first build() uses it.
+        skeletons = [self._skeleton(s) for s in range(S)]
+        self._unused_skeletons = skeletons
+        slot_lists = []  # per subnetwork: (local name, global name, module position, attr, is_param)
+        for s, clones in enumerate(skeletons):
+            back = {id(c): i for i, c in enumerate(clones)}
+            slots = []
+            for local_prefix, c in clones[0].named_modules():
+                i = back[id(c)]
+                gname = tree.names[i]
+                for attrs, is_param in ((tree.modules[i]._parameters, True), (tree.modules[i]._buffers, False)):
+                    for attr, v in attrs.items():
+                        if v is not None:
+                            slots.append((f"{local_prefix}.{attr}" if local_prefix else attr,
+                                          f"{gname}.{attr}" if gname else attr, i, attr, is_param))
+            slot_lists.append(slots)
+        local: Dict[str, List[Optional[str]]] = {n: [None] * S for n in tensors}
+        for s, slots in enumerate(slot_lists):
+            for local_name, gname, _, _, _ in slots:
+                local[gname][s] = local_name
+        specs = []
+        for name, t in tensors.items():
+            if name in partitioned:
+                dim, owned = partitioned[name]
+                owned = tuple(None if i is None else i.to(device) for i in owned)
+                shared = False
+            else:
+                dim = 0
+                full = self._scalar_index if t.dim() == 0 else torch.arange(t.shape[0], device=device)
+                owned = (full,) * S
+                shared = True
+            for s in range(S):
+                if (owned[s] is None) != (local[name][s] is None):
+                    raise RuntimeError(f"{self.who}: internal error: subnetwork {s} structure and "
+                                       f"ownership of {name} disagree")
+            specs.append(_Spec(name, dim, owned, tuple(local[name]), shared))
+        self._specs: Tuple[_Spec, ...] = tuple(specs)
+        self._spec_of = {t.name: i for i, t in enumerate(specs)}
+        self._where = [where[t.name] for t in specs]
+        self._is_scalar = [tensors[t.name].dim() == 0 for t in specs]
+        self._dims = [t.dim for t in specs]
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        self.slices = SlicePlan(S, tuple(
+            TensorSlices(t.name, None) if t.shared else
+            TensorSlices(t.name, t.dim, tuple(empty if i is None else i for i in t.owned))
+            for t in specs))
+        self.local_names: Dict[str, Tuple[Optional[str], ...]] = {t.name: t.local_names for t in specs}
+        # Index tables, once per plan. Segment order: subnetwork, then its tensors in module order.
+        # _slots[s][k] = (spec index, module position in the clone, attr, is_param)
+        self._slots = [[(self._spec_of[g], i, attr, is_param) for _, g, i, attr, is_param in slots]
+                       for slots in slot_lists]
+        self._source_ids = [k for s in range(S) for (k, _, _, _) in self._slots[s]]
+        self._indices = [specs[k].owned[s] for s in range(S) for (k, _, _, _) in self._slots[s]]
+
+    # -- description (the plain data of ``slices``, a SlicePlan) -------------------------------
+    @property
+    def tensors(self) -> Tuple[TensorSlices, ...]:
+        return self.slices.tensors
+
+    @property
+    def partitioned(self) -> Tuple[TensorSlices, ...]:
+        return self.slices.partitioned
+
+    @property
+    def shared(self) -> Tuple[TensorSlices, ...]:
+        return self.slices.shared
+
+    def owned(self, s: int) -> List[Tuple[str, Optional[int], Optional[Tensor]]]:
+        """``(name, dim, indices)`` of every tensor subnetwork ``s`` holds; ``dim`` and
+        ``indices`` are ``None`` for a shared tensor (held whole)."""
+        return [(t.name, None, None) if t.shared else (t.name, t.dim, t.owned[s])
+                for t in self._specs if t.owned[s] is not None]
+
+    # -- structure ----------------------------------------------------------------------------
+    def _edit(self, s: int, glob: Dict[str, nn.Module], root: nn.Module) -> None:
+        raise NotImplementedError
+
+    def _skeleton(self, s: int) -> List[nn.Module]:
+        """Subnetwork ``s``'s module tree without tensors; element 0 is the root."""
+        clones = self._tree.clone()
+        glob = {n: clones[i] for n, i in self._tree.pos_of_name.items()}
+        self._edit(s, glob, clones[0])
+        return clones
+
+    def _global(self) -> List[Tensor]:
+        """The global tensors as the gather / scatter see them (detached; 0-dim as 1-element)."""
+        out = []
+        mods = self._tree.modules
+        for (i, attr, is_param), scalar, spec in zip(self._where, self._is_scalar, self._specs):
+            t = (mods[i]._parameters if is_param else mods[i]._buffers).get(attr)
+            if t is None:
+                raise RuntimeError(f"{self.who}: the model no longer has tensor {spec.name}")
+            t = t.detach()
+            out.append(t.view(1) if scalar else t)
+        return out
+
+    # -- build ----------------------------------------------------------------------------------
+    def build(self, optimizer: Optional[torch.optim.Optimizer] = None) -> List[Subnetwork]:
+        """Standalone subnetworks holding their slices of the global model's parameters and
+        buffers (and, with the global ``optimizer``, optimizers of its class and hyperparameters
+        holding the slices of its state): one slice gather for all of them."""
+        S = self.num_subnetworks
+        skeletons, self._unused_skeletons = self._unused_skeletons, None
+        if skeletons is None:
+            skeletons = [self._skeleton(s) for s in range(S)]
+        sources = self._global()
+        dims = self._dims
+        source_ids = self._source_ids
+        indices = self._indices
+        params = self._params() if optimizer is not None else None
+        state_segments = []  # (s, k, key, scalar): optimizer state rides in the same gather
+        if optimizer is not None:
+            dims, source_ids, indices = list(dims), list(source_ids), list(indices)
+            state_source: Dict[Tuple[int, str], int] = {}
+            for s in range(S):
+                for k, (i, _, _, is_param) in enumerate(self._slots[s]):
+                    if not is_param:
+                        continue
+                    p = params[i]
+                    for key, v in optimizer.state.get(p, {}).items():
+                        if not isinstance(v, Tensor):
+                            continue
+                        scalar = v.dim() == 0
+                        if not scalar and v.shape != p.shape:
+                            raise ValueError(
+                                f"{self.who}: optimizer state {key!r} of {self._specs[i].name} has "
+                                f"shape {tuple(v.shape)}; only the parameter's shape or 0-dim can be sliced")
+                        sid = state_source.get((i, key))
+                        if sid is None:
+                            sid = state_source[(i, key)] = len(sources)
+                            sources.append(v.detach().view(1) if scalar else v.detach())
+                            dims.append(0 if scalar else self._dims[i])
+                        source_ids.append(sid)
+                        indices.append(self._scalar_index if scalar else self._specs[i].owned[s])
+                        state_segments.append((s, k, key, scalar))
+        segments = F.gather_slices(sources, source_ids, indices, dims)
+
+        subnetworks = []
+        attached: List[List[Tensor]] = []
+        j = 0
+        requires_grad = self._requires_grad()
+        for s, clones in enumerate(skeletons):
+            held = []
+            for (i, pos, attr, is_param) in self._slots[s]:
+                seg = segments[j]
+                j += 1
+                if self._is_scalar[i]:
+                    seg = seg.view(())
+                if is_param:
+                    seg = nn.Parameter(seg, requires_grad=requires_grad[i])
+                    clones[pos]._parameters[attr] = seg
+                else:
+                    clones[pos]._buffers[attr] = seg
+                held.append(seg)
+            attached.append(held)
+            subnetworks.append(Subnetwork(s, clones[0], None, self))
+
+        if optimizer is not None:
+            group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+            for s, sub in enumerate(subnetworks):
+                groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []}
+                          for g in optimizer.param_groups]
+                for k, (i, _, _, is_param) in enumerate(self._slots[s]):
+                    gi = group_of.get(id(params[i])) if is_param else None
+                    if gi is not None:
+                        groups[gi]["params"].append(attached[s][k])
+                sub.optimizer = type(optimizer)([g for g in groups if g["params"]])
+                for k, (i, _, _, is_param) in enumerate(self._slots[s]):
+                    st = optimizer.state.get(params[i]) if is_param else None
+                    if st:  # non-tensor values (rare) are copied; tensors come from the gather
+                        sub.optimizer.state[attached[s][k]] = {
+                            key: copy.copy(v) for key, v in st.items() if not isinstance(v, Tensor)}
+            for (s, k, key, scalar) in state_segments:
+                seg = segments[j]
+                j += 1
+                subnetworks[s].optimizer.state[attached[s][k]][key] = seg.view(()) if scalar else seg
+        if not hasattr(self, "_modules_of"):
+            self._modules_of: Dict[int, List[nn.Module]] = {}
+        self._modules_of.update({id(sub.module): skeletons[sub.index] for sub in subnetworks})
+        return subnetworks
+
+    def _params(self) -> List[Optional[Tensor]]:
+        mods = self._tree.modules
+        return [mods[i]._parameters[a] if p else None for (i, a, p) in self._where]
+
+    def _requires_grad(self) -> List[bool]:
+        return [p is not None and p.requires_grad for p in self._params()]
+
+    # -- aggregate ------------------------------------------------------------------------------
+    def aggregate(self, subnetworks: Sequence[Subnetwork],
+                  optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Write the subnetworks back into the global model with one slice scatter: a slice owned
+        by one subnetwork is copied, by several averaged over its owners, shared tensors
+        (BN running statistics included) averaged over all given subnetworks; slices no given
+        subnetwork owns keep their value. With ``optimizer`` (the global optimizer the subnetworks
+        were built with) its state is aggregated the same way from the subnetworks' optimizers.
+        Everything is checked before anything is written."""
+        built = getattr(self, "_modules_of", {})
+        seen = set()
+        for sub in subnetworks:
+            if not isinstance(sub, Subnetwork) or sub.plan is not self or id(sub.module) not in built:
+                raise ValueError(f"{self.who}.aggregate: expected Subnetwork objects built by this "
+                                 f"plan's build(), got {type(sub).__name__}")
+            if sub.index in seen:
+                raise ValueError(f"{self.who}.aggregate: subnetwork {sub.index} given twice")
+            seen.add(sub.index)
+        # Owners reduced in ascending subnetwork order, as the distributed exchange does.
+        subnetworks = sorted(subnetworks, key=lambda sub: sub.index)
+        targets = self._global()
+        dims = list(self._dims)
+        target_ids: List[int] = []
+        updates: List[Tensor] = []
+        indices: List[Tensor] = []
+        params = self._params() if optimizer is not None else None
+        state_target: Dict[Tuple[int, str], int] = {}
+        new_state = []  # (param, key, zeros) created only once every check has passed
+        other_state = []  # (param, key, value): non-tensor state (rare), from the first holder
+        for sub in subnetworks:
+            s = sub.index
+            clones = built[id(sub.module)]
+            for (i, pos, attr, is_param) in self._slots[s]:
+                spec = self._specs[i]
+                t = (clones[pos]._parameters if is_param else clones[pos]._buffers).get(attr)
+                u = None if t is None else t.detach()
+                if u is not None and u.dim() == 0:
+                    u = u.view(1)
+                owned = spec.owned[s]
+                if u is None or u.shape[spec.dim] != owned.numel() or u.dim() != targets[i].dim() or \
+                        any(a != b for d, (a, b) in enumerate(zip(u.shape, targets[i].shape)) if d != spec.dim):
+                    raise ValueError(
+                        f"{self.who}.aggregate: subnetwork {s} tensor {spec.local_names[s]} has "
+                        f"shape {None if u is None else tuple(u.shape)}, expected "
+                        f"{self._expected_shape(targets[i], spec.dim, owned)}")
+                target_ids.append(i)
+                updates.append(u if u.is_contiguous() else u.contiguous())
+                indices.append(owned)
+                if optimizer is None or sub.optimizer is None or not is_param:
+                    continue
+                p = params[i]
+                for key, v in sub.optimizer.state.get(t, {}).items():
+                    if not isinstance(v, Tensor):
+                        other_state.append((p, key, v))
+                        continue
+                    scalar = v.dim() == 0
+                    tid = state_target.get((i, key))
+                    if tid is None:
+                        g = optimizer.state.get(p, {}).get(key)
+                        if g is None:  # first round: the global optimizer has no state yet
+                            g = torch.zeros_like(v if scalar else p.detach())
+                            new_state.append((p, key, g))
+                        tid = state_target[(i, key)] = len(targets)
+                        targets.append(g.view(1) if scalar else g)
+                        dims.append(0 if scalar else spec.dim)
+                    idx = self._scalar_index if scalar else owned
+                    v = v.detach().view(1) if scalar else v.detach()
+                    if tuple(v.shape) != self._expected_shape(targets[tid], dims[tid], idx):
+                        raise ValueError(f"{self.who}.aggregate: subnetwork {s} optimizer state {key!r} "
+                                         f"of {spec.local_names[s]} has shape {tuple(v.shape)}")
+                    target_ids.append(tid)
+                    updates.append(v if v.is_contiguous() else v.contiguous())
+                    indices.append(idx)
+        for p, key, g in new_state:
+            optimizer.state[p][key] = g
+        F.slice_scatter_(targets, target_ids, updates, indices, dims, reduce="mean")
+        for p, key, v in other_state:
+            optimizer.state[p].setdefault(key, copy.copy(v))
+        self._after_aggregate()
+
+    def _after_aggregate(self) -> None:
+        pass
+
+    @staticmethod
+    def _expected_shape(target: Tensor, dim: int, idx: Tensor) -> Tuple[int, ...]:
+        shape = list(target.shape)
+        shape[dim] = idx.numel()
+        return tuple(shape)

@@ -1,0 +1,118 @@
+"""Neuron partitions of a layer among S subnetworks (paper 001 §3.1, Algorithm 1 line 3).
+
+A plan for one round is made from a generator seeded by (seed, round) with
+:func:`round_generator`, on the CPU, so every rank that calls the same function with the same
+(seed, round) gets the same plan without sending it. Index lists are sorted int64 tensors.
+"""
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    # One splitmix64 step: nearby (seed, round) pairs give unrelated generator seeds.
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def round_seed(seed: int, round: int) -> int:
+    """The 63-bit seed of round ``round`` of a run seeded with ``seed`` (same on every rank)."""
+    if seed < 0 or round < 0:
+        raise ValueError(f"round_seed: seed and round must be >= 0, got seed={seed}, round={round}")
+    return _splitmix64(_splitmix64(seed) ^ round) >> 1
+
+
+def round_generator(seed: int, round: int) -> torch.Generator:
+    """A CPU generator seeded from (seed, round): the same masks on every rank for that round."""
+    return torch.Generator().manual_seed(round_seed(seed, round))
+
+
+def _check(fn: str, num_neurons: int, S: int) -> None:
+    if num_neurons < 0:
+        raise ValueError(f"{fn}: num_neurons must be >= 0, got {num_neurons}")
+    if S < 1:
+        raise ValueError(f"{fn}: S (number of subnetworks) must be >= 1, got {S}")
+
+
+def bernoulli_masks(
+    num_neurons: int, S: int, xi: float, generator: Optional[torch.Generator] = None
+) -> Tensor:
+    """Masks m_r^l ~ Bern(xi), i.i.d. over subnetworks l and neurons r (paper 001 §4).
+
+    Returns bool ``[S, num_neurons]``; row l is subnetwork l's mask. A neuron may be selected by
+    several subnetworks or by none.
+    """
+    _check("bernoulli_masks", num_neurons, S)
+    if not 0.0 <= xi <= 1.0:
+        raise ValueError(f"bernoulli_masks: xi (selection probability) must be in [0, 1], got {xi}")
+    return torch.rand(S, num_neurons, generator=generator) < xi
+
+
+def categorical_assignment(
+    num_neurons: int, S: int, generator: Optional[torch.Generator] = None, balanced: bool = False
+) -> Tensor:
+    """The subnetwork (0..S-1) each neuron belongs to, int64 ``[num_neurons]``.
+
+    ``balanced=False``: each neuron i.i.d. Categorical(1/S · 1_S) (paper 001, Theorem 4), so the
+    subnetwork sizes are random (multinomial). ``balanced=True``: a random permutation dealt in
+    S near-equal chunks (sizes differ by at most one), as the IST code does.
+    """
+    _check("categorical_assignment", num_neurons, S)
+    if balanced:
+        perm = torch.randperm(num_neurons, generator=generator)
+        owner = torch.empty(num_neurons, dtype=torch.int64)
+        # chunk c of the permutation is subnetwork c: sizes ceil/floor(num_neurons / S)
+        owner[perm] = torch.arange(num_neurons) * S // max(num_neurons, 1)
+        return owner
+    return torch.randint(0, S, (num_neurons,), generator=generator)
+
+
+def categorical_partition(
+    num_neurons: int, S: int, generator: Optional[torch.Generator] = None, balanced: bool = False
+) -> List[Tensor]:
+    """S disjoint sorted int64 index lists covering every neuron exactly once.
+
+    See :func:`categorical_assignment` for the two ways of drawing the owner of each neuron.
+    """
+    owner = categorical_assignment(num_neurons, S, generator, balanced)
+    return masks_to_indices(owner.unsqueeze(0) == torch.arange(S).unsqueeze(1))
+
+
+def random_subsets(
+    num_neurons: int, S: int, size: int, generator: Optional[torch.Generator] = None
+) -> List[Tensor]:
+    """S independent uniformly random subsets of ``size`` neurons each (sorted int64 lists)."""
+    _check("random_subsets", num_neurons, S)
+    if not 0 <= size <= num_neurons:
+        raise ValueError(f"random_subsets: size must be in [0, num_neurons={num_neurons}], got {size}")
+    keys = torch.rand(S, num_neurons, generator=generator)
+    picked = keys.topk(size, dim=1).indices if size else torch.empty(S, 0, dtype=torch.int64)
+    return list(picked.sort(dim=1).values.unbind(0))
+
+
+def masks_to_indices(masks: Tensor) -> List[Tensor]:
+    """bool ``[S, num_neurons]`` -> S sorted int64 index lists (row l: neurons with mask set)."""
+    if masks.dim() != 2:
+        raise ValueError(f"masks_to_indices: masks must be 2-D [S, num_neurons], got shape {tuple(masks.shape)}")
+    return [row.nonzero().flatten() for row in masks.bool().unbind(0)]
+
+
+def indices_to_masks(indices: List[Tensor], num_neurons: int) -> Tensor:
+    """Inverse of :func:`masks_to_indices`: S index lists -> bool ``[S, num_neurons]``."""
+    masks = torch.zeros(len(indices), num_neurons, dtype=torch.bool)
+    for l, idx in enumerate(indices):
+        masks[l, idx.cpu()] = True
+    return masks
+
+
+def owner_counts(indices: List[Tensor], num_neurons: int) -> Tensor:
+    """X_r = number of subnetworks that selected neuron r (paper 001 §3.1), int64 ``[num_neurons]``."""
+    counts = torch.zeros(num_neurons, dtype=torch.int64)
+    for idx in indices:
+        counts.index_add_(0, idx.cpu(), torch.ones_like(idx, device="cpu"))
+    return counts
