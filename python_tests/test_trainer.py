@@ -16,8 +16,10 @@ from ist_kernels.train.config import ConfigError, TrainConfig
 from ist_kernels.train.output import read_metrics
 from ist_kernels.train.runner import lr_at
 
+# One thread per process: the spawned workers and the simulated run then compute bit-identical steps
+# on any machine (and small runs do not fight over a shared box's cores).
 TINY = ["--dataset", "digits", "--model", "mlp", "--width", "16", "--batch-size", "8", "--local-steps", "2",
-        "--no-progress", "--no-plots", "--eval-interval", "2"]
+        "--no-progress", "--no-plots", "--eval-interval", "2", "--threads", "1"]
 TIME_KEYS = ("train_time", "wall_time")
 
 
@@ -109,6 +111,18 @@ def test_ddp_simulated_is_sgd_on_the_concatenated_batch(tmp_path):
     assert_states(model, {k: v.float() for k, v in ref.state_dict().items()}, exact=False, atol=1e-5)
 
 
+def test_resnet_localsgd_distributed_equals_simulated(tmp_path):
+    """A preact ResNet (BatchNorm running statistics averaged too) through both launch modes."""
+    args = ["--method", "localsgd", "--model", "preact_resnet18", "--width", 4, "--rounds", 2]
+    s_sum, s_model, s_hist = run(tmp_path / "sim", *args, "--simulate", 2)
+    d_sum, d_model, d_hist = run(tmp_path / "dist", *args, "--workers", 2)
+    assert_states(s_model, d_model, exact=True)
+    assert untimed(s_hist) == untimed(d_hist)
+    assert s_model["layer1.0.conv1.weight"].shape[0] == 4 and s_model["bn.num_batches_tracked"] == 4
+    nbytes = 4 * sum(v.numel() for k, v in s_model.items() if v.is_floating_point())  # no int counters
+    assert s_hist[1]["bytes_sent"] == 2 * (2 * 1 * nbytes // 2)
+
+
 # ---------------------------------------------------------------- resume
 
 def test_resume_equals_uninterrupted_simulated(localsgd_runs, tmp_path):
@@ -184,6 +198,8 @@ BAD = [
     (["--dataset", "cifar10"], "'data_path'"),
     (["--option", "foo=1"], "'options.foo'"),
     (["--resume"], "'resume'"),
+    (["--threads", "0"], "'threads'"),
+    (["--dataset", "signal_noise", "--model", "preact_resnet18"], "'model'"),
 ]
 
 
@@ -367,6 +383,22 @@ def test_cifar_loaders(tmp_path, capsys):
     summary, _, hist = run(tmp_path / "out", "--method", "localsgd", "--simulate", 2, "--rounds", 1,
                            "--dataset", "cifar100", "--data-path", tmp_path / "c100", "--batch-size", 2)
     assert summary["rounds"] == 1 and math.isfinite(hist[-1]["train_loss"])
+
+
+def test_synthetic_datasets(tmp_path):
+    """Paper 002's signal + noise (classification) and paper 001's diabetes data (regression)."""
+    ds = datasets.load_dataset(TrainConfig(dataset="signal_noise", seed=4))
+    assert ds.train_x.shape == ds.test_x.shape == (100, 2, 400) and not ds.image
+    signal = ds.train_x[:, 0]  # §5.1: x_1 = y e_1 with y = +-1, labels 0/1
+    assert torch.equal(signal[:, 0], 2.0 * ds.train_y - 1) and not signal[:, 1:].any()
+    assert torch.equal(ds.train_x, datasets.load_dataset(TrainConfig(dataset="signal_noise", seed=4)).train_x)
+    summary, _, hist = run(tmp_path / "sn", "--method", "localsgd", "--simulate", 2, "--rounds", 2,
+                           "--dataset", "signal_noise")
+    assert summary["accuracy"] is not None and math.isfinite(hist[-1]["train_loss"])
+    summary, _, hist = run(tmp_path / "db", "--method", "ddp", "--simulate", 2, "--rounds", 2, "--dataset", "diabetes",
+                           "--lr", 0.01, "--plots")
+    assert summary["accuracy"] is None and hist[-1]["test_loss"] < hist[0]["test_loss"]
+    assert (tmp_path / "db" / "loss.png").is_file() and not (tmp_path / "db" / "accuracy.png").exists()
 
 
 def test_augment_is_a_crop_and_flip():

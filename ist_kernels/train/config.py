@@ -37,7 +37,7 @@ class TrainConfig:
     # what to train
     method: str = _opt("localsgd", "training method (see --list-methods)")
     model: str = _opt("mlp", "model: mlp, or a name from ist_kernels.models (e.g. preact_resnet18)")
-    width: int = _opt(128, "hidden width of the mlp model")
+    width: Optional[int] = _opt(None, "mlp: hidden width (default 128); ResNets: first-stage channels (default 64)")
     depth: int = _opt(1, "hidden layers of the mlp model")
     dataset: str = _opt("digits", "dataset (see --list-datasets)")
     data_path: Optional[str] = _opt(None, "folder of the dataset files (CIFAR python-pickle folder)")
@@ -47,6 +47,7 @@ class TrainConfig:
     simulate: int = _opt(0, "train S workers/subnetworks one after another in one process (0: off)")
     backend: str = _opt("auto", "torch.distributed backend: auto (nccl on CUDA, gloo on CPU), gloo, nccl")
     timeout_s: float = _opt(600.0, "collective timeout in seconds")
+    threads: Optional[int] = _opt(None, "CPU threads per process (default: torch's; spawned workers share the cores)")
     # schedule
     local_steps: int = _opt(4, "local SGD steps per round (tau / l)")
     rounds: Optional[int] = _opt(None, "communication rounds (default 20; exclusive with epochs)")
@@ -132,11 +133,14 @@ class TrainConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> "TrainConfig":
         """Raise ConfigError naming the first invalid option; checks method/dataset/model names too."""
-        _positive_int(self, "width")
+        if self.width is not None:
+            _positive_int(self, "width")
         _positive_int(self, "depth")
         _positive_int(self, "local_steps")
         _positive_int(self, "batch_size")
         _positive_int(self, "eval_batch_size")
+        if self.threads is not None:
+            _positive_int(self, "threads")
         if self.simulate < 0:
             raise ConfigError("simulate", f"must be >= 0 (0: off), got {self.simulate}")
         if self.workers is not None and self.workers < 1:

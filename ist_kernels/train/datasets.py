@@ -4,6 +4,8 @@
 - ``cifar10`` / ``cifar100``: the standard python-pickle folder at ``data_path``
   (``data_batch_1..5`` + ``test_batch``; ``train`` + ``test`` for CIFAR-100), kept as uint8 and
   normalised per batch.
+- ``signal_noise``: paper 002's synthetic signal + noise classification (§5.1 settings);
+  ``diabetes``: paper 001's regression data (both from ``ist_kernels.train.data``).
 
 Each worker s of S sees its own shard: a seed-determined permutation of the training set cut into S
 disjoint near-equal parts. Batches are a pure function of (seed, worker, step): the worker's stream
@@ -151,6 +153,25 @@ def _check_cifar(name):
     return lambda cfg: _cifar_files(name, cfg.data_path)
 
 
+def _load_signal_noise(cfg) -> Dataset:
+    """Paper 002 §5.1: x = [y e_1, xi] in R^{2 x 400}, y = +-1 (labels 0/1 here), xi ~ N(0, 0.5^2 I),
+    100 training and 100 test samples, drawn from cfg.seed (the paper repeats runs over seeds)."""
+    from .data import signal_noise
+
+    g = torch.Generator().manual_seed(_mix(cfg.seed, 0x5167))
+    x, y = signal_noise(200, 400, 0.5, signed=True, swap_patches=False, generator=g)
+    return Dataset("signal_noise", "classification", x[:100], y[:100], x[100:], y[100:], 2, image=False)
+
+
+def _load_diabetes(cfg) -> Dataset:
+    """sklearn's bundled diabetes regression (442 x 10) as paper 001 prepares it (each input scaled
+    to norm 1, targets standardised), a fixed 80/20 split; the test loss is the MSE."""
+    from .data import diabetes_regression
+
+    x, y = diabetes_regression(442, generator=torch.Generator().manual_seed(0))
+    return Dataset("diabetes", "regression", x[:354], y[:354], x[354:], y[354:], 1, image=False)
+
+
 @dataclass(frozen=True)
 class DatasetSpec:
     loader: Callable  # cfg -> Dataset
@@ -163,6 +184,8 @@ DATASETS: Dict[str, DatasetSpec] = {
     "digits": DatasetSpec(_load_digits),
     "cifar10": DatasetSpec(_load_cifar("cifar10"), _check_cifar("cifar10"), augment=True),
     "cifar100": DatasetSpec(_load_cifar("cifar100"), _check_cifar("cifar100"), augment=True),
+    "signal_noise": DatasetSpec(_load_signal_noise, image=False),
+    "diabetes": DatasetSpec(_load_diabetes, image=False),
 }
 
 

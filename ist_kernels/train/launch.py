@@ -46,14 +46,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _set_threads(cfg: TrainConfig, processes: int) -> None:
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    elif processes > 1 and not under_torchrun():  # S local processes share this machine's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
+
+
 def _run_rank(cfgs: List[TrainConfig], rank: int, world_size: int, local_rank: int, init_method: Optional[str]):
     """One worker process: one process group for all the runs (the main run and its baseline)."""
     cfg = cfgs[0]
     device = resolve_device(cfg, local_rank, world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // min(world_size, os.cpu_count() or 1)))
+    _set_threads(cfg, world_size)
     # The package's process group: created once, cfg.timeout_s for every collective of
     # ist_kernels.distributed and of the trainer (a dead or stalled rank raises CollectiveError).
     if init_method is None:  # torchrun: env://
@@ -81,6 +87,7 @@ def launch(cfgs: Sequence[TrainConfig]) -> List[Optional[Dict[str, Any]]]:
         return _run_rank(cfgs, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                          int(os.environ["LOCAL_RANK"]), None)
     if cfg.simulate or cfg.num_workers == 1:
+        _set_threads(cfg, 1)
         world = World(simulated=bool(cfg.simulate), device=resolve_device(cfg, 0, 1))
         return [train(c, world) for c in cfgs]
     import torch.multiprocessing as mp

@@ -1,5 +1,6 @@
 """Models the trainer can build: ``mlp`` here, every other name from ``ist_kernels.models``
-(``preact_resnet18``, ``resnet18``, ... called with ``num_classes`` and ``in_channels``).
+(``preact_resnet18``, ``resnet18``, ... called with ``num_classes``, ``in_channels`` and, when
+given, ``width``: the first stage's channels).
 
 ``build_model(cfg, dataset)`` initialises from ``cfg.seed`` inside a forked RNG, so every rank
 and the simulated run start from the same model, whatever ran before.
@@ -7,6 +8,7 @@ and the simulated run start from the same model, whatever ran before.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from typing import Callable, Dict
 
@@ -32,10 +34,10 @@ def register_model(name: str):
 def mlp(cfg, input_shape, num_outputs) -> nn.Module:
     """Flatten, ``depth`` hidden ReLU layers of ``width`` neurons, a linear output layer."""
     layers = [nn.Flatten()]
-    fan_in = math.prod(input_shape)
+    fan_in, width = math.prod(input_shape), cfg.width or 128
     for _ in range(cfg.depth):
-        layers += [nn.Linear(fan_in, cfg.width), nn.ReLU()]
-        fan_in = cfg.width
+        layers += [nn.Linear(fan_in, width), nn.ReLU()]
+        fan_in = width
     layers.append(nn.Linear(fan_in, num_outputs))
     return nn.Sequential(*layers)
 
@@ -49,19 +51,22 @@ def _zoo():
         return None
 
 
+def _zoo_names(zoo):
+    return sorted(n for n, f in vars(zoo).items() if n.islower() and not n.startswith("_") and inspect.isfunction(f))
+
+
 def check_model(cfg) -> None:
     if cfg.model in MODELS:
         return
     zoo = _zoo()
-    if zoo is not None and callable(getattr(zoo, cfg.model, None)) and not cfg.model.startswith("_"):
+    if zoo is not None and cfg.model in _zoo_names(zoo):
         from .datasets import DATASETS
 
         spec = DATASETS.get(cfg.dataset)
         if spec is not None and not spec.image:
             raise ConfigError("model", f"{cfg.model!r} is a CNN; dataset {cfg.dataset!r} is not images (use mlp)")
         return
-    names = sorted(MODELS) + (sorted(n for n in getattr(zoo, "__all__", ()) if callable(getattr(zoo, n)))
-                              if zoo is not None else [])
+    names = sorted(MODELS) + (_zoo_names(zoo) if zoo is not None else [])
     where = "" if zoo is not None else " (ist_kernels.models is not in this build)"
     raise ConfigError("model", f"unknown model {cfg.model!r}{where}; available: {', '.join(names)}")
 
@@ -75,4 +80,8 @@ def build_model(cfg, dataset) -> nn.Module:
         if not dataset.image or len(dataset.input_shape) != 3:
             raise ConfigError("model", f"{cfg.model!r} is a CNN; dataset {dataset.name!r} has inputs of shape "
                               f"{dataset.input_shape}, not images")
-        return getattr(_zoo(), cfg.model)(num_classes=dataset.num_outputs, in_channels=dataset.input_shape[0])
+        fn = getattr(_zoo(), cfg.model)
+        kw = dict(num_classes=dataset.num_outputs, in_channels=dataset.input_shape[0])
+        if cfg.width is not None and "width" in inspect.signature(fn).parameters:
+            kw["width"] = cfg.width
+        return fn(**kw)
