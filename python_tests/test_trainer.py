@@ -266,6 +266,15 @@ def test_method_registry_extension_point(tmp_path, monkeypatch):
         methods._REGISTRY.pop("zz_test_worker0", None)
 
 
+def test_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    missing = [f for f in TrainConfig.field_names() if f != "options" and "--" + f.replace("_", "-") not in out]
+    assert not missing and "--option KEY=VALUE" in out
+
+
 def test_python_m_entry_point():
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     res = subprocess.run([sys.executable, "-m", "ist_kernels.train", "--list-methods"], capture_output=True,

@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
         tp = hints[f.name]
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         base = args[0] if typing.get_origin(tp) is typing.Union else tp
-        help_ = f.metadata.get("help", "")
+        help_ = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
         if f.name == "options":
             p.add_argument("--option", dest="options", action="append", metavar="KEY=VALUE", help=help_,
                            default=argparse.SUPPRESS)
