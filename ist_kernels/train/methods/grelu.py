@@ -22,14 +22,9 @@ from torch import nn
 
 from ..config import ConfigError
 from . import Method, Option, RoundResult, all_reduce_wire_bytes, register_method
+from .masked import boolean
 
 PLAN = 0x6E1D  # generator tag of the round's row partition
-
-
-def _bool(v):
-    if isinstance(v, bool):
-        return v
-    return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[str(v).lower()]
 
 
 class Flat(nn.Module):
@@ -65,9 +60,9 @@ class RowSubnet(nn.Module):
 @register_method("grelu")
 class GReLU(Method):
     options = {
-        "subnetworks": Option(False, _bool, "train independent subnetworks (row partitions) of W_1..W_L "
+        "subnetworks": Option(False, boolean, "train independent subnetworks (row partitions) of W_1..W_L "
                               "instead of local SGD", expected="true or false"),
-        "bias": Option(False, _bool, "biases in every layer (paper 004 has none)"),
+        "bias": Option(False, boolean, "biases in every layer (paper 004 has none)"),
     }
 
     @classmethod
@@ -75,7 +70,7 @@ class GReLU(Method):
         super().validate(cfg)
         if cfg.model != "mlp":
             raise ConfigError("model", f"method 'grelu' trains a GReLU MLP (model mlp), got {cfg.model!r}")
-        if _bool(cfg.options.get("subnetworks", False)) and (cfg.width or 128) < cfg.num_workers:
+        if boolean(cfg.options.get("subnetworks", False)) and (cfg.width or 128) < cfg.num_workers:
             raise ConfigError("width", f"subnetworks=true partitions {cfg.width or 128} rows into "
                               f"{cfg.num_workers} groups; use width >= workers")
 

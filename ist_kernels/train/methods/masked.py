@@ -39,6 +39,16 @@ from . import Method, Option, RoundResult, register_method
 PLAN = 0x1570  # generator tag of the round's neuron plan
 
 
+def boolean(v) -> bool:
+    """An option's true/false (also 1/0, yes/no); anything else is a ValueError."""
+    if isinstance(v, bool):
+        return v
+    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+    if str(v).lower() not in words:
+        raise ValueError(f"not a boolean: {v!r}")
+    return words[str(v).lower()]
+
+
 class SubnetModule(nn.Module):
     """One worker's subnetwork as a module for ``ctx.train_local``: its compact parameters
     (leaves, trained in place) and the neurons they belong to; inputs are flattened."""
@@ -75,10 +85,8 @@ class Masked(Method):
                         check=lambda v: v in MASKS, expected=" or ".join(MASKS)),
         "xi": Option(0.5, float, "bernoulli: the probability a subnetwork keeps a neuron",
                      check=lambda v: 0 < v <= 1, expected="a probability in (0, 1]"),
-        "train_output": Option(True, _bool := (lambda v: v if isinstance(v, bool) else
-                                               {"true": True, "1": True, "false": False, "0": False}[str(v).lower()]),
-                               "train the output layer (paper 001 keeps it fixed at ±1)"),
-        "bias": Option(True, _bool, "hidden and output biases (paper 001 has none)"),
+        "train_output": Option(True, boolean, "train the output layer (paper 001 keeps it fixed at ±1)"),
+        "bias": Option(True, boolean, "hidden and output biases (paper 001 has none)"),
         "kappa": Option(1.0, float, "std of the first layer's initial weights (paper 001: κ)",
                         check=lambda v: v > 0, expected="a positive number"),
     }
