@@ -80,6 +80,17 @@ def test_masked_bernoulli_distributed_equals_simulated(tmp_path):
     (summary, model, hist), _ = both_modes(tmp_path, "--method", "masked", "--option", "xi=0.4", "--rounds", 3)
     assert summary["masks"] == "bernoulli" and summary["xi"] == pytest.approx(0.4)
     assert all(r["bytes_sent"] > 0 for r in hist[1:])
+    # the simulated count is what the Exchange's plan says (plan_bytes of the last round's plan)
+    from ist_kernels.distributed import plan_bytes
+    from ist_kernels.nn.subnet import SubnetMLP
+    from ist_kernels.train.methods.masked import PLAN
+    from ist_kernels.train.simulated import sample_neurons
+
+    net = SubnetMLP(64, 16, 10, 1, bias=True, train_output=True)
+    plan = sample_neurons(net, 2, "bernoulli", 0.4, torch.Generator().manual_seed(_mix(0, PLAN, 2)))
+    stats = plan_bytes(net.slice_plan(plan), None, dict(net.named_parameters()), storage="replicated",
+                       shared="exact")
+    assert hist[3]["bytes_sent"] == sum(st.bytes_sent for st in stats)
     assert hist[-1]["test_loss"] < hist[0]["test_loss"]
 
 
@@ -166,7 +177,9 @@ def test_ist_resume_distributed(ist_runs, tmp_path):
 def test_ist_deeper_simulated(tmp_path):
     summary, model, hist = run(tmp_path, "--method", "ist", "--depth", 2, "--rounds", 2, "--simulate", 2)
     assert "net.hidden_weights.1" in model and summary["finished"]
-    assert hist[-1]["bytes_sent"] == 0  # no SlicePlan for rows x columns: not counted (documented)
+    # replicated exchange: each worker sends its compact tensors once (S - 1 = 1): 8 x 64 and 8 x 8
+    # hidden weights, 2 x 8 biases, 10 x 8 output columns, 10 output biases
+    assert all(r["bytes_sent"] == 2 * 4 * (8 * 64 + 8 * 8 + 2 * 8 + 10 * 8 + 10) for r in hist[1:])
 
 
 # ---------------------------------------------------------------- grelu

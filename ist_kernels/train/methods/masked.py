@@ -19,7 +19,8 @@ subnetworks. Distributed: each rank writes its own subnetwork back into its copy
 :class:`ist_kernels.distributed.Exchange` (replicated storage, ``shared="exact"``) sends each
 rank's updated slices to the others and owner-averages them with the same ``slice_scatter_`` in
 the same rank order: the two launch modes give bit-identical models (with ``--threads 1``).
-bytes_sent is the Exchange's all-to-all bytes (simulated: ``plan_bytes`` of the same plan).
+bytes_sent is the Exchange's all-to-all bytes (simulated: the same count, S - 1 copies of each
+worker's compact tensors).
 
 The full model is scored as paper 001 §4 does: each hidden neuron's output scaled by the
 selection probability ξ (a subnetwork's output is about ξ times the full model's). The distributed
@@ -144,12 +145,9 @@ class Masked(Method):
         S = self.ctx.num_workers
         if not self.ctx.distributed:
             self.net.aggregate_(params, [plan[s] for s in self.workers])
-            if S == 1 or self.net.depth > 1:
-                return 0
-            from ...distributed import plan_bytes
-
-            stats = plan_bytes(self.net.slice_plan(plan), None, self._spec(), storage="replicated", shared="exact")
-            return sum(stats[s].bytes_sent for s in self.workers)
+            # what the replicated exchange sends: each worker's compact tensors to the S - 1 others
+            # (``plan_bytes(..., storage="replicated")``; also for depth > 1, which has no SlicePlan)
+            return sum((S - 1) * sum(t.numel() * t.element_size() for t in p) for p in params)
         from ...distributed import Exchange
 
         (s,) = self.workers
