@@ -104,6 +104,9 @@ class Masked(Method):
         if masks == "categorical" and width < cfg.num_workers:
             raise ConfigError("width", f"a categorical partition of {width} neurons into {cfg.num_workers} "
                               "subnetworks leaves some empty; use width >= workers")
+        if cfg.precision != "fp32":
+            raise ConfigError("precision", f"method {cls.name!r} runs subnet_linear, which does not autocast "
+                              f"(its inputs and weights share one dtype); use --precision fp32")
         if cfg.depth > 1 and not cfg.simulate and cfg.num_workers > 1:
             raise ConfigError("depth", f"method {cls.name!r} exchanges subnetworks of depth-1 MLPs only "
                               f"(got depth={cfg.depth}); use --simulate for deeper ones")
