@@ -18,10 +18,11 @@ import argparse
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from typing import Dict, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
+
+from ._common import run_grid
 
 Cell = Tuple[str, int, float, int]  # (masks, S, xi or 0 for categorical, local steps)
 
@@ -72,27 +73,6 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> float:
     hist = simulated.train(model, x, y, subnetworks=S, rounds=args.rounds, local_steps=tau, lr=args.lr,
                            masks=masks, xi=xi if masks == "bernoulli" else None, seed=args.seed)
     return hist.errors[-1]
-
-
-def _run_cell_star(a):
-    return run_cell(*a)
-
-
-def run_grid(args: argparse.Namespace, cells: List[Cell]) -> Dict[Cell, float]:
-    from tqdm import tqdm
-
-    results: Dict[Cell, float] = {}
-    with tqdm(total=len(cells), desc="masked", file=sys.stderr) as bar:
-        if args.jobs <= 1:
-            for c in cells:
-                results[c] = run_cell(args, c)
-                bar.update()
-        else:
-            with ProcessPoolExecutor(args.jobs) as pool:
-                for c, err in zip(cells, pool.map(_run_cell_star, [(args, c) for c in cells])):
-                    results[c] = err
-                    bar.update()
-    return results
 
 
 def _table(title: str, row_name: str, rows, col_name: str, cols, grid) -> str:
@@ -148,7 +128,7 @@ def main(argv: Sequence[str] = ()) -> int:
     bern = [("bernoulli", S, xi, args.tau) for S in Ss for xi in args.xi]
     cat = [("categorical", S, 0.0, tau) for S in Ss for tau in args.local_steps]
     t0 = time.time()
-    res = run_grid(args, bern + cat)
+    res = run_grid(run_cell, args, bern + cat, "masked", args.jobs)
     elapsed = time.time() - t0
 
     g_bern = [[res[("bernoulli", S, xi, args.tau)] for xi in args.xi] for S in Ss]

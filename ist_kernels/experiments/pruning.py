@@ -20,12 +20,13 @@ import argparse
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from typing import Dict, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ._common import run_grid
 
 Cell = Tuple[float, float, int]  # (sigma_n, p, run)
 
@@ -101,27 +102,6 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> Tuple[float, float]:
     return train_err, test_err
 
 
-def _run_cell_star(a):
-    return run_cell(*a)
-
-
-def run_grid(args: argparse.Namespace, cells: List[Cell]) -> Dict[Cell, Tuple[float, float]]:
-    from tqdm import tqdm
-
-    results = {}
-    with tqdm(total=len(cells), desc="pruning", file=sys.stderr) as bar:
-        if args.jobs <= 1:
-            for c in cells:
-                results[c] = run_cell(args, c)
-                bar.update()
-        else:
-            with ProcessPoolExecutor(args.jobs) as pool:
-                for c, r in zip(cells, pool.map(_run_cell_star, [(args, c) for c in cells])):
-                    results[c] = r
-                    bar.update()
-    return results
-
-
 def _stats(values: List[float]) -> Tuple[float, float]:
     t = torch.tensor(values, dtype=torch.float64)
     return t.mean().item(), (t.std().item() if len(values) > 1 else 0.0)
@@ -132,7 +112,7 @@ def main(argv: Sequence[str] = ()) -> int:
     os.makedirs(args.out, exist_ok=True)
     cells = [(s, p, r) for s in args.sigma_n for p in args.rates for r in range(args.runs)]
     t0 = time.time()
-    res = run_grid(args, cells)
+    res = run_grid(run_cell, args, cells, "pruning", args.jobs)
     elapsed = time.time() - t0
 
     summary = {}  # (sigma_n, p) -> ((train mean, std), (test mean, std))
