@@ -87,7 +87,8 @@ class SubnetRounds:
             groups.append(mom)
         if ctx.num_workers > 1:
             for g in groups:
-                stats = plan_bytes(plan.slices, None, g, storage="replicated", shared="exact", names=list(g))
+                # the momentum buffers have their parameters' shapes: the model is the spec for both
+                stats = plan_bytes(plan.slices, None, model, storage="replicated", shared="exact", names=list(g))
                 sent += sum(st.bytes_sent for st in stats)
         return loss, sent
 
