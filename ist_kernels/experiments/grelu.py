@@ -17,18 +17,7 @@ import time
 import torch
 from torch import nn
 
-
-def ackley_data(n: int, d: int, generator: torch.Generator):
-    """§6.1's regression problem. The paper does not say how x is drawn; we draw x ~ N(0, I_d) and
-    normalise ‖x_i‖ = 1 as §2.1 assumes, then
-    y_i = Σ_{d'} x_{i,d-d'} (log|x_{i,d'}| (cos x_{i,d'} + x_{i,d'}³ sin x_{i,d'}) + sqrt|x_{i,d'}|),
-    pairing coordinate j with coordinate d-1-j (0-based)."""
-    x = torch.randn(n, d, generator=generator, dtype=torch.float64)
-    x = x / x.norm(dim=1, keepdim=True)
-    a = x.abs()
-    f = torch.log(a) * (torch.cos(x) + x.pow(3) * torch.sin(x)) + a.sqrt()
-    y = (x.flip(1) * f).sum(1, keepdim=True)
-    return x, y
+from ..train.data import ackley_data  # noqa: F401  (§6.1 data: defined once, in train/data.py)
 
 
 def relu_twin(grelu) -> nn.Sequential:

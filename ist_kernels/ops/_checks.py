@@ -92,3 +92,14 @@ def check_grelu_grad_out(op: str, grad_out, x, num_features: int) -> None:
     expected = [*x.shape[:-1], num_features]
     check(list(grad_out.shape) == expected, op,
           f"grad_out must be {expected} (x's leading dims, out_features), got {list(grad_out.shape)}")
+
+
+def check_gated_linear_backward(grad_out, x, weight, gates, output_mask) -> int:
+    """All argument checks of gated_linear_backward; returns N (the output features)."""
+    op = "gated_linear_backward"
+    check_grelu_linear(op, x, weight, None)
+    N = weight.shape[0]
+    check_grelu_grad_out(op, grad_out, x, N)
+    check_grelu_gates(op, gates, x, N)
+    check(len(output_mask) == 3, op, f"output_mask must have 3 entries, got {len(output_mask)}")
+    return N

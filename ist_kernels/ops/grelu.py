@@ -10,7 +10,7 @@ Gradients:
 """
 import torch
 
-from ._checks import check, check_grelu_gates, check_grelu_grad_out, check_grelu_linear, gate_words
+from ._checks import check_gated_linear_backward, check_grelu_gates, check_grelu_linear, gate_words
 
 _ops = torch.ops.ist_kernels
 
@@ -33,12 +33,7 @@ def _gated_linear_fake(x, weight, bias, gates):
 
 @torch.library.register_fake("ist_kernels::gated_linear_backward")
 def _gated_linear_backward_fake(grad_out, x, weight, gates, output_mask):
-    op = "gated_linear_backward"
-    check_grelu_linear(op, x, weight, None)
-    N = weight.shape[0]
-    check_grelu_grad_out(op, grad_out, x, N)
-    check_grelu_gates(op, gates, x, N)
-    check(len(output_mask) == 3, op, f"output_mask must have 3 entries, got {len(output_mask)}")
+    N = check_gated_linear_backward(grad_out, x, weight, gates, output_mask)
     return (x.new_empty(x.shape if output_mask[0] else (0,)),
             x.new_empty(weight.shape if output_mask[1] else (0,)),
             x.new_empty((N,) if output_mask[2] else (0,)))

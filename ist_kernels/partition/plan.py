@@ -14,7 +14,6 @@ copies, a slice nobody owned keeps its value (paper 001 §3.1, eta = N_perp / N)
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
-import torch
 from torch import Tensor
 
 

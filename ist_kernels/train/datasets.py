@@ -5,7 +5,8 @@
   (``data_batch_1..5`` + ``test_batch``; ``train`` + ``test`` for CIFAR-100), kept as uint8 and
   normalised per batch.
 - ``signal_noise``: paper 002's synthetic signal + noise classification (§5.1 settings);
-  ``diabetes``: paper 001's regression data (both from ``ist_kernels.train.data``).
+  ``diabetes``: paper 001's regression data; ``ackley``: paper 004 §6.1's synthetic regression
+  (all from ``ist_kernels.train.data``).
 
 Each worker s of S sees its own shard: a seed-determined permutation of the training set cut into S
 disjoint near-equal parts. Batches are a pure function of (seed, worker, step): the worker's stream
@@ -172,6 +173,16 @@ def _load_diabetes(cfg) -> Dataset:
     return Dataset("diabetes", "regression", x[:354], y[:354], x[354:], y[354:], 1, image=False)
 
 
+def _load_ackley(cfg) -> Dataset:
+    """Paper 004 §6.1's Ackley regression: x in R^200 with ‖x‖ = 1, scalar y; 100 training and 100
+    test samples drawn from cfg.seed (``ist_kernels.train.data.ackley_data``); the test loss is the MSE."""
+    from .data import ackley_data
+
+    x, y = ackley_data(200, 200, torch.Generator().manual_seed(_mix(cfg.seed, 0xAC1E)))
+    x, y = x.float(), y.float()
+    return Dataset("ackley", "regression", x[:100], y[:100], x[100:], y[100:], 1, image=False)
+
+
 @dataclass(frozen=True)
 class DatasetSpec:
     loader: Callable  # cfg -> Dataset
@@ -186,6 +197,7 @@ DATASETS: Dict[str, DatasetSpec] = {
     "cifar100": DatasetSpec(_load_cifar("cifar100"), _check_cifar("cifar100"), augment=True),
     "signal_noise": DatasetSpec(_load_signal_noise, image=False),
     "diabetes": DatasetSpec(_load_diabetes, image=False),
+    "ackley": DatasetSpec(_load_ackley, image=False),
 }
 
 

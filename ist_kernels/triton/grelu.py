@@ -19,31 +19,18 @@ torch.backends.cuda.matmul.allow_tf32 is set; fp64 accumulates in fp64. The laun
 CUDA tensors, or CPU tensors under TRITON_INTERPRET=1 (one fixed tile config there, autotuning on GPU).
 """
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ..ops._checks import check, check_grelu_gates, check_grelu_grad_out, check_grelu_linear, gate_words
+from ..ops._checks import (check, check_gated_linear_backward, check_grelu_gates,
+                          check_grelu_linear, gate_words)
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from .common import INTERPRET as _INTERPRET, grouped_tile
 
 
 # ---------------------------------------------------------------------------------------- helpers
-@triton.jit
-def _tile(pid, ROWS, COLS, BR: tl.constexpr, BC: tl.constexpr, GROUP: tl.constexpr):
-    """Grouped ordering of output tiles (GROUP row tiles share their column tiles in L2)."""
-    tiles_r = tl.cdiv(ROWS, BR)
-    tiles_c = tl.cdiv(COLS, BC)
-    per_group = GROUP * tiles_c
-    first_r = (pid // per_group) * GROUP
-    group_r = tl.minimum(tiles_r - first_r, GROUP)
-    pid_r = first_r + (pid % per_group) % group_r
-    pid_c = (pid % per_group) // group_r
-    return pid_r, pid_c
-
-
 @triton.jit
 def _unpack(words, ROWS: tl.constexpr, COLS: tl.constexpr):
     """int32 words [ROWS, COLS // 32] -> on [ROWS, COLS] (bool); column 32w + j is bit j of word w.
@@ -69,7 +56,7 @@ def _linear_gates_fwd(
     HAS_BIAS: tl.constexpr, RELU_GATES: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = _tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
@@ -113,7 +100,7 @@ def _gated_dx(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """dx [M, K] = (g ⊙ G) [M, N] @ W [N, K]; BN is the reduction tile (a multiple of 32)."""
-    pid_m, pid_k = _tile(tl.program_id(0), M, K, BM, BK, GROUP_M)
+    pid_m, pid_k = grouped_tile(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(K, BK), GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = pid_k * BK + tl.arange(0, BK)
     offs_n = tl.arange(0, BN)
@@ -149,7 +136,7 @@ def _gated_dw(
 ):
     """dW [N, K] = (g ⊙ G)ᵀ @ x and db [N] = Σ_m g ⊙ G over this program's share of M (program_id(1)
     of SPLIT); BM is the reduction tile. K_TILES = max(1, K) so that db is made also when K == 0."""
-    pid_n, pid_k = _tile(tl.program_id(0), N, K_TILES, BN, BK, GROUP_M)
+    pid_n, pid_k = grouped_tile(tl.program_id(0), tl.cdiv(N, BN), tl.cdiv(K_TILES, BK), GROUP_M)
     split = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = pid_k * BK + tl.arange(0, BK)
@@ -309,11 +296,7 @@ def gated_linear_backward(grad_out, x, weight, gates, output_mask, split_m=None)
     """(dx, dW, db) with g' = grad_out ⊙ G applied on load inside both GEMMs; an output that
     output_mask does not ask for is an empty tensor. ``split_m`` overrides the M split of dW/db."""
     op = "gated_linear_backward"
-    check_grelu_linear(op, x, weight, None)
-    N = weight.shape[0]
-    check_grelu_grad_out(op, grad_out, x, N)
-    check_grelu_gates(op, gates, x, N)
-    check(len(output_mask) == 3, op, f"output_mask must have 3 entries, got {len(output_mask)}")
+    N = check_gated_linear_backward(grad_out, x, weight, gates, output_mask)
     _device_ok(op, x)
     want_dx, want_dw, want_db = (bool(v) for v in output_mask)
     x2, g2, G2 = _rows(x), _rows(grad_out), _rows(gates)

@@ -9,7 +9,6 @@ unique, so no two tiles touch one element and no atomics are needed), grad_bias 
 The launch functions take CUDA tensors, or CPU tensors under TRITON_INTERPRET=1 (the tests call
 them directly). One tile config under the interpreter; a few autotuned ones on a GPU.
 """
-import os
 
 import torch
 import triton
@@ -17,18 +16,7 @@ import triton.language as tl
 
 from ..ops.subnet import TRITON_DTYPES, check_grad_out, check_subnet
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def _tile_ids(pid, num_a, num_b, GROUP: tl.constexpr):
-    """Grouped ordering: GROUP consecutive tiles along a share one tile of b (reuse in L2)."""
-    per_group = GROUP * num_b
-    first_a = (pid // per_group) * GROUP
-    size = tl.minimum(num_a - first_a, GROUP)
-    pid_a = first_a + (pid % per_group) % size
-    pid_b = (pid % per_group) // size
-    return pid_a, pid_b
+from .common import INTERPRET, grouped_tile
 
 
 @triton.jit
@@ -47,7 +35,7 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, rows_ptr, cols_ptr, y_ptr, M, NR, KC,
                 PRECISION: tl.constexpr, ACC: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
     # y[m, n] = sum_k x[m, k] W[rows[n], cols[k]] + b[rows[n]]
-    pid_m, pid_n = _tile_ids(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(NR, BN), GROUP)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(NR, BN), GROUP)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     m_ok = offs_m < M
@@ -75,7 +63,7 @@ def _grad_x_kernel(g_ptr, w_ptr, rows_ptr, cols_ptr, dx_ptr, M, NR, KC,
                    HAS_ROWS: tl.constexpr, HAS_COLS: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
     # dx[m, k] = sum_n g[m, n] W[rows[n], cols[k]]; here BK tiles the output, BN the reduction.
-    pid_m, pid_k = _tile_ids(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(KC, BK), GROUP)
+    pid_m, pid_k = grouped_tile(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(KC, BK), GROUP)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = pid_k * BK + tl.arange(0, BK)
     m_ok = offs_m < M
@@ -102,7 +90,7 @@ def _grad_weight_kernel(g_ptr, x_ptr, rows_ptr, cols_ptr, dw_ptr, M, NR, KC,
                         ACC: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
     # dW[rows[n], cols[k]] = sum_m g[m, n] x[m, k]; BN x BK output tiles, BM the reduction.
-    pid_n, pid_k = _tile_ids(tl.program_id(0), tl.cdiv(NR, BN), tl.cdiv(KC, BK), GROUP)
+    pid_n, pid_k = grouped_tile(tl.program_id(0), tl.cdiv(NR, BN), tl.cdiv(KC, BK), GROUP)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = pid_k * BK + tl.arange(0, BK)
     n_ok = offs_n < NR

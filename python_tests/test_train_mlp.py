@@ -1,0 +1,267 @@
+"""The trainer's MLP methods: ist and masked (paper 001, neuron subnetworks of a SubnetMLP) and
+grelu (paper 004's GReLUMLP). Each runs end to end with 2 spawned gloo workers and simulated; the
+two launch modes give bit-identical models (--threads 1); resume equals an uninterrupted run; a
+masked round equals Algorithm 1's update computed independently; bad options are rejected."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from ist_kernels.train import cli
+from ist_kernels.train.config import ConfigError, TrainConfig
+from ist_kernels.train.datasets import ShardedData, _mix, load_dataset
+from ist_kernels.train.output import read_metrics
+
+TINY = ["--dataset", "digits", "--model", "mlp", "--width", "16", "--batch-size", "8", "--local-steps", "2",
+        "--no-progress", "--no-plots", "--eval-interval", "2", "--threads", "1"]
+TIME_KEYS = ("train_time", "wall_time")
+
+
+def outputs(out):
+    with open(os.path.join(out, "summary.json")) as f:
+        return json.load(f), torch.load(os.path.join(out, "model.pt")), read_metrics(os.path.join(out, "metrics.jsonl"))
+
+
+def run(out, *args, base=TINY):
+    assert cli.main([*base, "--out-dir", str(out), *map(str, args)]) == 0
+    return outputs(out)
+
+
+def untimed(history):
+    return [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in history]
+
+
+def assert_equal_states(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), (k, (a[k] - b[k]).abs().max())
+
+
+def both_modes(root, *args, base=TINY):
+    sim = run(root / "sim", *args, "--simulate", 2, base=base)
+    dist = run(root / "dist", *args, "--workers", 2, base=base)
+    assert sim[0]["mode"] == "simulated" and dist[0]["mode"] == "distributed"
+    assert_equal_states(sim[1], dist[1])
+    assert untimed(sim[2]) == untimed(dist[2])
+    return sim, dist
+
+
+# ---------------------------------------------------------------- ist / masked
+
+@pytest.fixture(scope="module")
+def ist_runs(tmp_path_factory):
+    return both_modes(tmp_path_factory.mktemp("ist"), "--method", "ist", "--rounds", 4)
+
+
+def test_ist_distributed_equals_simulated(ist_runs):
+    (summary, model, hist), _ = ist_runs
+    assert [r["round"] for r in hist] == [0, 1, 2, 3, 4]
+    assert hist[-1]["test_loss"] < hist[0]["test_loss"]
+    # categorical partition of 16 neurons into 2: each rank sends its 8 neurons' rows of the hidden
+    # weight (8 x 64) and bias (8), its 8 output columns (10 x 8) and the shared output bias (10)
+    # through the replicated exchange's all-to-all (shared="exact"), fp32.
+    per_rank = 4 * (8 * 64 + 8 + 10 * 8 + 10)
+    assert all(r["bytes_sent"] == 2 * per_rank for r in hist[1:])
+    assert summary["total_bytes"] == 4 * 2 * per_rank
+    assert summary["masks"] == "categorical" and summary["xi"] == 0.5
+
+
+def test_ist_is_masked_with_categorical_masks(ist_runs, tmp_path):
+    (_, ist_model, ist_hist), _ = ist_runs
+    _, model, hist = run(tmp_path, "--method", "masked", "--option", "masks=categorical", "--rounds", 4,
+                         "--simulate", 2)
+    assert_equal_states(ist_model, model)
+    assert untimed(hist) == untimed(ist_hist)
+
+
+def test_masked_bernoulli_distributed_equals_simulated(tmp_path):
+    (summary, model, hist), _ = both_modes(tmp_path, "--method", "masked", "--option", "xi=0.4", "--rounds", 3)
+    assert summary["masks"] == "bernoulli" and summary["xi"] == pytest.approx(0.4)
+    assert all(r["bytes_sent"] > 0 for r in hist[1:])
+    # the simulated count is what the Exchange's plan says (plan_bytes of the last round's plan)
+    from ist_kernels.distributed import plan_bytes
+    from ist_kernels.nn.subnet import SubnetMLP
+    from ist_kernels.train.methods.masked import PLAN
+    from ist_kernels.train.simulated import sample_neurons
+
+    net = SubnetMLP(64, 16, 10, 1, bias=True, train_output=True)
+    plan = sample_neurons(net, 2, "bernoulli", 0.4, torch.Generator().manual_seed(_mix(0, PLAN, 2)))
+    stats = plan_bytes(net.slice_plan(plan), None, dict(net.named_parameters()), storage="replicated",
+                       shared="exact")
+    assert hist[3]["bytes_sent"] == sum(st.bytes_sent for st in stats)
+    assert hist[-1]["test_loss"] < hist[0]["test_loss"]
+
+
+def test_masked_categorical_distributed_equals_simulated(tmp_path):
+    both_modes(tmp_path, "--method", "masked", "--option", "masks=categorical", "--rounds", 2)
+
+
+def test_masked_round_is_algorithm_1(tmp_path):
+    """One round, one plain GD step (no momentum, no weight decay): every owned entry is the mean of
+    its owners' updated values, an unowned one keeps its value (Algorithm 1 lines 11-13, η = N⊥/N),
+    each owner's update being a gradient step of its subnetwork alone; computed here from the
+    definitions in float64 (masks rebuilt from the same seed)."""
+    from ist_kernels.nn.subnet import SubnetMLP
+    from ist_kernels.train.methods.masked import PLAN
+    from ist_kernels.train.simulated import sample_neurons
+
+    args = ["--dataset", "diabetes", "--model", "mlp", "--width", "6", "--batch-size", "5", "--local-steps", "1",
+            "--momentum", "0", "--weight-decay", "0", "--lr", "0.1", "--seed", "3", "--no-progress", "--no-plots",
+            "--threads", "1"]
+    _, model, _ = run(tmp_path, "--method", "masked", "--option", "xi=0.5", "--rounds", 1, "--simulate", 3, base=args)
+    cfg = TrainConfig(dataset="diabetes", seed=3, simulate=3, batch_size=5)
+    data = ShardedData(load_dataset(cfg), 3, 5, 3, "cpu")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        net = SubnetMLP(10, 6, 1, 1, bias=True, train_output=True, kappa=1.0)
+    plan = sample_neurons(net, 3, "bernoulli", 0.5, torch.Generator().manual_seed(_mix(3, PLAN, 0)))
+    W0, b0 = net.hidden_weights[0].detach().double(), net.hidden_biases[0].detach().double()
+    A0, c0 = net.output_weight.detach().double(), net.output_bias.detach().double()
+    sums = [torch.zeros_like(t) for t in (W0, b0, A0, c0)]
+    counts = [torch.zeros_like(t) for t in (W0, b0, A0, c0)]
+    for s in range(3):
+        (rows,) = plan[s]
+        x, y = data.batch(s, 0)
+        params = [t[rows].clone().requires_grad_() for t in (W0, b0)] + [A0[:, rows].clone().requires_grad_(),
+                                                                          c0.clone().requires_grad_()]
+        W, b, A, c = params
+        pred = torch.relu(x.double() @ W.T + b) / math.sqrt(6) @ A.T + c
+        loss = torch.nn.functional.mse_loss(pred.reshape(y.shape), y.double())
+        grads = torch.autograd.grad(loss, params)
+        new = [p.detach() - 0.1 * g for p, g in zip(params, grads)]
+        for i, (idx, val) in enumerate(zip([rows, rows, rows, None], new)):
+            if i == 2:
+                sums[i][:, idx] += val
+                counts[i][:, idx] += 1
+            elif idx is None:
+                sums[i] += val
+                counts[i] += 1
+            else:
+                sums[i][idx] += val
+                counts[i][idx] += 1
+    expect = [torch.where(n > 0, s / n.clamp(min=1), t) for s, n, t in zip(sums, counts, (W0, b0, A0, c0))]
+    got = [model[k].double() for k in ("net.hidden_weights.0", "net.hidden_biases.0", "net.output_weight",
+                                       "net.output_bias")]
+    unowned = counts[1] == 0
+    for g, e in zip(got, expect):
+        torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-5)
+    assert torch.equal(got[1][unowned], b0[unowned].float().double())
+
+
+@pytest.mark.parametrize("method", ["ist", "masked"])
+def test_resume_equals_uninterrupted(method, ist_runs, tmp_path):
+    if method == "ist":
+        (_, full_model, full_hist), _ = ist_runs
+    else:
+        _, full_model, full_hist = run(tmp_path / "full", "--method", method, "--rounds", 4, "--simulate", 2)
+    out = tmp_path / "run"
+    part, _, _ = run(out, "--method", method, "--simulate", 2, "--rounds", 4, "--stop-after", 2)
+    assert part["rounds"] == 2 and not part["finished"]
+    summary, model, hist = run(out, "--method", method, "--simulate", 2, "--rounds", 4, "--resume")
+    assert summary["finished"]
+    assert_equal_states(full_model, model)
+    assert untimed(hist) == untimed(full_hist)
+
+
+def test_ist_resume_distributed(ist_runs, tmp_path):
+    _, (_, full_model, full_hist) = ist_runs
+    out = tmp_path / "run"
+    run(out, "--method", "ist", "--workers", 2, "--rounds", 4, "--stop-after", 3)
+    _, model, hist = run(out, "--method", "ist", "--workers", 2, "--rounds", 4, "--resume")
+    assert_equal_states(full_model, model)
+    assert untimed(hist) == untimed(full_hist)
+
+
+def test_ist_deeper_simulated(tmp_path):
+    summary, model, hist = run(tmp_path, "--method", "ist", "--depth", 2, "--rounds", 2, "--simulate", 2)
+    assert "net.hidden_weights.1" in model and summary["finished"]
+    # replicated exchange: each worker sends its compact tensors once (S - 1 = 1): 8 x 64 and 8 x 8
+    # hidden weights, 2 x 8 biases, 10 x 8 output columns, 10 output biases
+    assert all(r["bytes_sent"] == 2 * 4 * (8 * 64 + 8 * 8 + 2 * 8 + 10 * 8 + 10) for r in hist[1:])
+
+
+# ---------------------------------------------------------------- grelu
+
+ACKLEY = ["--dataset", "ackley", "--model", "mlp", "--width", "16", "--depth", "2", "--batch-size", "8",
+          "--local-steps", "2", "--lr", "0.01", "--no-progress", "--no-plots", "--eval-interval", "2",
+          "--threads", "1"]
+
+
+@pytest.mark.parametrize("subnetworks", ["false", "true"])
+def test_grelu_distributed_equals_simulated(tmp_path, subnetworks):
+    (summary, model, hist), _ = both_modes(tmp_path, "--method", "grelu", "--option", f"subnetworks={subnetworks}",
+                                           "--rounds", 4, base=ACKLEY)
+    assert hist[-1]["test_loss"] < hist[0]["test_loss"]
+    assert summary["accuracy"] is None  # regression
+    trained = 4 * 2 * 16 * 16  # W_1, W_2 (16 x 16, fp32)
+    if subnetworks == "true":  # each rank sends its half of the rows of W_1, W_2
+        assert all(r["bytes_sent"] == 2 * trained // 2 for r in hist[1:])
+    else:  # ring all_reduce of W_1, W_2 only (C, Ψ, B are frozen and equal)
+        assert all(r["bytes_sent"] == 2 * (2 * trained // 2) for r in hist[1:])
+
+
+def test_grelu_frozen_buffers_unchanged(tmp_path):
+    from ist_kernels.nn import GReLUMLP
+
+    _, model, _ = run(tmp_path, "--method", "grelu", "--option", "subnetworks=true", "--rounds", 2, "--simulate", 2,
+                      base=ACKLEY)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        ref = GReLUMLP(200, 16, 2, 1)
+    for k in ("C", "psi", "B"):
+        assert torch.equal(model[f"net.{k}"], getattr(ref, k)), k
+    assert not torch.equal(model["net.layers.0.weight"], ref.layers[0].weight.detach())
+
+
+# ---------------------------------------------------------------- data
+
+def test_ackley_dataset_is_the_experiments_data():
+    from ist_kernels.experiments import grelu as experiment
+    from ist_kernels.train import data
+
+    assert experiment.ackley_data is data.ackley_data  # one definition
+    d = load_dataset(TrainConfig(dataset="ackley", seed=0))
+    assert d.task == "regression" and d.num_outputs == 1 and d.input_shape == (200,)
+    assert len(d.train_y) == len(d.test_y) == 100
+    torch.testing.assert_close(d.train_x.norm(dim=1), torch.ones(100))
+    x, y = data.ackley_data(3, 4, torch.Generator().manual_seed(1))
+    a = x.abs()
+    f = torch.log(a) * (torch.cos(x) + x ** 3 * torch.sin(x)) + a.sqrt()
+    expect = torch.stack([sum(x[i, 3 - j] * f[i, j] for j in range(4)) for i in range(3)]).unsqueeze(1)
+    torch.testing.assert_close(y, expect)
+
+
+# ---------------------------------------------------------------- bad options
+
+BAD = [
+    (["--method", "masked", "--option", "masks=gaussian"], "'options.masks'", "bernoulli or categorical"),
+    (["--method", "masked", "--option", "xi=0"], "'options.xi'", "a probability in (0, 1]"),
+    (["--method", "masked", "--option", "xi=1.5"], "'options.xi'", "a probability"),
+    (["--method", "masked", "--option", "xi=half"], "'options.xi'", "expected float"),
+    (["--method", "ist", "--option", "xi=0.5"], "'options.xi'", "has no such option"),
+    (["--method", "ist", "--option", "bias=maybe"], "'options.bias'", "expected boolean"),
+    (["--method", "ist", "--model", "preact_resnet18"], "'model'", "model mlp"),
+    (["--method", "ist", "--workers", "2", "--depth", "2"], "'depth'", "--simulate"),
+    (["--method", "ist", "--simulate", "3", "--width", "2"], "'width'", "width >= workers"),
+    (["--method", "masked", "--option", "kappa=-1"], "'options.kappa'", "positive"),
+    (["--method", "grelu", "--option", "subnetworks=sometimes"], "'options.subnetworks'", "boolean"),
+    (["--method", "grelu", "--model", "resnet18"], "'model'", "GReLU"),
+    (["--method", "ist", "--precision", "bf16"], "'precision'", "fp32"),
+    (["--method", "grelu", "--precision", "bf16"], "'precision'", "fp32"),
+]
+
+
+@pytest.mark.parametrize("args,option,why", BAD, ids=[" ".join(a) for a, _, _ in BAD])
+def test_bad_options_rejected_before_work(tmp_path, capsys, args, option, why):
+    out = tmp_path / "out"
+    assert cli.main([*TINY, "--out-dir", str(out), *args]) == 2
+    err = capsys.readouterr().err
+    assert "invalid option" in err and option in err and why in err, err
+    assert not out.exists()
+
+
+def test_bad_options_raise_config_error():
+    with pytest.raises(ConfigError, match="options.masks"):
+        TrainConfig(method="masked", options={"masks": "x"}).validate()
