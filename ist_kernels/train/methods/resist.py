@@ -1,0 +1,102 @@
+"""ResIST (paper 003 §2.2-§2.6) with its local-SGD warm-up.
+
+1. Warm-up, the first ``warmup_fraction`` of the rounds: local SGD on the full ResNet (every worker
+   trains it, one flat all_reduce per round: ``localsgd.average_models``), as §2.6 does for the
+   first epochs.
+2. ResIST rounds: each round a fresh ``resist_plan(model, S, min_depth, ctx.generator(PLAN, r))``;
+   the third stage's blocks (except its first) are dealt round-robin to S shallower sub-ResNets, each
+   worker trains its own for ``local_steps``, and they are aggregated (``_subnet.SubnetRounds``:
+   simulated ``plan.aggregate``; distributed one replicated ``Exchange``, bit-identical to it).
+   Aggregation sets the full model's residual scales (the expected fraction of sub-ResNets owning a
+   block, 1/S without sharing), which evaluation of the full model uses.
+
+``min_depth``: partitioned blocks per sub-ResNet (default: min(5, blocks of layer3 after its first)).
+"""
+from __future__ import annotations
+
+from . import ConfigError, Method, Option, RoundResult, register_method
+from ._subnet import MOMENTUM_OPTION, SubnetRounds, phase_rounds
+from .localsgd import average_models
+
+PLAN = 0x2E51  # generator tag of the round's plan
+
+
+def _residual_scales(model):
+    return {n: m.residual_scale for n, m in model.named_modules() if isinstance(getattr(m, "residual_scale", None), float)}
+
+
+@register_method("resist")
+class ResIST(Method):
+    options = {
+        "warmup_fraction": Option(0.1, float, "fraction of the rounds of local-SGD warm-up (paper 003 §2.6)",
+                                  check=lambda v: 0 <= v < 1, expected="a number in [0, 1)"),
+        "min_depth": Option(-1, int, "partitioned blocks per sub-ResNet (-1: min(5, partitionable blocks))",
+                            check=lambda v: v >= -1, expected="an integer >= 0, or -1"),
+        "momentum_state": MOMENTUM_OPTION,
+    }
+
+    @classmethod
+    def validate(cls, cfg):
+        super().validate(cfg)
+        if cfg.model == "mlp":
+            raise ConfigError("model", "resist partitions the blocks of a ResNet; use e.g. preact_resnet34")
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        from ...partition import resist_plan
+
+        self.workers = ctx.local_workers
+        o = ctx.options
+        self.warmup_rounds = phase_rounds(ctx.rounds, o["warmup_fraction"])
+        self.momentum_state = o["momentum_state"]
+        self.model = ctx.build_model()
+        blocks = len(resist_plan(self.model, 1, 0).partitioned_blocks)  # checks the model (ValueError)
+        self.min_depth = min(5, blocks) if o["min_depth"] == -1 else o["min_depth"]
+        if self.min_depth > blocks:
+            raise ConfigError("options.min_depth", f"{self.min_depth} is more than the {blocks} partitionable "
+                              f"blocks of {ctx.cfg.model}'s layer3")
+        self.rounds = None
+        self.models = {s: (self.model if s == self.workers[0] else ctx.build_model()) for s in self.workers}
+        self.optimizers = {s: ctx.make_optimizer(m.parameters()) for s, m in self.models.items()}
+
+    def _start_resist(self):
+        self.models = self.optimizers = None  # after the warm-up's averaging every copy is self.model
+        self.rounds = SubnetRounds(self.ctx, self.model, self.momentum_state)
+
+    def run_round(self, r: int) -> RoundResult:
+        ctx = self.ctx
+        steps = len(self.workers) * ctx.cfg.local_steps
+        if r < self.warmup_rounds:
+            loss = sum(ctx.train_local(self.models[s], self.optimizers[s], s, r) for s in self.workers)
+            sent = average_models([self.models[s] for s in self.workers], ctx.num_workers, r, ctx.distributed)
+            return RoundResult(loss, steps, sent, extra={"phase": 0})
+        if self.rounds is None:
+            self._start_resist()
+        from ...partition import resist_plan
+
+        plan = resist_plan(self.model, ctx.num_workers, self.min_depth, ctx.generator(PLAN, r))
+        loss, sent = self.rounds.run(plan, r)
+        return RoundResult(loss, steps, sent, extra={"phase": 1})
+
+    def global_model(self):
+        return self.model
+
+    def summary(self):
+        return {"warmup_rounds": self.warmup_rounds, "min_depth": self.min_depth}
+
+    def state_dict(self):
+        if self.rounds is None:
+            return {"phase": "warmup", "models": {s: m.state_dict() for s, m in self.models.items()},
+                    "optimizers": {s: o.state_dict() for s, o in self.optimizers.items()}}
+        return {"phase": "resist", "rounds": self.rounds.state_dict(), "residual_scale": _residual_scales(self.model)}
+
+    def load_state_dict(self, state):
+        if state["phase"] == "warmup":
+            for s in self.workers:
+                self.models[s].load_state_dict(state["models"][s])
+                self.optimizers[s].load_state_dict(state["optimizers"][s])
+            return
+        self._start_resist()
+        self.rounds.load_state_dict(state["rounds"])
+        for name, scale in state["residual_scale"].items():
+            self.model.get_submodule(name).residual_scale = scale

@@ -1,0 +1,187 @@
+"""The CNN methods of the trainer: loft (pre-train with LOFT, prune, fine-tune) and resist (local-SGD
+warm-up, then ResIST rounds), end to end on 8x8 digits with tiny ResNets (width 4), with 2 spawned
+gloo workers and --simulate 2. With --threads 1 the two launch modes give bit-identical models."""
+import json
+import os
+
+import pytest
+import torch
+
+from ist_kernels.partition import loft_plan, resist_plan
+from ist_kernels.train import cli
+from ist_kernels.train.output import read_metrics
+
+TINY = ["--dataset", "digits", "--width", "4", "--batch-size", "8", "--local-steps", "2", "--no-progress",
+        "--no-plots", "--threads", "1", "--eval-interval", "2"]
+TIME_KEYS = ("train_time", "wall_time")
+LOFT = ["--method", "loft", "--model", "preact_resnet18", "--prune-ratio", "0.5", "--rounds", "4"]
+RESIST = ["--method", "resist", "--model", "preact_resnet34", "--rounds", "4",
+          "--option", "warmup_fraction=0.25", "--option", "min_depth=2"]
+
+
+def outputs(out):
+    with open(os.path.join(out, "summary.json")) as f:
+        return json.load(f), torch.load(os.path.join(out, "model.pt")), read_metrics(os.path.join(out, "metrics.jsonl"))
+
+
+def run(out, *args):
+    assert cli.main([*TINY, "--out-dir", str(out), *map(str, args)]) == 0
+    return outputs(out)
+
+
+def untimed(history):
+    return [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in history]
+
+
+def assert_equal_states(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), (k, (a[k].double() - b[k].double()).abs().max())
+
+
+def floats_bytes(state, names=None):
+    return sum(4 * v.numel() for k, v in state.items() if v.is_floating_point() and (names is None or k in names))
+
+
+# ---------------------------------------------------------------- loft
+
+@pytest.fixture(scope="module")
+def loft_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loft")
+    return run(root / "sim", *LOFT, "--simulate", 2), run(root / "dist", *LOFT, "--workers", 2)
+
+
+def test_loft_distributed_equals_simulated(loft_runs):
+    (s_sum, s_model, s_hist), (d_sum, d_model, d_hist) = loft_runs
+    assert (s_sum["mode"], d_sum["mode"]) == ("simulated", "distributed")
+    assert_equal_states(s_model, d_model)
+    assert untimed(s_hist) == untimed(d_hist)  # losses, accuracies and bytes, round by round
+
+
+def test_loft_workflow_pretrain_prune_finetune(loft_runs):
+    (summary, model, hist), _ = loft_runs
+    # 4 rounds, pretrain_fraction 0.5: 2 LOFT rounds, then the pruned model is fine-tuned
+    assert [r.get("phase") for r in hist[1:]] == [0, 0, 1, 1]
+    assert summary["pretrain_rounds"] == 2 and summary["finished"]
+    # the saved model is the pruned one: partitioned convs lost half their filters (width 4 -> 32 in
+    # layer4), the first block of each stage and strided blocks are untouched
+    assert model["layer4.1.conv1.weight"].shape == (16, 32, 3, 3)
+    assert model["layer4.1.conv2.weight"].shape == (32, 16, 3, 3)
+    assert model["layer4.0.conv1.weight"].shape == (32, 16, 3, 3)
+    assert model["layer1.1.conv1.weight"].shape == (2, 4, 3, 3)
+    assert summary["params_pruned"] == sum(v.numel() for k, v in model.items() if "running" not in k
+                                           and "num_batches" not in k)
+    assert summary["params_pruned"] < summary["params_full"]
+    # fine-tune rounds: one ring all_reduce of the pruned model per round, 2 ranks x (2 (S-1)/S) x bytes
+    assert hist[3]["bytes_sent"] == hist[4]["bytes_sent"] == 2 * floats_bytes(model)
+    assert hist[-1]["accuracy"] is not None and summary["accuracy"] == hist[-1]["accuracy"]
+
+
+def test_loft_pretrain_bytes_are_the_plans(loft_runs, tmp_path):
+    """Pre-train bytes, independently: with replicated storage and S = 2 each rank sends the
+    partitioned slices it owns (half of every partitioned tensor) and every shared float tensor."""
+    (_, _, hist), _ = loft_runs
+    from ist_kernels.models import preact_resnet18
+
+    full = preact_resnet18(num_classes=10, in_channels=1, width=4)
+    plan = loft_plan(full, 2, torch.Generator().manual_seed(0))
+    state = full.state_dict()
+    part = {t.name for t in plan.partitioned}
+    shared = {t.name for t in plan.shared}
+    per_rank = floats_bytes(state, part) // 2 + floats_bytes(state, shared)
+    assert hist[1]["bytes_sent"] == hist[2]["bytes_sent"] == 2 * per_rank
+
+
+def test_loft_resume_equals_uninterrupted(loft_runs, tmp_path):
+    (_, full_model, full_hist), _ = loft_runs
+    out = tmp_path / "run"
+    # stop in the pre-train phase (the prune happens after resuming) ...
+    part, _, _ = run(out, *LOFT, "--simulate", 2, "--stop-after", 1)
+    assert part["rounds"] == 1 and not part["finished"]
+    _, model, hist = run(out, *LOFT, "--simulate", 2, "--resume")
+    assert_equal_states(full_model, model)
+    assert untimed(hist) == untimed(full_hist)
+    # ... and in the fine-tune phase (the pruned structure is rebuilt from the checkpoint)
+    out2 = tmp_path / "run2"
+    run(out2, *LOFT, "--simulate", 2, "--stop-after", 3)
+    _, model, hist = run(out2, *LOFT, "--simulate", 2, "--resume")
+    assert_equal_states(full_model, model)
+    assert untimed(hist) == untimed(full_hist)
+
+
+def test_loft_momentum_aggregate_distributed_equals_simulated(tmp_path):
+    args = [*LOFT, "--rounds", "2", "--option", "momentum_state=aggregate", "--option", "pretrain_fraction=1"]
+    s_sum, s_model, s_hist = run(tmp_path / "sim", *args, "--simulate", 2)
+    d_sum, d_model, d_hist = run(tmp_path / "dist", *args, "--workers", 2)
+    assert_equal_states(s_model, d_model)
+    assert untimed(s_hist) == untimed(d_hist)
+    assert "params_pruned" not in s_sum  # pre-trained only
+    # the momentum (one buffer per parameter) travels with the weights: more bytes than weights alone
+    _, _, w_hist = run(tmp_path / "w", *LOFT, "--rounds", "2", "--option", "pretrain_fraction=1", "--simulate", 2)
+    assert s_hist[1]["bytes_sent"] > w_hist[1]["bytes_sent"]
+
+
+# ---------------------------------------------------------------- resist
+
+@pytest.fixture(scope="module")
+def resist_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resist")
+    return run(root / "sim", *RESIST, "--simulate", 2), run(root / "dist", *RESIST, "--workers", 2)
+
+
+def test_resist_distributed_equals_simulated(resist_runs):
+    (s_sum, s_model, s_hist), (d_sum, d_model, d_hist) = resist_runs
+    assert_equal_states(s_model, d_model)
+    assert untimed(s_hist) == untimed(d_hist)
+    assert [r.get("phase") for r in s_hist[1:]] == [0, 1, 1, 1]
+    assert s_sum["warmup_rounds"] == 1 and s_sum["min_depth"] == 2
+
+
+def test_resist_bytes_and_full_model_scaling(resist_runs):
+    (_, model, hist), _ = resist_runs
+    # warm-up: the local-SGD ring all_reduce of the whole model
+    assert hist[1]["bytes_sent"] == 2 * floats_bytes(model)
+    # ResIST rounds move less: each partitioned block goes only from its owners
+    assert 0 < hist[2]["bytes_sent"] < hist[1]["bytes_sent"]
+    # the evaluated full model scales the partitioned blocks' residuals: layer3 of preact_resnet34 has
+    # 5 partitioned blocks, 2 sub-ResNets of min_depth 2 own 2 + 3 = 5 of 10 slots -> scale 1/2
+    from ist_kernels.models import preact_resnet34
+
+    net = preact_resnet34(num_classes=10, in_channels=1, width=4)
+    plan = resist_plan(net, 2, 2, torch.Generator().manual_seed(0))
+    assert plan.residual_scale == pytest.approx(0.5)
+
+
+def test_resist_resume_equals_uninterrupted(resist_runs, tmp_path):
+    (_, full_model, full_hist), _ = resist_runs
+    out = tmp_path / "run"
+    run(out, *RESIST, "--simulate", 2, "--stop-after", 2)  # in the ResIST phase (residual scales saved)
+    _, model, hist = run(out, *RESIST, "--simulate", 2, "--resume")
+    assert_equal_states(full_model, model)
+    assert untimed(hist) == untimed(full_hist)
+
+
+def test_cnn_methods_reject_bad_configs(capsys):
+    assert cli.main([*TINY, "--method", "loft", "--model", "mlp", "--simulate", "2"]) == 2
+    assert "loft partitions the filters of a ResNet" in capsys.readouterr().err
+    assert cli.main([*TINY, "--method", "loft", "--model", "preact_resnet18", "--simulate", "2",
+                     "--option", "pretrain_fraction=0"]) == 2
+    assert "pretrain_fraction" in capsys.readouterr().err
+    assert cli.main([*TINY, "--method", "resist", "--model", "preact_resnet18", "--simulate", "2",
+                     "--option", "momentum_state=keep"]) == 2
+    assert "reset or aggregate" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the demo
+
+def test_demo_quick_compares_loft_with_local_sgd(tmp_path, capsys):
+    assert cli.main(["--demo", "--quick", "--no-progress", "--threads", "1", "--out-dir", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "| loft " in printed and "| localsgd " in printed and str(tmp_path) in printed
+    loft, model, _ = outputs(tmp_path / "loft")
+    base, _, _ = outputs(tmp_path / "localsgd")
+    assert (loft["workers"], base["workers"]) == (2, 2) and loft["rounds"] == base["rounds"] == 4
+    assert loft["total_bytes"] < base["total_bytes"]  # LOFT sends less than local SGD
+    assert model["layer4.1.conv1.weight"].shape[0] == 16  # pruned 50% (width 4: 32 filters)
+    for f in ("summary.md", "accuracy.png", "loss.png"):
+        assert os.path.isfile(tmp_path / f), f
