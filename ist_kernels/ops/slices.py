@@ -103,6 +103,37 @@ def _slice_gather_fake(sources, source_ids, indices, dims):
     return sources[0].new_empty((total,))
 
 
+def gather_numel(sources, source_ids, indices, dims) -> int:
+    """Elements of the gather's flat output (dims already wrapped)."""
+    total = 0
+    for s, idx in zip(source_ids, indices):
+        n = idx.shape[0]
+        for k, x in enumerate(sources[s].shape):
+            if k != dims[s]:
+                n = n * x
+        total = total + n
+    return total
+
+
+def check_gather_out(out, sources, source_ids, indices, dims) -> None:
+    """The caller's buffer of slice_gather_into_: contiguous, 1-D, the sources' dtype and device,
+    exactly the gather's numel (the kernel also checks that it shares no memory with a source)."""
+    op = "slice_gather_into_"
+    d = check_gather(sources, source_ids, indices, dims)
+    check(out.dtype == sources[0].dtype, op, f"out has dtype {out.dtype} but the sources have {sources[0].dtype}")
+    check(out.device == sources[0].device, op, f"out is on {out.device} but the sources are on {sources[0].device}")
+    total = gather_numel(sources, source_ids, indices, d)
+    check(out.dim() == 1 and out.shape[0] == total, op,
+          f"out must be 1-D with {total} elements (every segment, flattened), got shape {list(out.shape)}")
+    check(out.is_contiguous(), op, f"out must be contiguous (a flat buffer), got strides {list(out.stride())}")
+
+
+@torch.library.register_fake("ist_kernels::slice_gather_into_")
+def _slice_gather_into_fake(out, sources, source_ids, indices, dims):
+    check_gather_out(out, sources, source_ids, indices, dims)
+    return None
+
+
 @torch.library.register_fake("ist_kernels::slice_scatter_")
 def _slice_scatter_fake(targets, target_ids, updates, indices, dims, reduce):
     check_scatter(targets, target_ids, updates, indices, dims, reduce)
