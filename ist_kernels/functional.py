@@ -86,8 +86,18 @@ def gather_slices(sources: Sequence[Tensor], source_ids: Sequence[int], indices:
             raise TypeError(f"gather_slices: out must be None, a Tensor or a GatherBuffers, got {type(out).__name__}")
     if len(groups) > 1 or isinstance(out, GatherBuffers):  # check first: errors name the caller's positions
         d = _slices.check_gather(sources, source_ids, indices, dims, same_dtype=False)
-    if len(groups) > 1:
-        _slices.check_index_values("slice_gather", indices, [sources[s].shape[d[s]] for s in source_ids])
+    # Index values are checked by each launch (in C++, O(n)); a launch that fails has written only
+    # buffers the caller never sees, and the whole call is then re-checked so that the error names
+    # the caller's positions.
+    try:
+        return _gather_groups(sources, source_ids, indices, dims, out, groups)
+    except RuntimeError:
+        if len(groups) > 1:
+            _slices.check_index_values("slice_gather", indices, [sources[s].shape[d[s]] for s in source_ids])
+        raise
+
+
+def _gather_groups(sources, source_ids, indices, dims, out, groups) -> List[Tensor]:
     result: List[Tensor] = [None] * len(indices)  # type: ignore[list-item]
     for members in groups.values():
         if len(groups) == 1:
@@ -135,15 +145,34 @@ def slice_scatter_(targets: Sequence[Tensor], target_ids: Sequence[int], updates
     if len(groups) <= 1:
         _ops.slice_scatter_(targets, target_ids, updates, indices, dims, reduce)
         return
-    # Several launches: check everything (index values and aliasing too) before the first one writes.
+    # Several launches: nothing may be written unless the whole call is valid. Shapes, dtypes and
+    # aliasing are checked here for all segments; index values (the costly part) here only for the
+    # groups launched after the first, which is the group with the most indices: its launch checks
+    # its own in C++ before writing anything, and if it fails nothing has been written yet.
     d = _slices.check_scatter(targets, target_ids, updates, indices, dims, reduce, same_dtype=False)
-    _slices.check_index_values("slice_scatter_", indices, [targets[t].shape[d[t]] for t in target_ids])
     _slices.check_no_alias("slice_scatter_", targets, target_ids, updates)
+    launches = []
     for members in groups.values():
         segs, ids = _segment_group(target_ids, members)
         if segs:
+            launches.append((members, segs, ids))
+    launches.sort(key=lambda g: -sum(indices[j].numel() for j in g[1]))
+    rest = [j for _, segs, _ in launches[1:] for j in segs]
+    _slices.check_index_values("slice_scatter_", [indices[j] for j in rest],
+                               [targets[target_ids[j]].shape[d[target_ids[j]]] for j in rest], positions=rest)
+    for members, _, _ in launches[1:]:
+        for t in members:
+            if torch._debug_has_internal_overlap(targets[t]) == 1:
+                raise ValueError(f"slice_scatter_: targets[{t}] has elements that share memory (an expanded "
+                                 "view?); it cannot be written in place")
+    for k, (members, segs, ids) in enumerate(launches):
+        try:
             _ops.slice_scatter_([targets[t] for t in members], ids, [updates[j] for j in segs],
                                 [indices[j] for j in segs], [dims[t] for t in members], reduce)
+        except RuntimeError:
+            if k == 0:  # nothing written: name the caller's positions if an index list is at fault
+                _slices.check_index_values("slice_scatter_", indices, [targets[t].shape[d[t]] for t in target_ids])
+            raise
 
 
 def owner_average_(target: Tensor, updates: Sequence[Tensor], indices: Sequence[Tensor], dim: int = 0) -> Tensor:
@@ -215,7 +244,8 @@ class GatherBuffers:
             self.reused += 1
             return min(fits, key=lambda e: e[0].numel())[0][:numel]
         if free:  # too small: replace the largest free one
-            pool.remove(max(free, key=lambda e: e[0].numel()))
+            drop = max(free, key=lambda e: e[0].numel())
+            pool[:] = [e for e in pool if e is not drop]
         elif len(pool) >= self.capacity:
             return torch.empty(numel, dtype=dtype, device=device)
         buf = torch.empty(numel, dtype=dtype, device=device)

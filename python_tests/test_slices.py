@@ -544,3 +544,42 @@ def test_gather_buffers_reuse_only_dead_buffers(device, gen):
     assert holder.nbytes > 0
     holder.clear()
     assert holder.nbytes == 0 and p.numel() > 0
+
+
+def test_gather_buffers_grow_and_shrink():
+    holder = F.GatherBuffers(capacity=1)
+    a = holder.take(10, torch.float32, "cpu")
+    pa = a.untyped_storage().data_ptr()
+    del a
+    b = holder.take(4, torch.float32, "cpu")  # a smaller request takes the kept buffer
+    assert b.untyped_storage().data_ptr() == pa and b.shape == (4,) and b.is_contiguous()
+    del b
+    c = holder.take(20, torch.float32, "cpu")  # too small and free: replaced by a larger one
+    assert c.numel() == 20 and holder.nbytes == 80
+    d = holder.take(5, torch.float32, "cpu")  # c alive, capacity 1: a fresh, untracked buffer
+    assert d.untyped_storage().data_ptr() != c.untyped_storage().data_ptr() and holder.nbytes == 80
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_dtype_bad_index_in_either_launch_writes_nothing(device):
+    """Mixed dtypes run one launch per dtype, the group with the most indices first (it checks its
+    own indices before writing); the others are checked before it. Errors name the caller's
+    positions wherever the bad list is."""
+    w = torch.randn(6, 4, device=device)
+    n = torch.arange(5, device=device)
+    v = torch.randn(3, device=device)
+    before = [w.clone(), n.clone(), v.clone()]
+    t = lambda *x: torch.tensor(x, device=device)  # noqa: E731
+    for match, idx in (
+            (r"indices\[0\]\[2\] = 9 is out of range", [t(0, 1, 9), t(2), t(0)]),       # first launch (float)
+            (r"indices\[2\]\[0\] = 3 is out of range", [t(0, 1, 2), t(2), t(3)]),       # first launch, 2nd list
+            (r"indices\[0\]\[1\] = 0 repeats indices\[0\]\[0\]", [t(0, 0, 1), t(2), t(0)]),
+            (r"indices\[1\]\[0\] = 5 is out of range", [t(0, 1, 2), t(5), t(0)])):     # later launch (int64)
+        upd = [torch.ones(3, 4, device=device), torch.ones(1, dtype=torch.int64, device=device),
+               torch.ones(1, device=device)]
+        with pytest.raises((RuntimeError, ValueError), match=match):
+            F.slice_scatter_([w, n, v], [0, 1, 2], upd, idx, [0, 0, 0], "mean")
+        for a, b in zip((w, n, v), before):
+            assert torch.equal(a, b)
+        with pytest.raises((RuntimeError, ValueError), match=match):
+            F.gather_slices([w, n, v], [0, 1, 2], idx, [0, 0, 0])

@@ -6,7 +6,7 @@ targets with reduce = copy / sum / mean over the owners (csrc/ops.cpp has the sc
 csrc/common/slices.h the math). The fake kernels check what can be checked without reading data
 (list lengths, dtypes, devices, dims, shapes); the kernels also check the index values.
 """
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -178,13 +178,23 @@ def split_segments(flat: torch.Tensor, shapes, dims, lengths) -> List[torch.Tens
 torch.library.register_autograd("ist_kernels::slice_gather", _gather_backward, setup_context=_gather_setup_context)
 
 
-def check_index_values(op: str, indices: Sequence[torch.Tensor], sizes: Sequence[int]) -> None:
+def check_index_values(op: str, indices: Sequence[torch.Tensor], sizes: Sequence[int],
+                       positions: Optional[Sequence[int]] = None) -> None:
     """Range and duplicate checks of all index lists at once (a few vectorised ops, one sync).
 
     Used where one call is split into several kernel launches (mixed dtypes), so that bad input is
     rejected before the first launch writes anything; a single launch checks in C++.
+    ``positions``: the caller's segment number of each list (messages name those).
     """
     if not indices:
+        return
+    if positions is not None:
+        try:
+            check_index_values(op, indices, sizes)
+        except ValueError as e:  # renumber "indices[j]" to the caller's positions
+            import re
+            raise ValueError(re.sub(r"indices\[(\d+)\]", lambda m: f"indices[{positions[int(m.group(1))]}]",
+                                    str(e))) from None
         return
     lengths = torch.tensor([i.shape[0] for i in indices])
     if int(lengths.sum()) == 0:
