@@ -196,9 +196,20 @@ def check_index_values(op: str, indices: Sequence[torch.Tensor], sizes: Sequence
             raise ValueError(re.sub(r"indices\[(\d+)\]", lambda m: f"indices[{positions[int(m.group(1))]}]",
                                     str(e))) from None
         return
-    lengths = torch.tensor([i.shape[0] for i in indices])
-    if int(lengths.sum()) == 0:
+    lengths = [i.shape[0] for i in indices]
+    if sum(lengths) <= 4096:  # a few lists (e.g. BN counters): plain Python beats launching tensor ops
+        for j, (idx, size) in enumerate(zip(indices, sizes)):
+            seen = {}
+            for k, v in enumerate(idx.tolist()):
+                if not 0 <= v < size:
+                    raise ValueError(f"{op}: indices[{j}][{k}] = {v} is out of range for a dimension of size {size}")
+                if v in seen:
+                    name = f"indices[{j}]"
+                    raise ValueError(f"{op}: {name} must not repeat an index, but {name}[{k}] = {v} repeats "
+                                     f"{name}[{seen[v]}]; a segment holds each slice at most once")
+                seen[v] = k
         return
+    lengths = torch.tensor(lengths)
     flat = torch.cat([i.cpu() for i in indices])
     size = torch.repeat_interleave(torch.tensor(list(sizes), dtype=torch.int64), lengths)
     seg = torch.repeat_interleave(torch.arange(len(indices)), lengths)
