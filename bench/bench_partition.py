@@ -6,7 +6,8 @@ the forward+backward time of one LOFT S=4 subnetwork against the full model.
 Providers per round:
   * ``ist_kernels round``: ``plan.build(optimizer)`` (standalone nn.Modules + optimizers) and
     ``plan.aggregate(subnetworks, optimizer)``: one slice gather and one slice scatter.
-  * ``ist_kernels gather+scatter``: the two op calls alone, on the same index tables.
+  * ``ist_kernels gather+scatter``: the two op calls alone, on the same index tables (the gather into
+    a reused buffer, as the plans do).
   * ``loop index_select/index_copy_``: per tensor and subnetwork an index_select to build, then per
     tensor index_copy_ (one owner) or a stacked mean over the owners copied back (shared, or a
     ResIST block several sub-ResNets own).
@@ -95,8 +96,10 @@ def _op_round(items):
                 ids.append(t)
                 indices.append(i)
 
+    buffers = F.GatherBuffers()  # the flat buffer is reused across rounds, as plan.build does
+
     def go():
-        segs = F.gather_slices(sources, ids, indices, dims)
+        segs = F.gather_slices(sources, ids, indices, dims, out=buffers)
         F.slice_scatter_(sources, ids, segs, indices, dims, reduce="mean")
     return go
 

@@ -103,11 +103,13 @@ def loop_owner_average(xs, ids, updates, indices, dims):
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-@pytest.mark.parametrize("provider", ["ist_kernels", "loop_index_select"])
+@pytest.mark.parametrize("provider", ["ist_kernels", "ist_kernels into a reused buffer", "loop_index_select"])
 def test_gather(benchmark, peaks, width, provider):
     xs, dims, ids, indices, _, seg_bytes, _, numel = setup(width)
-    fn = (lambda: F.gather_slices(xs, ids, indices, dims)) if provider == "ist_kernels" else (
-        lambda: loop_gather(xs, ids, indices, dims))
+    buffers = F.GatherBuffers()
+    fn = {"ist_kernels": lambda: F.gather_slices(xs, ids, indices, dims),
+          "ist_kernels into a reused buffer": lambda: F.gather_slices(xs, ids, indices, dims, out=buffers),
+          "loop_index_select": lambda: loop_gather(xs, ids, indices, dims)}[provider]
     record(benchmark, group=f"slice gather S={S} xi=1/2 {len(xs)} tensors {numel / 1e6:.1f}M el", provider=provider,
            bytes=2 * seg_bytes, dtype=torch.float32, peaks=peaks, segments=len(ids))
     run(benchmark, fn)

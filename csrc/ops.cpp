@@ -43,6 +43,13 @@ TORCH_LIBRARY(ist_kernels, m) {
   // Segment j is sources[source_ids[j]].index_select(dims[source_ids[j]], indices[j]); the result
   // is every segment flattened (row-major) and concatenated, in one buffer, in one launch.
   m.def("slice_gather(Tensor[] sources, int[] source_ids, Tensor[] indices, int[] dims) -> Tensor");
+  // slice_gather written into a caller's buffer: out must be a contiguous 1-D tensor of the sources'
+  // dtype and device with exactly the gather's numel, sharing no memory with a source (checked
+  // before anything is written). Lets a caller reuse one buffer across calls (no allocation, no
+  // fresh pages). Not differentiable.
+  m.def(
+      "slice_gather_into_(Tensor(a!) out, Tensor[] sources, int[] source_ids, Tensor[] indices, int[] dims)"
+      " -> ()");
   // Segment j (updates[j], compact, contiguous) is written back into targets[target_ids[j]] along
   // dims[target_ids[j]] at indices[j]. reduce: "copy" (one owner per slice; the last segment wins),
   // "sum" (target += sum over owners), "mean" (target = mean over owners). Slices that no segment

@@ -148,6 +148,25 @@ struct GatherPlan {
 
   int64_t segments() const { return static_cast<int64_t>(source.size()); }
   int64_t total() const { return offset.back(); }
+
+  // A caller's output buffer (slice_gather_into_): contiguous, 1-D, the sources' dtype and device,
+  // exactly total() elements, and no memory shared with a source (the kernel would read what it
+  // writes).
+  void check_out(const at::Tensor& out, at::TensorList srcs, const char* op) const {
+    const auto& s0 = srcs[0];
+    TORCH_CHECK(out.scalar_type() == s0.scalar_type(), op, ": out has dtype ", out.scalar_type(),
+                " but the sources have ", s0.scalar_type());
+    TORCH_CHECK(out.device() == s0.device(), op, ": out is on ", out.device(), " but the sources are on ",
+                s0.device());
+    TORCH_CHECK(out.dim() == 1 && out.numel() == total(), op, ": out must be 1-D with ", total(),
+                " elements (every segment, flattened), got shape ", shape_str(out.sizes()));
+    TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous (a flat buffer), got strides ",
+                shape_str(out.strides()));
+    if (out.numel() == 0) return;
+    for (size_t t = 0; t < srcs.size(); ++t)
+      TORCH_CHECK(srcs[t].numel() == 0 || at::get_overlap_status(out, srcs[t]) == at::MemOverlapStatus::No, op,
+                  ": out shares memory with sources[", t, "]; the gather cannot write where it reads");
+  }
 };
 
 // ---- slice_scatter_: segment j (updates[j]) written back into targets[target_ids[j]] at indices[j].

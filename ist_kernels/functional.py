@@ -25,18 +25,31 @@ from .ops import slices as _slices  # noqa: E402
 
 
 def slice_gather(sources: Sequence[Tensor], source_ids: Sequence[int], indices: Sequence[Tensor],
-                 dims: Sequence[int]) -> Tensor:
+                 dims: Sequence[int], out: Optional[Tensor] = None) -> Tensor:
     """Segment j = ``sources[source_ids[j]].index_select(dims[source_ids[j]], indices[j])``; all
     segments flattened (row-major) and concatenated into one 1-D buffer, in one launch.
 
     ``dims`` has one entry per source; ``source_ids`` and ``indices`` (int64, 1-D, no duplicates
     within a list) one per segment. All sources share one dtype and device (see
     :func:`gather_slices` for mixed dtypes). Differentiable with respect to the sources.
+
+    ``out``: a contiguous 1-D buffer of the sources' dtype and device with exactly the gather's
+    numel, written in place and returned (no allocation; not differentiable).
     """
     sources = list(sources)
     if not sources:  # the dispatcher needs a tensor; say what is wrong instead
         _slices.check_gather(sources, list(source_ids), list(indices), list(dims))
-    return _ops.slice_gather(sources, list(source_ids), list(indices), list(dims))
+    if out is None:
+        return _ops.slice_gather(sources, list(source_ids), list(indices), list(dims))
+    _check_out_no_grad(sources)
+    _ops.slice_gather_into_(out, sources, list(source_ids), list(indices), list(dims))
+    return out
+
+
+def _check_out_no_grad(sources: Sequence[Tensor]) -> None:
+    if torch.is_grad_enabled() and any(s.requires_grad for s in sources):
+        raise ValueError("slice_gather: out= is not differentiable, but a source requires grad; detach the "
+                         "sources, run under torch.no_grad(), or leave out unset")
 
 
 def _dtype_groups(tensors: Sequence[Tensor]) -> dict:
@@ -54,16 +67,38 @@ def _segment_group(ids: Sequence[int], members: Sequence[int]):
 
 
 def gather_slices(sources: Sequence[Tensor], source_ids: Sequence[int], indices: Sequence[Tensor],
-                  dims: Sequence[int]) -> List[Tensor]:
+                  dims: Sequence[int], out=None) -> List[Tensor]:
     """Like :func:`slice_gather`, but returns the compact segments
     (``sources[source_ids[j]].index_select(dims[...], indices[j])``) as views of one flat buffer per
-    dtype: mixed dtypes are grouped, one launch per dtype."""
+    dtype: mixed dtypes are grouped, one launch per dtype.
+
+    ``out``: None (fresh buffers), a flat tensor (one dtype only; exactly the gather's numel), or a
+    :class:`GatherBuffers` holder whose buffers are reused across calls where no result of an
+    earlier call still views them. With ``out`` the gather is not differentiable."""
     sources, source_ids, indices, dims = list(sources), list(source_ids), list(indices), list(dims)
     groups = _dtype_groups(sources)
-    if len(groups) > 1:  # check the whole call first, so errors name the caller's positions
+    if out is not None:
+        _check_out_no_grad(sources)
+        if isinstance(out, Tensor) and len(groups) > 1:
+            raise ValueError(f"gather_slices: out is one tensor but the sources have {len(groups)} dtypes; "
+                             "pass a GatherBuffers holder (one buffer per dtype)")
+        if not isinstance(out, (Tensor, GatherBuffers)):
+            raise TypeError(f"gather_slices: out must be None, a Tensor or a GatherBuffers, got {type(out).__name__}")
+    if len(groups) > 1 or isinstance(out, GatherBuffers):  # check first: errors name the caller's positions
         d = _slices.check_gather(sources, source_ids, indices, dims, same_dtype=False)
-        _slices.check_index_values("slice_gather", indices, [sources[s].shape[d[s]] for s in source_ids])
-    out: List[Tensor] = [None] * len(indices)  # type: ignore[list-item]
+    # Index values are checked by each launch (in C++, O(n)); a launch that fails has written only
+    # buffers the caller never sees, and the whole call is then re-checked so that the error names
+    # the caller's positions.
+    try:
+        return _gather_groups(sources, source_ids, indices, dims, out, groups)
+    except RuntimeError:
+        if len(groups) > 1:
+            _slices.check_index_values("slice_gather", indices, [sources[s].shape[d[s]] for s in source_ids])
+        raise
+
+
+def _gather_groups(sources, source_ids, indices, dims, out, groups) -> List[Tensor]:
+    result: List[Tensor] = [None] * len(indices)  # type: ignore[list-item]
     for members in groups.values():
         if len(groups) == 1:
             segs, ids = list(range(len(indices))), source_ids
@@ -71,13 +106,22 @@ def gather_slices(sources: Sequence[Tensor], source_ids: Sequence[int], indices:
             segs, ids = _segment_group(source_ids, members)
         srcs = [sources[t] for t in members]
         gdims = [dims[t] for t in members]
-        flat = _ops.slice_gather(srcs, ids, [indices[j] for j in segs], gdims)
+        if out is None:
+            flat = _ops.slice_gather(srcs, ids, [indices[j] for j in segs], gdims)
+        else:
+            if isinstance(out, Tensor):
+                flat = out
+            else:
+                numel = _slices.gather_numel(srcs, ids, [indices[j] for j in segs],
+                                             [gdims[i] % srcs[i].dim() for i in range(len(srcs))])
+                flat = out.take(numel, srcs[0].dtype, srcs[0].device)
+            _ops.slice_gather_into_(flat, srcs, ids, [indices[j] for j in segs], gdims)
         views = _slices.split_segments(flat, [srcs[i].shape for i in ids],
                                        [gdims[i] % srcs[i].dim() for i in ids],
                                        [indices[j].shape[0] for j in segs])
         for j, v in zip(segs, views):
-            out[j] = v
-    return out
+            result[j] = v
+    return result
 
 
 def slice_scatter_(targets: Sequence[Tensor], target_ids: Sequence[int], updates: Sequence[Tensor],
@@ -101,15 +145,34 @@ def slice_scatter_(targets: Sequence[Tensor], target_ids: Sequence[int], updates
     if len(groups) <= 1:
         _ops.slice_scatter_(targets, target_ids, updates, indices, dims, reduce)
         return
-    # Several launches: check everything (index values and aliasing too) before the first one writes.
+    # Several launches: nothing may be written unless the whole call is valid. Shapes, dtypes and
+    # aliasing are checked here for all segments; index values (the costly part) here only for the
+    # groups launched after the first, which is the group with the most indices: its launch checks
+    # its own in C++ before writing anything, and if it fails nothing has been written yet.
     d = _slices.check_scatter(targets, target_ids, updates, indices, dims, reduce, same_dtype=False)
-    _slices.check_index_values("slice_scatter_", indices, [targets[t].shape[d[t]] for t in target_ids])
     _slices.check_no_alias("slice_scatter_", targets, target_ids, updates)
+    launches = []
     for members in groups.values():
         segs, ids = _segment_group(target_ids, members)
         if segs:
+            launches.append((members, segs, ids))
+    launches.sort(key=lambda g: -sum(indices[j].numel() for j in g[1]))
+    rest = [j for _, segs, _ in launches[1:] for j in segs]
+    _slices.check_index_values("slice_scatter_", [indices[j] for j in rest],
+                               [targets[target_ids[j]].shape[d[target_ids[j]]] for j in rest], positions=rest)
+    for members, _, _ in launches[1:]:
+        for t in members:
+            if torch._debug_has_internal_overlap(targets[t]) == 1:
+                raise ValueError(f"slice_scatter_: targets[{t}] has elements that share memory (an expanded "
+                                 "view?); it cannot be written in place")
+    for k, (members, segs, ids) in enumerate(launches):
+        try:
             _ops.slice_scatter_([targets[t] for t in members], ids, [updates[j] for j in segs],
                                 [indices[j] for j in segs], [dims[t] for t in members], reduce)
+        except RuntimeError:
+            if k == 0:  # nothing written: name the caller's positions if an index list is at fault
+                _slices.check_index_values("slice_scatter_", indices, [targets[t].shape[d[t]] for t in target_ids])
+            raise
 
 
 def owner_average_(target: Tensor, updates: Sequence[Tensor], indices: Sequence[Tensor], dim: int = 0) -> Tensor:
@@ -143,3 +206,57 @@ def subnet_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, rows
     Gradients: compact for ``x``; full-size for ``weight`` and ``bias``, zero outside rows x cols.
     """
     return _ops.subnet_linear(x, weight, bias, rows, cols)
+
+
+# ---- Reusable gather buffers (slice_gather_into_): no fresh allocation, no fresh pages per round
+class GatherBuffers:
+    """Flat output buffers for :func:`gather_slices` / :func:`slice_gather`, kept per dtype and
+    device and reused across calls.
+
+    A buffer is handed out again only when nothing else references its memory: no view, parameter,
+    optimizer state or other tensor made from an earlier result is alive (the reference count of
+    its storage is back to the holder's own). So a result still in use is never overwritten; while
+    one is, the next call takes another buffer (at most ``capacity`` are kept per dtype and device;
+    beyond that a fresh, untracked one is allocated, as without a holder). A free buffer at least
+    as large as needed is reused (its first elements). ``clear()`` drops every kept buffer.
+    """
+
+    def __init__(self, capacity: int = 2):
+        if capacity < 1:
+            raise ValueError(f"GatherBuffers: capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._pools: dict = {}  # (dtype, device) -> [[buffer, storage handle, own reference count]]
+        self.reused = 0  # calls served from a kept buffer (for tests and benchmarks)
+
+    @staticmethod
+    def _count(handle: int) -> int:
+        return torch._C._storage_Use_Count(handle)
+
+    def take(self, numel: int, dtype: torch.dtype, device) -> Tensor:
+        """A contiguous 1-D buffer of ``numel`` elements that no live tensor shares."""
+        device = torch.device(device)
+        if not hasattr(torch._C, "_storage_Use_Count"):  # cannot tell when a buffer is free: never reuse
+            return torch.empty(numel, dtype=dtype, device=device)
+        pool = self._pools.setdefault((dtype, device), [])
+        free = [e for e in pool if self._count(e[1]) == e[2]]
+        fits = [e for e in free if e[0].numel() >= numel]
+        if fits:
+            self.reused += 1
+            return min(fits, key=lambda e: e[0].numel())[0][:numel]
+        if free:  # too small: replace the largest free one
+            drop = max(free, key=lambda e: e[0].numel())
+            pool[:] = [e for e in pool if e is not drop]
+        elif len(pool) >= self.capacity:
+            return torch.empty(numel, dtype=dtype, device=device)
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        handle = buf.untyped_storage()._cdata
+        pool.append([buf, handle, self._count(handle)])
+        return buf[:numel]
+
+    def clear(self) -> None:
+        self._pools.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kept buffers hold."""
+        return sum(e[0].numel() * e[0].element_size() for pool in self._pools.values() for e in pool)

@@ -548,3 +548,57 @@ def _two_stage(stages=2, block=None):
     for i in range(1, stages + 1):
         setattr(net, f"layer{i}", nn.Sequential(block(), block()))
     return net
+
+
+# ------------------------------------------------------------------ gather buffers across rounds
+@pytest.mark.parametrize("kind", ["loft", "resist"])
+def test_build_reuses_gather_buffers_only_once_subnetworks_are_gone(kind, gen):
+    """plan.build keeps its flat gather buffer for later builds, but never overwrites subnetworks
+    (parameters, buffers, optimizer state) that are still alive."""
+    model, plan = _plans(kind, gen)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    _step(model, opt, gen)
+
+    def storage(subs):
+        return next(subs[0].module.parameters()).untyped_storage().data_ptr()
+
+    def snapshot(subs):
+        return [({k: v.clone() for k, v in s.module.state_dict().items()},
+                 {k: v["momentum_buffer"].clone() for k, v in enumerate(s.optimizer.state.values())}) for s in subs]
+
+    def same(subs, snap):
+        return all(all(torch.equal(v, st[k]) for k, v in s.module.state_dict().items()) and
+                   all(torch.equal(v["momentum_buffer"], mom[k]) for k, v in enumerate(s.optimizer.state.values()))
+                   for s, (st, mom) in zip(subs, snap))
+
+    kept, snaps, ptrs = [], [], []
+    for _ in range(3):  # every round's subnetworks stay alive: every build takes another buffer
+        subs = plan.build(opt)
+        for sub in subs:
+            _step(sub.module, sub.optimizer, gen)
+        plan.aggregate(subs, opt)
+        kept.append(subs)
+        snaps.append(snapshot(subs))
+        ptrs.append(storage(subs))
+    assert len(set(ptrs)) == 3
+    assert all(same(subs, snap) for subs, snap in zip(kept, snaps))
+    first = ptrs[0]
+    del kept[0], snaps[0], subs
+    reused = plan._buffers.reused
+    subs = plan.build(opt)  # round 1's subnetworks are gone: its buffer comes back
+    assert storage(subs) == first and plan._buffers.reused > reused
+    assert all(same(s, snap) for s, snap in zip(kept, snaps))
+    # the reused buffer holds this build's values: aggregating unchanged subnetworks is the identity
+    before = _state(model)
+    plan.aggregate(subs, opt)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    for sub in subs:  # a reused build trains like a fresh one
+        local = {n: p for n, p in sub.module.named_parameters()}
+        for t in plan.partitioned:
+            name = plan.local_names[t.name][sub.index]
+            if name in local:
+                full = model.get_parameter(t.name).detach()
+                assert torch.equal(local[name], full.index_select(t.dim, t.owners[sub.index])), t.name
+    del subs, kept, snaps
+    plan.release_buffers()
+    assert plan._buffers.nbytes == 0

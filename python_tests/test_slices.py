@@ -426,3 +426,160 @@ def test_gather_bad_input(device):
     ]:
         with pytest.raises((RuntimeError, ValueError), match=match):
             F.slice_gather(*args)
+
+
+# ---- slice_gather_into_: the gather into a caller's buffer, and GatherBuffers
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64, torch.bool])
+def test_gather_into_matches_reference(device, dtype, gen):
+    xs, dims, sizes = model(gen, dtype, device)
+    ids, indices = random_plan(gen, sizes, 3, device=device)
+    xs[1] = xs[1].transpose(2, 3)  # a non-contiguous source (same shape: 3x3 kernel)
+    expect = ref.slice_gather([x.cpu() for x in xs], ids, [i.cpu() for i in indices], dims)
+    out = rand((expect.numel(),), dtype, gen, device)  # stale data everywhere: all of it is overwritten
+    assert F.slice_gather(xs, ids, indices, dims, out=out) is out
+    assert torch.equal(out.cpu(), expect)
+    out.zero_()
+    assert ops.slice_gather_into_(out, xs, ids, indices, dims) is None
+    assert torch.equal(out.cpu(), expect)
+    segs = F.gather_slices(xs, ids, indices, dims, out=out.zero_())
+    for seg, t, idx in zip(segs, ids, indices):
+        assert seg.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+        assert torch.equal(seg, xs[t].index_select(dims[t] % xs[t].dim(), idx))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_into_empty(device, gen):
+    w = torch.randn(4, 3, device=device)
+    out = torch.empty(0, device=device)
+    F.slice_gather([w], [0, 0], [torch.tensor([], dtype=torch.int64, device=device)] * 2, [0], out=out)
+    F.slice_gather([w], [], [], [0], out=out)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_into_opcheck(device, gen):
+    xs, dims, sizes = model(gen, torch.float32, device, TENSORS[:5])
+    ids, indices = random_plan(gen, sizes, 2, p_empty=0.2, device=device)
+    n = F.slice_gather(xs, ids, indices, dims).numel()
+    torch.library.opcheck(ops.slice_gather_into_.default, (torch.empty(n, device=device), xs, ids, indices, dims))
+
+
+def test_gather_into_compile(gen):
+    xs, dims, sizes = model(gen, torch.float32, "cpu", TENSORS[:5])
+    ids, indices = random_plan(gen, sizes, 3, p_empty=0.0)
+    n = F.slice_gather(xs, ids, indices, dims).numel()
+
+    def fn(out):
+        F.slice_gather(xs, ids, indices, dims, out=out)
+        return out * 2
+
+    got = torch.compile(fn, fullgraph=True)(torch.zeros(n))
+    assert torch.equal(got, 2 * F.slice_gather(xs, ids, indices, dims))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_into_bad_input_writes_nothing(device):
+    w = torch.randn(6, 4, device=device)
+    i = [torch.tensor([1, 3], device=device)]
+    big = torch.randn(64, device=device)
+    for match, out, srcs in [
+        (r"out must be 1-D with 8 elements .* got shape \[7\]", torch.zeros(7, device=device), [w]),
+        (r"out must be 1-D with 8 elements .* got shape \[2, 4\]", torch.zeros(2, 4, device=device), [w]),
+        (r"out has dtype torch.float64|out has dtype Double", torch.zeros(8, dtype=torch.float64, device=device), [w]),
+        (r"out must be contiguous", torch.zeros(16, device=device)[::2], [w]),
+        (r"out shares memory with sources\[0\]", big[8:16], [big[8:32].view(6, 4)]),
+        (r"out shares memory with sources\[0\]", big[4:12], [big[:24].view(6, 4)]),
+    ]:
+        before = out.clone()
+        with pytest.raises((RuntimeError, ValueError), match=match):
+            ops.slice_gather_into_(out, srcs, [0], i, [0])
+        assert torch.equal(out, before)
+    out = torch.zeros(8, device=device)
+    with pytest.raises((RuntimeError, ValueError), match=r"indices\[0\]\[1\] = 6 is out of range"):
+        F.slice_gather([w], [0], [torch.tensor([1, 6], device=device)], [0], out=out)
+    with pytest.raises(ValueError, match="out= is not differentiable"):
+        F.slice_gather([w.requires_grad_()], [0], i, [0], out=out)
+    with pytest.raises(ValueError, match="out is one tensor but the sources have 2 dtypes"):
+        F.gather_slices([w.detach(), w.detach().double()], [0, 1], i * 2, [0, 0], out=out)
+    assert torch.equal(out, torch.zeros(8, device=device))
+    if device != "cpu":
+        with pytest.raises(RuntimeError, match="out is on cpu"):
+            ops.slice_gather_into_(torch.zeros(8), [w.detach()], [0], i, [0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_buffers_reuse_only_dead_buffers(device, gen):
+    """A kept buffer is handed out again only once no result of an earlier call views it."""
+    xs, dims, sizes = model(gen, torch.float32, device)
+    xs.append(torch.arange(10, device=device))  # a second dtype: its own buffer
+    dims.append(0)
+    sizes.append(10)
+    ids, indices = random_plan(gen, sizes, 2, p_empty=0.0, device=device)
+    expect = [xs[t].index_select(dims[t] % xs[t].dim(), i) for t, i in zip(ids, indices)]
+    holder = F.GatherBuffers(capacity=2)
+
+    def ptr(segs):
+        return segs[0].untyped_storage().data_ptr()
+
+    a = F.gather_slices(xs, ids, indices, dims, out=holder)
+    b = F.gather_slices(xs, ids, indices, dims, out=holder)  # a alive: another buffer
+    assert ptr(a) != ptr(b) and holder.reused == 0
+    c = F.gather_slices(xs, ids, indices, dims, out=holder)  # both alive, capacity 2: a fresh one
+    assert ptr(c) not in (ptr(a), ptr(b))
+    keep = a[3].view(-1)[1:]  # a view of a view keeps a's buffer alive
+    pa = ptr(a)
+    del a
+    d = F.gather_slices(xs, ids, indices, dims, out=holder)
+    assert ptr(d) not in (pa, ptr(b))
+    assert holder.reused == 1  # a's int64 buffer was free: nothing kept it
+    del keep, d
+    e = F.gather_slices(xs, ids, indices, dims, out=holder)  # a's float buffer free again
+    assert ptr(e) == pa and holder.reused == 3
+    for got in (b, c, e):
+        assert all(torch.equal(g, x) for g, x in zip(got, expect))
+    p = torch.nn.Parameter(e[0])  # a parameter made from a segment holds the buffer too
+    del e
+    f = F.gather_slices(xs, ids, indices, dims, out=holder)
+    assert ptr(f) != pa
+    assert holder.nbytes > 0
+    holder.clear()
+    assert holder.nbytes == 0 and p.numel() > 0
+
+
+def test_gather_buffers_grow_and_shrink():
+    holder = F.GatherBuffers(capacity=1)
+    a = holder.take(10, torch.float32, "cpu")
+    pa = a.untyped_storage().data_ptr()
+    del a
+    b = holder.take(4, torch.float32, "cpu")  # a smaller request takes the kept buffer
+    assert b.untyped_storage().data_ptr() == pa and b.shape == (4,) and b.is_contiguous()
+    del b
+    c = holder.take(20, torch.float32, "cpu")  # too small and free: replaced by a larger one
+    assert c.numel() == 20 and holder.nbytes == 80
+    d = holder.take(5, torch.float32, "cpu")  # c alive, capacity 1: a fresh, untracked buffer
+    assert d.untyped_storage().data_ptr() != c.untyped_storage().data_ptr() and holder.nbytes == 80
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_dtype_bad_index_in_either_launch_writes_nothing(device):
+    """Mixed dtypes run one launch per dtype, the group with the most indices first (it checks its
+    own indices before writing); the others are checked before it. Errors name the caller's
+    positions wherever the bad list is."""
+    w = torch.randn(6, 4, device=device)
+    n = torch.arange(5, device=device)
+    v = torch.randn(3, device=device)
+    before = [w.clone(), n.clone(), v.clone()]
+    t = lambda *x: torch.tensor(x, device=device)  # noqa: E731
+    for match, idx in (
+            (r"indices\[0\]\[2\] = 9 is out of range", [t(0, 1, 9), t(2), t(0)]),       # first launch (float)
+            (r"indices\[2\]\[0\] = 3 is out of range", [t(0, 1, 2), t(2), t(3)]),       # first launch, 2nd list
+            (r"indices\[0\]\[1\] = 0 repeats indices\[0\]\[0\]", [t(0, 0, 1), t(2), t(0)]),
+            (r"indices\[1\]\[0\] = 5 is out of range", [t(0, 1, 2), t(5), t(0)])):     # later launch (int64)
+        upd = [torch.ones(3, 4, device=device), torch.ones(1, dtype=torch.int64, device=device),
+               torch.ones(1, device=device)]
+        with pytest.raises((RuntimeError, ValueError), match=match):
+            F.slice_scatter_([w, n, v], [0, 1, 2], upd, idx, [0, 0, 0], "mean")
+        for a, b in zip((w, n, v), before):
+            assert torch.equal(a, b)
+        with pytest.raises((RuntimeError, ValueError), match=match):
+            F.gather_slices([w, n, v], [0, 1, 2], idx, [0, 0, 0])

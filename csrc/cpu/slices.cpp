@@ -58,13 +58,13 @@ void with_word(int64_t element_size, Fn&& fn) {
 
 }  // namespace
 
-at::Tensor slice_gather(at::TensorList sources, at::IntArrayRef source_ids, at::TensorList indices,
-                        at::IntArrayRef dims) {
-  const GatherPlan plan(sources, source_ids, indices, dims, "slice_gather");
+namespace {
+
+// The gather kernel: every segment of a checked plan into out (contiguous, plan.total() elements).
+void gather_into(const GatherPlan& plan, const at::Tensor& out) {
   const auto& src0 = plan.sources[0];
-  auto out = at::empty({plan.total()}, src0.options());
   const int64_t J = plan.segments();
-  if (plan.total() == 0) return out;
+  if (plan.total() == 0) return;
   const int64_t esize = src0.element_size();
   // Rows of all segments, numbered consecutively: segment j has rows row_start[j] .. row_start[j+1].
   std::vector<int64_t> row_start(J + 1, 0);
@@ -97,7 +97,23 @@ at::Tensor slice_gather(at::TensorList sources, at::IntArrayRef source_ids, at::
       }
     });
   });
+}
+
+}  // namespace
+
+at::Tensor slice_gather(at::TensorList sources, at::IntArrayRef source_ids, at::TensorList indices,
+                        at::IntArrayRef dims) {
+  const GatherPlan plan(sources, source_ids, indices, dims, "slice_gather");
+  auto out = at::empty({plan.total()}, plan.sources[0].options());
+  gather_into(plan, out);
   return out;
+}
+
+void slice_gather_into_(at::Tensor& out, at::TensorList sources, at::IntArrayRef source_ids, at::TensorList indices,
+                        at::IntArrayRef dims) {
+  const GatherPlan plan(sources, source_ids, indices, dims, "slice_gather_into_");
+  plan.check_out(out, sources, "slice_gather_into_");
+  gather_into(plan, out);
 }
 
 namespace {
@@ -198,6 +214,10 @@ void slice_scatter_(at::TensorList targets, at::IntArrayRef target_ids, at::Tens
   } else {
     AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "slice_scatter_", [&] {
       for_each_owned_row(plan, esize, [&](int64_t a, char* row, const char* const* owners, int64_t k) {
+        if (plan.reduce == SliceReduce::Mean && k == 1) {  // the mean of one owner is its value, bit for bit
+          std::memcpy(row, owners[0], plan.view[a].inner * esize);
+          return;
+        }
         auto* out = reinterpret_cast<scalar_t*>(row);
         auto* rows = reinterpret_cast<const scalar_t* const*>(owners);
         if (plan.reduce == SliceReduce::Sum)
@@ -212,6 +232,7 @@ void slice_scatter_(at::TensorList targets, at::IntArrayRef target_ids, at::Tens
 
 TORCH_LIBRARY_IMPL(ist_kernels, CPU, m) {
   m.impl("slice_gather", &slice_gather);
+  m.impl("slice_gather_into_", &slice_gather_into_);
   m.impl("slice_scatter_", &slice_scatter_);
 }
 

@@ -47,14 +47,11 @@ int64_t common_unit(int64_t bytes, std::initializer_list<uintptr_t> ptrs, int64_
 
 constexpr int64_t kMaxBlocks = (int64_t{1} << 31) - 1;
 
-at::Tensor slice_gather_cuda(at::TensorList sources, at::IntArrayRef source_ids, at::TensorList indices,
-                             at::IntArrayRef dims) {
-  c10::cuda::OptionalCUDAGuard guard;
-  if (!sources.empty() && sources[0].is_cuda()) guard.set_device(sources[0].device());
-  const GatherPlan plan(sources, source_ids, indices, dims, "slice_gather");
+// The gather kernel: every segment of a checked plan into out (contiguous, plan.total() elements),
+// one launch on the current stream.
+void gather_into(const GatherPlan& plan, const at::Tensor& out) {
   const auto& src0 = plan.sources[0];
-  auto out = at::empty({plan.total()}, src0.options());
-  if (plan.total() == 0) return out;
+  if (plan.total() == 0) return;
   const int64_t esize = src0.element_size();
   std::vector<int64_t> live;  // segments that move at least one element
   int64_t num_idx = 0;
@@ -95,7 +92,25 @@ at::Tensor slice_gather_cuda(at::TensorList sources, at::IntArrayRef source_ids,
   buf.upload();
   C10_CUDA_CHECK(ist::cuda::slice_gather(buf.device_at<const GatherSegment>(0), L, blocks,
                                          c10::cuda::getCurrentCUDAStream()));
+}
+
+at::Tensor slice_gather_cuda(at::TensorList sources, at::IntArrayRef source_ids, at::TensorList indices,
+                             at::IntArrayRef dims) {
+  c10::cuda::OptionalCUDAGuard guard;
+  if (!sources.empty() && sources[0].is_cuda()) guard.set_device(sources[0].device());
+  const GatherPlan plan(sources, source_ids, indices, dims, "slice_gather");
+  auto out = at::empty({plan.total()}, plan.sources[0].options());
+  gather_into(plan, out);
   return out;
+}
+
+void slice_gather_into_cuda(at::Tensor& out, at::TensorList sources, at::IntArrayRef source_ids,
+                            at::TensorList indices, at::IntArrayRef dims) {
+  c10::cuda::OptionalCUDAGuard guard;
+  if (out.is_cuda()) guard.set_device(out.device());
+  const GatherPlan plan(sources, source_ids, indices, dims, "slice_gather_into_");
+  plan.check_out(out, sources, "slice_gather_into_");
+  gather_into(plan, out);
 }
 
 ScalarKind scalar_kind(at::ScalarType t) {
@@ -170,6 +185,7 @@ void slice_scatter_cuda(at::TensorList targets, at::IntArrayRef target_ids, at::
 
 TORCH_LIBRARY_IMPL(ist_kernels, CUDA, m) {
   m.impl("slice_gather", &slice_gather_cuda);
+  m.impl("slice_gather_into_", &slice_gather_into_cuda);
   m.impl("slice_scatter_", &slice_scatter_cuda);
 }
 

@@ -98,6 +98,25 @@ def _functional():
     return F
 
 
+_SCRATCH = None
+
+
+def _scratch():
+    """The process's reusable exchange buffers (pack, wire, receive: at most three per dtype and
+    device, each reused only when nothing views it any more). release_buffers() drops them."""
+    global _SCRATCH
+    if _SCRATCH is None:
+        _SCRATCH = _functional().GatherBuffers(capacity=3)
+    return _SCRATCH
+
+
+def release_buffers() -> None:
+    """Drop the buffers the exchanges keep for the next round (about one round's pack and receive
+    buffers)."""
+    if _SCRATCH is not None:
+        _SCRATCH.clear()
+
+
 class _Mover:
     """Pack -> (quantise) -> one all_to_all_single -> unpack with owner means, for one routing.
 
@@ -152,9 +171,11 @@ class _Mover:
         src_list = [sources[e] if not self.entries[e].integral else
                     _as_buffer(sources[e], self.dtype, self.entries[e].name, name) for e in self.source_entries]
         src_pos = {e: i for i, e in enumerate(self.source_entries)}
-        if self.pack:
-            send = F.slice_gather(src_list, [src_pos[s.entry] for s in self.pack], pack_idx,
-                                  [self.entries[e].dim for e in self.source_entries])
+        scratch = _scratch()
+        if self.pack:  # the pack, wire and receive buffers never leave run(): reused across rounds
+            send = scratch.take(sum(s.numel for s in self.pack), self.dtype, device)
+            F.slice_gather(src_list, [src_pos[s.entry] for s in self.pack], pack_idx,
+                           [self.entries[e].dim for e in self.source_entries], out=send)
         else:
             send = torch.empty(0, dtype=self.dtype, device=device)
         own = send[self.wire_numel:]
@@ -170,7 +191,7 @@ class _Mover:
             Q.quantize_(fviews, scales)  # send's floating segments now hold the codes, as floats
             n_own = sum(1 for s in self.routing.send[r] if not self.entries[s.entry].integral)
             Q.dequantize_(fviews[len(fviews) - n_own:], scales[len(fviews) - n_own:])
-            wire = torch.empty(sum(c[0] for c in self.q_send), dtype=torch.uint8, device=device)
+            wire = scratch.take(sum(c[0] for c in self.q_send), torch.uint8, device)
             off = f_seg = el = 0
             for q in self.peers:
                 size, n_f, raw, codes, f_el = self.q_send[q]
@@ -180,11 +201,11 @@ class _Mover:
                 chunk[raw:raw + self.esize * i_el].view(self.dtype).copy_(send[el + f_el:el + f_el + i_el])
                 chunk[codes:codes + f_el].view(torch.int8).copy_(send[el:el + f_el])
                 off, f_seg, el = off + size, f_seg + n_f, el + f_el + i_el
-            out = torch.empty(sum(c[0] for c in self.q_recv), dtype=torch.uint8, device=device)
+            out = scratch.take(sum(c[0] for c in self.q_recv), torch.uint8, device)
             in_splits, out_splits, esize = [c[0] for c in self.q_send], [c[0] for c in self.q_recv], 1
         else:
             wire = send[:self.wire_numel]
-            out = torch.empty(self.recv_wire_numel, dtype=self.dtype, device=device)
+            out = scratch.take(self.recv_wire_numel, self.dtype, device)
             in_splits = [self.routing.send_numel[q] if q != r else 0 for q in range(S)]
             out_splits = [self.routing.recv_numel[k] if k != r else 0 for k in range(S)]
             esize = self.esize
@@ -197,7 +218,7 @@ class _Mover:
         stats.all_to_all_bytes_received += sum(out_splits) * esize
 
         if quantize:  # decode every peer's chunk into one flat buffer in rank order
-            recv = torch.empty(self.recv_wire_numel, dtype=self.dtype, device=device)
+            recv = scratch.take(self.recv_wire_numel, self.dtype, device)
             off = el = 0
             scales_in, fviews = [], []
             for k in self.peers:

@@ -6,7 +6,7 @@ targets with reduce = copy / sum / mean over the owners (csrc/ops.cpp has the sc
 csrc/common/slices.h the math). The fake kernels check what can be checked without reading data
 (list lengths, dtypes, devices, dims, shapes); the kernels also check the index values.
 """
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -103,6 +103,37 @@ def _slice_gather_fake(sources, source_ids, indices, dims):
     return sources[0].new_empty((total,))
 
 
+def gather_numel(sources, source_ids, indices, dims) -> int:
+    """Elements of the gather's flat output (dims already wrapped)."""
+    total = 0
+    for s, idx in zip(source_ids, indices):
+        n = idx.shape[0]
+        for k, x in enumerate(sources[s].shape):
+            if k != dims[s]:
+                n = n * x
+        total = total + n
+    return total
+
+
+def check_gather_out(out, sources, source_ids, indices, dims) -> None:
+    """The caller's buffer of slice_gather_into_: contiguous, 1-D, the sources' dtype and device,
+    exactly the gather's numel (the kernel also checks that it shares no memory with a source)."""
+    op = "slice_gather_into_"
+    d = check_gather(sources, source_ids, indices, dims)
+    check(out.dtype == sources[0].dtype, op, f"out has dtype {out.dtype} but the sources have {sources[0].dtype}")
+    check(out.device == sources[0].device, op, f"out is on {out.device} but the sources are on {sources[0].device}")
+    total = gather_numel(sources, source_ids, indices, d)
+    check(out.dim() == 1 and out.shape[0] == total, op,
+          f"out must be 1-D with {total} elements (every segment, flattened), got shape {list(out.shape)}")
+    check(out.is_contiguous(), op, f"out must be contiguous (a flat buffer), got strides {list(out.stride())}")
+
+
+@torch.library.register_fake("ist_kernels::slice_gather_into_")
+def _slice_gather_into_fake(out, sources, source_ids, indices, dims):
+    check_gather_out(out, sources, source_ids, indices, dims)
+    return None
+
+
 @torch.library.register_fake("ist_kernels::slice_scatter_")
 def _slice_scatter_fake(targets, target_ids, updates, indices, dims, reduce):
     check_scatter(targets, target_ids, updates, indices, dims, reduce)
@@ -147,17 +178,38 @@ def split_segments(flat: torch.Tensor, shapes, dims, lengths) -> List[torch.Tens
 torch.library.register_autograd("ist_kernels::slice_gather", _gather_backward, setup_context=_gather_setup_context)
 
 
-def check_index_values(op: str, indices: Sequence[torch.Tensor], sizes: Sequence[int]) -> None:
+def check_index_values(op: str, indices: Sequence[torch.Tensor], sizes: Sequence[int],
+                       positions: Optional[Sequence[int]] = None) -> None:
     """Range and duplicate checks of all index lists at once (a few vectorised ops, one sync).
 
     Used where one call is split into several kernel launches (mixed dtypes), so that bad input is
     rejected before the first launch writes anything; a single launch checks in C++.
+    ``positions``: the caller's segment number of each list (messages name those).
     """
     if not indices:
         return
-    lengths = torch.tensor([i.shape[0] for i in indices])
-    if int(lengths.sum()) == 0:
+    if positions is not None:
+        try:
+            check_index_values(op, indices, sizes)
+        except ValueError as e:  # renumber "indices[j]" to the caller's positions
+            import re
+            raise ValueError(re.sub(r"indices\[(\d+)\]", lambda m: f"indices[{positions[int(m.group(1))]}]",
+                                    str(e))) from None
         return
+    lengths = [i.shape[0] for i in indices]
+    if sum(lengths) <= 4096:  # a few lists (e.g. BN counters): plain Python beats launching tensor ops
+        for j, (idx, size) in enumerate(zip(indices, sizes)):
+            seen = {}
+            for k, v in enumerate(idx.tolist()):
+                if not 0 <= v < size:
+                    raise ValueError(f"{op}: indices[{j}][{k}] = {v} is out of range for a dimension of size {size}")
+                if v in seen:
+                    name = f"indices[{j}]"
+                    raise ValueError(f"{op}: {name} must not repeat an index, but {name}[{k}] = {v} repeats "
+                                     f"{name}[{seen[v]}]; a segment holds each slice at most once")
+                seen[v] = k
+        return
+    lengths = torch.tensor(lengths)
     flat = torch.cat([i.cpu() for i in indices])
     size = torch.repeat_interleave(torch.tensor(list(sizes), dtype=torch.int64), lengths)
     seg = torch.repeat_interleave(torch.arange(len(indices)), lengths)

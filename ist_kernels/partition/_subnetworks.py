@@ -43,6 +43,8 @@ class Subnetwork:
     module: nn.Module
     optimizer: Optional[torch.optim.Optimizer] = None
     plan: "SubnetworkPlan" = field(default=None, repr=False)
+    # the cloned module tree (element 0 is ``module``), by position in the plan's _Tree
+    parts: Optional[List[nn.Module]] = field(default=None, repr=False)
 
 
 class _Tree:
@@ -165,6 +167,15 @@ class SubnetworkPlan:
                        for slots in slot_lists]
         self._source_ids = [k for s in range(S) for (k, _, _, _) in self._slots[s]]
         self._indices = [specs[k].owned[s] for s in range(S) for (k, _, _, _) in self._slots[s]]
+        # Flat gather buffers kept across build() calls (one per dtype, two while the previous
+        # build's subnetworks are still alive): a buffer is reused only once no tensor of an earlier
+        # build views it, so live subnetworks are never overwritten. release_buffers() drops them.
+        self._buffers = F.GatherBuffers(capacity=2)
+
+    def release_buffers(self) -> None:
+        """Drop the gather buffers this plan keeps for its next build() (memory of about two
+        builds' subnetworks); subnetworks already built keep theirs."""
+        self._buffers.clear()
 
     # -- description (the plain data of ``slices``, a SlicePlan) -------------------------------
     @property
@@ -247,7 +258,7 @@ class SubnetworkPlan:
                         source_ids.append(sid)
                         indices.append(self._scalar_index if scalar else self._specs[i].owned[s])
                         state_segments.append((s, k, key, scalar))
-        segments = F.gather_slices(sources, source_ids, indices, dims)
+        segments = F.gather_slices(sources, source_ids, indices, dims, out=self._buffers)
 
         subnetworks = []
         attached: List[List[Tensor]] = []
@@ -267,7 +278,7 @@ class SubnetworkPlan:
                     clones[pos]._buffers[attr] = seg
                 held.append(seg)
             attached.append(held)
-            subnetworks.append(Subnetwork(s, clones[0], None, self))
+            subnetworks.append(Subnetwork(s, clones[0], None, self, clones))
 
         if optimizer is not None:
             group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
@@ -288,9 +299,6 @@ class SubnetworkPlan:
                 seg = segments[j]
                 j += 1
                 subnetworks[s].optimizer.state[attached[s][k]][key] = seg.view(()) if scalar else seg
-        if not hasattr(self, "_modules_of"):
-            self._modules_of: Dict[int, List[nn.Module]] = {}
-        self._modules_of.update({id(sub.module): skeletons[sub.index] for sub in subnetworks})
         return subnetworks
 
     def _params(self) -> List[Optional[Tensor]]:
@@ -309,10 +317,10 @@ class SubnetworkPlan:
         subnetwork owns keep their value. With ``optimizer`` (the global optimizer the subnetworks
         were built with) its state is aggregated the same way from the subnetworks' optimizers.
         Everything is checked before anything is written."""
-        built = getattr(self, "_modules_of", {})
         seen = set()
         for sub in subnetworks:
-            if not isinstance(sub, Subnetwork) or sub.plan is not self or id(sub.module) not in built:
+            if not isinstance(sub, Subnetwork) or sub.plan is not self or not sub.parts or \
+                    sub.parts[0] is not sub.module or len(sub.parts) != len(self._tree.modules):
                 raise ValueError(f"{self.who}.aggregate: expected Subnetwork objects built by this "
                                  f"plan's build(), got {type(sub).__name__}")
             if sub.index in seen:
@@ -331,7 +339,7 @@ class SubnetworkPlan:
         other_state = []  # (param, key, value): non-tensor state (rare), from the first holder
         for sub in subnetworks:
             s = sub.index
-            clones = built[id(sub.module)]
+            clones = sub.parts
             for (i, pos, attr, is_param) in self._slots[s]:
                 spec = self._specs[i]
                 t = (clones[pos]._parameters if is_param else clones[pos]._buffers).get(attr)
