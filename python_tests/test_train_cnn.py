@@ -1,7 +1,7 @@
 """The CNN methods of the trainer: loft (pre-train with LOFT, prune, fine-tune) and resist (local-SGD
 warm-up, then ResIST rounds), end to end on 8x8 digits with tiny ResNets (width 4), with 2 spawned
 gloo workers and --simulate 2. With --threads 1 the two launch modes give bit-identical models."""
-import json
+import functools
 import os
 
 import pytest
@@ -9,34 +9,14 @@ import torch
 
 from ist_kernels.partition import loft_plan, resist_plan
 from ist_kernels.train import cli
-from ist_kernels.train.output import read_metrics
+from train_helpers import assert_equal_states, outputs, run as _run, untimed
 
 TINY = ["--dataset", "digits", "--width", "4", "--batch-size", "8", "--local-steps", "2", "--no-progress",
         "--no-plots", "--threads", "1", "--eval-interval", "2"]
-TIME_KEYS = ("train_time", "wall_time")
+run = functools.partial(_run, base=TINY)
 LOFT = ["--method", "loft", "--model", "preact_resnet18", "--prune-ratio", "0.5", "--rounds", "4"]
 RESIST = ["--method", "resist", "--model", "preact_resnet34", "--rounds", "4",
           "--option", "warmup_fraction=0.25", "--option", "min_depth=2"]
-
-
-def outputs(out):
-    with open(os.path.join(out, "summary.json")) as f:
-        return json.load(f), torch.load(os.path.join(out, "model.pt")), read_metrics(os.path.join(out, "metrics.jsonl"))
-
-
-def run(out, *args):
-    assert cli.main([*TINY, "--out-dir", str(out), *map(str, args)]) == 0
-    return outputs(out)
-
-
-def untimed(history):
-    return [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in history]
-
-
-def assert_equal_states(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), (k, (a[k].double() - b[k].double()).abs().max())
 
 
 def floats_bytes(state, names=None):

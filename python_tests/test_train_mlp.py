@@ -2,9 +2,8 @@
 grelu (paper 004's GReLUMLP). Each runs end to end with 2 spawned gloo workers and simulated; the
 two launch modes give bit-identical models (--threads 1); resume equals an uninterrupted run; a
 masked round equals Algorithm 1's update computed independently; bad options are rejected."""
-import json
+import functools
 import math
-import os
 
 import pytest
 import torch
@@ -12,31 +11,11 @@ import torch
 from ist_kernels.train import cli
 from ist_kernels.train.config import ConfigError, TrainConfig
 from ist_kernels.train.datasets import ShardedData, _mix, load_dataset
-from ist_kernels.train.output import read_metrics
+from train_helpers import assert_equal_states, run as _run, untimed
 
 TINY = ["--dataset", "digits", "--model", "mlp", "--width", "16", "--batch-size", "8", "--local-steps", "2",
         "--no-progress", "--no-plots", "--eval-interval", "2", "--threads", "1"]
-TIME_KEYS = ("train_time", "wall_time")
-
-
-def outputs(out):
-    with open(os.path.join(out, "summary.json")) as f:
-        return json.load(f), torch.load(os.path.join(out, "model.pt")), read_metrics(os.path.join(out, "metrics.jsonl"))
-
-
-def run(out, *args, base=TINY):
-    assert cli.main([*base, "--out-dir", str(out), *map(str, args)]) == 0
-    return outputs(out)
-
-
-def untimed(history):
-    return [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in history]
-
-
-def assert_equal_states(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), (k, (a[k] - b[k]).abs().max())
+run = functools.partial(_run, base=TINY)
 
 
 def both_modes(root, *args, base=TINY):

@@ -1,6 +1,6 @@
 """The thin trainer (ist-train): launch modes agree, resume is exact, bad configs are rejected
 before any work, data loaders and shards are right. Tiny settings: digits, an MLP of width 16."""
-import json
+import functools
 import math
 import os
 import pickle
@@ -15,26 +15,13 @@ from ist_kernels.train import checkpoint, cli, datasets, methods
 from ist_kernels.train.config import ConfigError, TrainConfig
 from ist_kernels.train.output import read_metrics
 from ist_kernels.train.runner import lr_at
+from train_helpers import outputs, run as _run, untimed
 
 # One thread per process: the spawned workers and the simulated run then compute bit-identical steps
 # on any machine (and small runs do not fight over a shared box's cores).
 TINY = ["--dataset", "digits", "--model", "mlp", "--width", "16", "--batch-size", "8", "--local-steps", "2",
         "--no-progress", "--no-plots", "--eval-interval", "2", "--threads", "1"]
-TIME_KEYS = ("train_time", "wall_time")
-
-
-def outputs(out):
-    with open(os.path.join(out, "summary.json")) as f:
-        return json.load(f), torch.load(os.path.join(out, "model.pt")), read_metrics(os.path.join(out, "metrics.jsonl"))
-
-
-def run(out, *args):
-    assert cli.main([*TINY, "--out-dir", str(out), *map(str, args)]) == 0
-    return outputs(out)
-
-
-def untimed(history):
-    return [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in history]
+run = functools.partial(_run, base=TINY)
 
 
 def assert_states(a, b, exact, atol=2e-5, rtol=1e-4):

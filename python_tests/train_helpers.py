@@ -1,0 +1,32 @@
+"""What the trainer tests share: running ist-train in-process and reading back what a run wrote."""
+import json
+import os
+
+import torch
+
+from ist_kernels.train import cli
+from ist_kernels.train.output import read_metrics
+
+TIME_KEYS = ("train_time", "wall_time")
+
+
+def outputs(out):
+    """(summary.json, model.pt state, metrics.jsonl rows) of the run in ``out``."""
+    with open(os.path.join(out, "summary.json")) as f:
+        return json.load(f), torch.load(os.path.join(out, "model.pt")), read_metrics(os.path.join(out, "metrics.jsonl"))
+
+
+def run(out, *args, base):
+    """ist-train ``base + --out-dir out + args``; asserts success and returns :func:`outputs`."""
+    assert cli.main([*base, "--out-dir", str(out), *map(str, args)]) == 0
+    return outputs(out)
+
+
+def untimed(history):
+    return [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in history]
+
+
+def assert_equal_states(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), (k, (a[k].double() - b[k].double()).abs().max())
