@@ -23,7 +23,22 @@ def _add_residual(branch: Tensor, shortcut: Tensor, scale: float) -> Tensor:
     return branch + shortcut
 
 
-class PreActBlock(nn.Module):
+class _ResidualBlock(nn.Module):
+    """What every block shares: the projection shortcut (None when the shapes already match) and
+    the ResIST ``residual_scale`` of the branch."""
+
+    def _init_residual(self, in_planes: int, out_planes: int, stride: int, bn: bool) -> None:
+        self.shortcut: Optional[nn.Sequential] = None
+        if stride != 1 or in_planes != out_planes:
+            proj = [nn.Conv2d(in_planes, out_planes, 1, stride=stride, bias=False)]
+            self.shortcut = nn.Sequential(*proj, *([nn.BatchNorm2d(out_planes)] if bn else []))
+        self.residual_scale = 1.0
+
+    def extra_repr(self) -> str:
+        return f"residual_scale={self.residual_scale}" if self.residual_scale != 1.0 else ""
+
+
+class PreActBlock(_ResidualBlock):
     """Pre-activation basic block (He et al. 2016b): BN-ReLU-conv3x3-BN-ReLU-conv3x3."""
 
     expansion = 1
@@ -34,10 +49,7 @@ class PreActBlock(nn.Module):
         self.conv1 = _conv3x3(in_planes, planes, stride)
         self.bn2 = nn.BatchNorm2d(planes)
         self.conv2 = _conv3x3(planes, planes)
-        self.shortcut: Optional[nn.Sequential] = None
-        if stride != 1 or in_planes != planes:
-            self.shortcut = nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False))
-        self.residual_scale = 1.0
+        self._init_residual(in_planes, planes, stride, bn=False)
 
     def forward(self, x: Tensor) -> Tensor:
         out = F.relu(self.bn1(x))
@@ -46,11 +58,8 @@ class PreActBlock(nn.Module):
         out = self.conv2(F.relu(self.bn2(out)))
         return _add_residual(out, shortcut, self.residual_scale)
 
-    def extra_repr(self) -> str:
-        return f"residual_scale={self.residual_scale}" if self.residual_scale != 1.0 else ""
 
-
-class PreActBottleneck(nn.Module):
+class PreActBottleneck(_ResidualBlock):
     """Pre-activation bottleneck block: BN-ReLU-conv1x1-BN-ReLU-conv3x3-BN-ReLU-conv1x1 (x4)."""
 
     expansion = 4
@@ -64,10 +73,7 @@ class PreActBottleneck(nn.Module):
         self.conv2 = _conv3x3(planes, planes, stride)
         self.bn3 = nn.BatchNorm2d(planes)
         self.conv3 = nn.Conv2d(planes, out_planes, 1, bias=False)
-        self.shortcut: Optional[nn.Sequential] = None
-        if stride != 1 or in_planes != out_planes:
-            self.shortcut = nn.Sequential(nn.Conv2d(in_planes, out_planes, 1, stride=stride, bias=False))
-        self.residual_scale = 1.0
+        self._init_residual(in_planes, out_planes, stride, bn=False)
 
     def forward(self, x: Tensor) -> Tensor:
         out = F.relu(self.bn1(x))
@@ -77,11 +83,8 @@ class PreActBottleneck(nn.Module):
         out = self.conv3(F.relu(self.bn3(out)))
         return _add_residual(out, shortcut, self.residual_scale)
 
-    def extra_repr(self) -> str:
-        return f"residual_scale={self.residual_scale}" if self.residual_scale != 1.0 else ""
 
-
-class BasicBlock(nn.Module):
+class BasicBlock(_ResidualBlock):
     """Post-activation basic block (He et al. 2016a): conv3x3-BN-ReLU-conv3x3-BN, add, ReLU."""
 
     expansion = 1
@@ -92,20 +95,13 @@ class BasicBlock(nn.Module):
         self.bn1 = nn.BatchNorm2d(planes)
         self.conv2 = _conv3x3(planes, planes)
         self.bn2 = nn.BatchNorm2d(planes)
-        self.shortcut: Optional[nn.Sequential] = None
-        if stride != 1 or in_planes != planes:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False), nn.BatchNorm2d(planes))
-        self.residual_scale = 1.0
+        self._init_residual(in_planes, planes, stride, bn=True)
 
     def forward(self, x: Tensor) -> Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
         shortcut = self.shortcut(x) if self.shortcut is not None else x
         return F.relu(_add_residual(out, shortcut, self.residual_scale))
-
-    def extra_repr(self) -> str:
-        return f"residual_scale={self.residual_scale}" if self.residual_scale != 1.0 else ""
 
 
 class ResNet(nn.Module):
