@@ -505,7 +505,7 @@ class Exchange:
             base += e.size
         cols = torch.cat(cols) if cols else torch.zeros(0, dtype=torch.int64)
         cur = self._cur_mask[:, cols]
-        r, S = self.rank, self.world_size
+        r = self.rank
         if self.storage == "decentralized":
             # a compact tensor that stays with its sole owner is handed back as it is
             nxt = self._nxt_mask[:, cols]

@@ -258,30 +258,17 @@ def _coerce(name: str, tp, value):
         if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
             return value.lower() in ("true", "yes", "on", "1")
         raise ConfigError(name, f"expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(name, f"expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ConfigError(name, f"expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(name, f"expected a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(name, f"expected a number, got {value!r}")
+    if tp in (int, float):
+        # bools are ints to Python, not numbers to a user; an int option takes 3.0 but not 3.5
+        if not isinstance(value, bool):
+            if isinstance(value, int) or (isinstance(value, float) and (tp is float or value.is_integer())):
+                return tp(value)
+            if isinstance(value, str):
+                try:
+                    return tp(value)
+                except ValueError:
+                    pass
+        raise ConfigError(name, f"expected {'an integer' if tp is int else 'a number'}, got {value!r}")
     if tp is str:
         if isinstance(value, str):
             return value

@@ -21,9 +21,8 @@ like the weights (its bytes counted too).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
-import torch
 from torch import Tensor, nn
 
 from . import Option

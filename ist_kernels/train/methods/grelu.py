@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-from . import Method, Option, RoundResult, all_reduce_wire_bytes, register_method
+from . import Method, Option, RoundResult, register_method
+from .localsgd import average_models
 from .masked import boolean
 
 PLAN = 0x6E1D  # generator tag of the round's row partition
@@ -99,22 +100,8 @@ class GReLU(Method):
     def _localsgd_round(self, r):
         ctx, S = self.ctx, self.ctx.num_workers
         loss = sum(ctx.train_local(self.models[s], self.optimizers[s], s, r) for s in self.workers)
-        if S == 1:
-            return loss, 0
-        if ctx.distributed:
-            from ...distributed import average_model_
-
-            (s,) = self.workers
-            return loss, average_model_(self._trained(self.models[s]), round=r + 1).bytes_sent
-        lists = [self._trained(self.models[s]) for s in self.workers]
-        with torch.no_grad():
-            total = torch.cat([t.reshape(-1) for t in lists[0]])
-            for ts in lists[1:]:
-                total += torch.cat([t.reshape(-1) for t in ts])
-            total /= S
-            for ts in lists:
-                torch._foreach_copy_(ts, [v.view_as(t) for v, t in zip(total.split([t.numel() for t in ts]), ts)])
-        return loss, len(lists) * all_reduce_wire_bytes(total.numel() * total.element_size(), S)
+        return loss, average_models([self.models[s] for s in self.workers], S, r, ctx.distributed,
+                                    tensors=self._trained)
 
     # ---- independent subnetworks of W_1..W_L
     def plan(self, r):

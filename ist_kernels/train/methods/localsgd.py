@@ -3,7 +3,7 @@ whole model for tau local steps on its own shard, then the full model is average
 all_reduce. Momentum buffers stay local to each worker (as in the reference codes)."""
 from __future__ import annotations
 
-from typing import List
+from typing import Callable, List
 
 import torch
 from torch import Tensor
@@ -22,23 +22,25 @@ def flat_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in averaged_tensors(model))
 
 
-def average_models(models, num_workers: int, r: int, distributed: bool) -> int:
+def average_models(models, num_workers: int, r: int, distributed: bool,
+                   tensors: Callable[[torch.nn.Module], List[Tensor]] = averaged_tensors) -> int:
     """Average the full models over the S workers: distributed, one flat all_reduce per dtype
     (``ist_kernels.distributed.average_model_``: sum, then / S); simulated, the same sum over the
     local copies, then / S. Returns the bytes this process's workers sent (ring all_reduce wire
-    bytes, as CommStats counts; simulated: what each of the S ranks would send)."""
+    bytes, as CommStats counts; simulated: what each of the S ranks would send). ``tensors`` picks
+    what of a model is averaged (default: :func:`averaged_tensors`)."""
     if num_workers == 1:  # nothing to average, nothing sent
         return 0
     if distributed:
         (model,) = models
-        return average_model_(averaged_tensors(model), round=r + 1).bytes_sent
-    tensors = [averaged_tensors(m) for m in models]
+        return average_model_(tensors(model), round=r + 1).bytes_sent
+    lists = [tensors(m) for m in models]
     with torch.no_grad():
-        total = torch.cat([t.reshape(-1) for t in tensors[0]])
-        for ts in tensors[1:]:
+        total = torch.cat([t.reshape(-1) for t in lists[0]])
+        for ts in lists[1:]:
             total += torch.cat([t.reshape(-1) for t in ts])
         total /= num_workers
-        for ts in tensors:
+        for ts in lists:
             torch._foreach_copy_(ts, [v.view_as(t) for v, t in zip(total.split([t.numel() for t in ts]), ts)])
     return len(models) * all_reduce_wire_bytes(total.numel() * total.element_size(), num_workers)
 
