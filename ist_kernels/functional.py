@@ -1,8 +1,10 @@
 """Functional API over ``torch.ops.ist_kernels``: the entry points the modules and users call."""
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from .ops import slices as _slices
 
 _ops = torch.ops.ist_kernels
 
@@ -19,9 +21,6 @@ def unpack_gates(words: Tensor, num_features: int) -> Tensor:
 
 
 # ---- Multi-tensor slices (partitions: IST neurons, LOFT filters, ResIST blocks; the exchange)
-from typing import List, Sequence  # noqa: E402
-
-from .ops import slices as _slices  # noqa: E402
 
 
 def slice_gather(sources: Sequence[Tensor], source_ids: Sequence[int], indices: Sequence[Tensor],
