@@ -26,7 +26,7 @@ _FILE = re.compile(r"^round-(\d+)-rank-(\d+)\.pt$")
 
 # Options that must not change between a checkpoint and its resumption.
 RESUME_MUST_MATCH = ("method", "model", "width", "depth", "dataset", "data_path", "seed", "batch_size",
-                     "local_steps", "options", "precision", "augment")
+                     "local_steps", "options", "precision", "augment", "storage", "shared")
 
 
 def _atomic_write(path: str, write) -> None:
@@ -80,15 +80,19 @@ def set_rng_state(s: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def save(folder: str, round_: int, rank: int, world_size: int, payload: Dict[str, Any], barrier=None) -> None:
-    """Write this rank's file for ``round_``; all ranks call it (``barrier`` syncs them)."""
+def save(folder: str, round_: int, rank: int, world_size: int, payload: Dict[str, Any], barrier=None,
+         manifest: Optional[Dict[str, Any]] = None) -> None:
+    """Write this rank's file for ``round_``; all ranks call it (``barrier`` syncs them). latest.json,
+    the manifest, names the round, every rank's file and ``manifest``'s entries (e.g. the storage:
+    under decentralized storage each file holds only its rank's part of the model)."""
     atomic_torch_save(dict(payload, round=round_, rank=rank, world_size=world_size),
                       rank_file(folder, round_, rank))
     if barrier:
         barrier()
     if rank == 0:
         atomic_json({"round": round_, "world_size": world_size, "num_workers": payload["num_workers"],
-                     "config": payload["config"]}, os.path.join(folder, LATEST))
+                     "files": [os.path.basename(rank_file(folder, round_, k)) for k in range(world_size)],
+                     **(manifest or {}), "config": payload["config"]}, os.path.join(folder, LATEST))
     if barrier:
         barrier()
     for name in os.listdir(folder):  # older rounds of this rank: latest.json no longer names them

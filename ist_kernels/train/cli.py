@@ -111,12 +111,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"ist-train: error: {e}", file=sys.stderr)
         return 2
 
+    from .checkpoint import atomic_json
     from .launch import launch
-    from .output import read_metrics, summary_table, write_plots
+    from .output import add_baseline_ratios, read_metrics, summary_table, write_plots
+    from .runner import RankStateError
 
-    summaries = launch(runs)
+    try:
+        summaries = launch(runs)
+    except RankStateError as e:
+        print(f"ist-train: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # a spawned worker's RankStateError comes back wrapped, with its traceback
+        cause = [line for line in str(e).splitlines() if "RankStateError:" in line]
+        if not cause:
+            raise
+        print(f"ist-train: error: {cause[-1].split('RankStateError:', 1)[1].strip()}", file=sys.stderr)
+        return 1
     if summaries[0] is None:  # a rank > 0 under torchrun
         return 0
+    if add_baseline_ratios(summaries) is not None:
+        for s in summaries:
+            atomic_json(s, os.path.join(s["out_dir"], "summary.json"))
     out_dir = cfg.resolved_out_dir()
     table = summary_table(summaries)
     os.makedirs(out_dir, exist_ok=True)

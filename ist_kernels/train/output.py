@@ -44,21 +44,40 @@ def human_bytes(n: float) -> str:
     return str(n)  # pragma: no cover
 
 
-def summary_table(summaries: Sequence[Dict[str, Any]]) -> str:
-    """Markdown table: method, workers, rounds, accuracy, test loss, time, total bytes, and the byte
-    and time ratios to the local-SGD run among ``summaries`` when there is one."""
+def add_baseline_ratios(summaries: Sequence[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """With a local-SGD run among ``summaries``, give every other summary ``bytes_ratio`` and
+    ``ps_bytes_ratio``: its bytes per round (wire; the papers' parameter-server count) over local
+    SGD's. Returns the local-SGD summary (None without one)."""
     base = next((s for s in summaries if s["method"] == "localsgd"), None) if len(summaries) > 1 else None
-    head = ["method", "model", "workers", "rounds", "accuracy", "test loss", "train time (s)", "bytes sent"]
+    if base is None:
+        return None
+    for s in summaries:
+        if s is base:
+            continue
+        for key, per_round in (("bytes_ratio", "bytes_per_round"), ("ps_bytes_ratio", "ps_bytes_per_round")):
+            s[key] = s[per_round] / base[per_round] if base[per_round] else None
+    return base
+
+
+def summary_table(summaries: Sequence[Dict[str, Any]]) -> str:
+    """Markdown table: method, workers, rounds, accuracy, test loss, time, bytes per round both ways
+    (wire: what the collectives moved; ps: the papers' parameter-server count), the largest state a
+    rank held, and the byte and time ratios to the local-SGD run among ``summaries`` when there is one."""
+    base = next((s for s in summaries if s["method"] == "localsgd"), None) if len(summaries) > 1 else None
+    head = ["method", "model", "workers", "rounds", "accuracy", "test loss", "train time (s)", "bytes / round",
+            "ps bytes / round", "rank state"]
     if base is not None:
-        head += ["bytes / local SGD", "time / local SGD"]
+        head += ["bytes / local SGD", "ps bytes / local SGD", "time / local SGD"]
     rows = []
     for s in summaries:
         acc = "-" if s.get("accuracy") is None else f"{100 * s['accuracy']:.2f}%"
         loss = "-" if s.get("test_loss") is None else f"{s['test_loss']:.4f}"
         row = [s["method"], s["model"], f"{s['workers']} ({s['mode']})", str(s["rounds"]), acc, loss,
-               f"{s['train_time']:.1f}", human_bytes(s["total_bytes"])]
+               f"{s['train_time']:.1f}", human_bytes(s["bytes_per_round"]), human_bytes(s["ps_bytes_per_round"]),
+               f"{human_bytes(s['rank_state_bytes'])} of {human_bytes(s['full_state_bytes'])}"]
         if base is not None:
-            row.append(f"{s['total_bytes'] / base['total_bytes']:.3f}" if base["total_bytes"] else "-")
+            for key in ("bytes_per_round", "ps_bytes_per_round"):
+                row.append(f"{s[key] / base[key]:.3f}" if base[key] else "-")
             row.append(f"{s['train_time'] / base['train_time']:.2f}" if base["train_time"] else "-")
         rows.append(row)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ...distributed import average_model_
-from . import Method, RoundResult, all_reduce_wire_bytes, register_method
+from . import Method, RoundResult, all_reduce_wire_bytes, held_bytes, register_method
 
 
 def averaged_tensors(model: torch.nn.Module) -> List[Tensor]:
@@ -20,6 +20,12 @@ def averaged_tensors(model: torch.nn.Module) -> List[Tensor]:
 
 def flat_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in averaged_tensors(model))
+
+
+def ps_bytes_per_worker(model: torch.nn.Module) -> int:
+    """The papers' parameter-server count of a local-SGD round, per worker: it uploads and downloads
+    the whole model (papers 000 and 003, Table 1: 2 S models per round)."""
+    return 2 * flat_bytes(model)
 
 
 def average_models(models, num_workers: int, r: int, distributed: bool,
@@ -45,6 +51,18 @@ def average_models(models, num_workers: int, r: int, distributed: bool,
     return len(models) * all_reduce_wire_bytes(total.numel() * total.element_size(), num_workers)
 
 
+def local_sgd_round(ctx, models, optimizers, r: int, phase: str = "train") -> RoundResult:
+    """One local-SGD round of ``models`` (worker -> model, this process's workers): local steps,
+    then the models averaged; bytes both ways and the state each worker held."""
+    workers = list(models)
+    loss = sum(ctx.train_local(models[s], optimizers[s], s, r) for s in workers)
+    state = {s: held_bytes(models[s], optimizers[s]) for s in workers}
+    sent = average_models([models[s] for s in workers], ctx.num_workers, r, ctx.distributed)
+    ps = sum(ps_bytes_per_worker(models[s]) for s in workers) if ctx.num_workers > 1 else 0
+    return RoundResult(loss_sum=loss, steps=len(workers) * ctx.cfg.local_steps, bytes_sent=sent, ps_bytes=ps,
+                       phase=phase, state_bytes=state)
+
+
 @register_method("localsgd")
 class LocalSGD(Method):
     def __init__(self, ctx):
@@ -53,10 +71,10 @@ class LocalSGD(Method):
         self.models = {s: ctx.build_model() for s in self.workers}
         self.optimizers = {s: ctx.make_optimizer(self.models[s].parameters()) for s in self.workers}
 
+        self.full_state_bytes = ctx.full_state_bytes(self.models[self.workers[0]])
+
     def run_round(self, r: int) -> RoundResult:
-        loss = sum(self.ctx.train_local(self.models[s], self.optimizers[s], s, r) for s in self.workers)
-        sent = average_models([self.models[s] for s in self.workers], self.ctx.num_workers, r, self.ctx.distributed)
-        return RoundResult(loss_sum=loss, steps=len(self.workers) * self.ctx.cfg.local_steps, bytes_sent=sent)
+        return local_sgd_round(self.ctx, self.models, self.optimizers, r)
 
     def global_model(self):
         return self.models[self.workers[0]]
