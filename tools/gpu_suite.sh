@@ -14,12 +14,16 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 LOG="$OUT/suite.log"
 T0=$(date +%s)
+BUDGET_S=${BUDGET_S:-540}
 status=0
 
 step() {  # step NAME LIMIT_S CMD...: run with a time limit, log rc and seconds
-  local name=$1 limit=$2 start rc
+  local name=$1 limit=$2 start rc left
   shift 2
   start=$(date +%s)
+  left=$((BUDGET_S - (start - T0) - 10))  # the whole suite stays inside BUDGET_S
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -le 5 ]; then echo "== $name: skipped, the ${BUDGET_S}s budget is spent" | tee -a "$LOG"; status=1; return 124; fi
   echo "== $name (limit ${limit}s, at +$((start - T0))s)" | tee -a "$LOG"
   timeout -k 15 "$limit" "$@"
   rc=$?
