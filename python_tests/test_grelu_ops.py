@@ -8,7 +8,7 @@ import torch
 
 import ist_kernels.functional as F
 import reference as ref
-from conftest import HAS_CUDA, HAS_TRITON, requires_cuda, requires_triton
+from conftest import DEVICES, HAS_CUDA, HAS_TRITON, requires_cuda, requires_triton
 
 ops = torch.ops.ist_kernels
 
@@ -213,7 +213,7 @@ def test_nan_propagates(name, gen):
 
 
 # ---------------------------------------------------------------------------- torch.library
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if HAS_CUDA else []))
+@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device, gen):
     x, w, b, gates = make(None, 37, 45, torch.float32, gen, device=device, lead=(3, 5))
     torch.library.opcheck(ops.relu_gates.default, (x, w, b))

@@ -27,7 +27,7 @@ import triton.language as tl
 from ..ops._checks import (check, check_gated_linear_backward, check_grelu_gates,
                           check_grelu_linear, gate_words)
 
-from .common import INTERPRET as _INTERPRET, grouped_tile
+from .common import INTERPRET as _INTERPRET, grouped_tile, tuned
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -183,26 +183,27 @@ INTERPRET_CONFIG = dict(BM=16, BN=64, BK=16, GROUP_M=2)
 # (output rows, output cols, reduction, stages, warps) per kernel; the autotuner skips configs that
 # do not fit in shared memory for a dtype (fp32/fp64 use the smaller ones).
 _TILES = [(128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4),
-          (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 32, 4, 4), (64, 64, 32, 5, 2), (64, 64, 32, 3, 4)]
+          (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 32, 4, 4), (64, 64, 32, 3, 4)]
+# The pinned config (IST_KERNELS_AUTOTUNE=0): fits shared memory for every dtype, fp64 included.
+_PINNED = (64, 64, 32, 3, 4)
 # Which kernel parameter tiles which dimension: output rows, output cols, reduction.
 _ROLES = {"fwd": ("BM", "BN", "BK"), "dx": ("BM", "BK", "BN"), "dw": ("BN", "BK", "BM")}
 
 
-def gpu_configs(kind):
+def gpu_configs(kind, tiles=_TILES):
     rows, cols, red = _ROLES[kind]
     return [triton.Config({rows: r, cols: c, red: k, "GROUP_M": 8}, num_stages=st, num_warps=w)
-            for r, c, k, st, w in _TILES]
+            for r, c, k, st, w in tiles]
 
 
-if _INTERPRET:
-    _fwd_tuned = _dx_tuned = _dw_tuned = None
-else:  # pragma: no cover (GPU only)
-    # Tensor dtypes are part of every autotune key already; the variant switches are added here.
-    _fwd_tuned = triton.autotune(gpu_configs("fwd"), key=["M", "N", "K", "RELU_GATES", "HAS_BIAS", "PRECISION"])(
-        _linear_gates_fwd)
-    _dx_tuned = triton.autotune(gpu_configs("dx"), key=["M", "N", "K", "PRECISION"])(_gated_dx)
-    _dw_tuned = triton.autotune(gpu_configs("dw"), key=["M", "N", "K", "HAS_DW", "HAS_DB", "SPLIT", "PRECISION"])(
-        _gated_dw)
+def _tune(kernel, kind, key):
+    return tuned(kernel, gpu_configs(kind), key, gpu_configs(kind, [_PINNED])[0])
+
+
+# Tensor dtypes are part of every autotune key already; the variant switches are added here.
+_fwd_tuned = _tune(_linear_gates_fwd, "fwd", ["M", "N", "K", "RELU_GATES", "HAS_BIAS", "PRECISION"])
+_dx_tuned = _tune(_gated_dx, "dx", ["M", "N", "K", "PRECISION"])
+_dw_tuned = _tune(_gated_dw, "dw", ["M", "N", "K", "HAS_DW", "HAS_DB", "SPLIT", "PRECISION"])
 
 
 def _device_ok(op, t):
