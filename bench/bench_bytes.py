@@ -42,7 +42,8 @@ PAPER_000 = {2: (55.51, 40.03), 4: (111.03, 64.57)}  # GB over pretraining: loca
 def basic_101(num_classes):
     if hasattr(models, "preact_resnet101_basic"):
         return models.preact_resnet101_basic(num_classes=num_classes), "preact_resnet101_basic"
-    return models.ResNet(models.PreActBlock, [3, 4, 23, 3], num_classes=num_classes), "PreActBlock [3,4,23,3] (built here)"
+    model = models.ResNet(models.PreActBlock, [3, 4, 23, 3], num_classes=num_classes)
+    return model, "PreActBlock [3,4,23,3] (built here)"
 
 
 def measure(model, plan_of, S, rounds):
