@@ -8,12 +8,16 @@ at any moment leaves ``latest.json`` naming a complete set of files. The folder 
 every rank (a shared filesystem across nodes).
 
 Files are read back with ``torch.load(weights_only=True)``: a checkpoint holds tensors and plain
-Python values only (the RNG states too), so a crafted file cannot run code on ``--resume``. Any
-file that cannot be used (empty, truncated, corrupt, not written by this trainer, the wrong round
-or rank) raises :class:`CheckpointError` naming it.
+Python values only (the RNG states too), so a crafted file cannot run code on ``--resume``. A rank
+file is sealed: it holds the serialised payload as bytes with their SHA-256, because torch's zip
+format does not check the tensor bytes (most flipped bytes would load silently as other weights).
+Any file that cannot be used (empty, truncated, corrupt, not written by this trainer, the wrong
+round or rank) raises :class:`CheckpointError` naming it.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import pickle
@@ -67,6 +71,42 @@ def atomic_json(obj: Any, path: str) -> None:
     _atomic_write(path, lambda f: f.write(json.dumps(obj, indent=1).encode()))
 
 
+SEAL = "ist-train checkpoint, sha256-sealed, v1"
+
+
+def seal(payload: Dict[str, Any]) -> Dict[str, Any]:
+    """What a rank file holds: ``payload`` serialised, as bytes, with their SHA-256."""
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    raw = buf.getvalue()
+    return {"format": SEAL, "sha256": hashlib.sha256(raw).hexdigest(),
+            "payload": torch.frombuffer(bytearray(raw), dtype=torch.uint8)}
+
+
+def read_sealed(path: str) -> Any:
+    """The payload of a file :func:`seal` wrote, checked against its SHA-256 and read with
+    ``weights_only=True``; CheckpointError naming ``path`` otherwise."""
+    sealed = _torch_load(path, path)
+    if not (isinstance(sealed, dict) and sealed.get("format") == SEAL and isinstance(sealed.get("sha256"), str)
+            and isinstance(sealed.get("payload"), torch.Tensor) and sealed["payload"].dtype == torch.uint8):
+        raise CheckpointError(f"{path!r} is not a checkpoint written by this version of ist-train "
+                              f"(no {SEAL!r} envelope)")
+    raw = sealed["payload"].numpy().tobytes()
+    if hashlib.sha256(raw).hexdigest() != sealed["sha256"]:
+        raise CheckpointError(f"{path!r} is corrupt: its contents do not match the SHA-256 recorded when it "
+                              f"was written")
+    return _torch_load(io.BytesIO(raw), path)
+
+
+def _torch_load(f, path: str) -> Any:
+    try:
+        with warnings.catch_warnings():  # torch warns about pickle protocols before refusing a file
+            warnings.simplefilter("ignore")
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path!r} cannot be read as a checkpoint: {_load_failure(e)}") from None
+
+
 def is_checkpoint_file(name: str) -> bool:
     """A file name this module writes (rank files, latest.json, temporary files of a crash)."""
     return name == LATEST or bool(_FILE.match(name) or _TMP.match(name))
@@ -111,7 +151,7 @@ def save(folder: str, round_: int, rank: int, world_size: int, payload: Dict[str
          barrier: Optional[Callable[[str], None]] = None) -> None:
     """Write this rank's file for ``round_``; all ranks call it. ``barrier(what)`` syncs them (a
     collective that names ``what`` when a peer fails)."""
-    atomic_torch_save(dict(payload, round=round_, rank=rank, world_size=world_size),
+    atomic_torch_save(seal(dict(payload, round=round_, rank=rank, world_size=world_size)),
                       rank_file(folder, round_, rank))
     if barrier:
         barrier(f"checkpoint round {round_}: every rank's file written")
@@ -129,19 +169,25 @@ def save(folder: str, round_: int, rank: int, world_size: int, payload: Dict[str
 
 # ---------------------------------------------------------------- reading
 
-def _reason(e: BaseException) -> str:
-    """What went wrong, in one line (torch's messages run over many)."""
+def _brief(e: BaseException) -> str:
+    """The exception in one line (torch's messages run over many)."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else ""
+    if len(first) > 160 and ". " in first:
+        first = first[:first.index(". ")]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def _load_failure(e: BaseException) -> str:
+    """Why torch.load(weights_only=True) could not read a file, in one line."""
     text = str(e).strip()
     if isinstance(e, pickle.UnpicklingError) and text.startswith("Weights only load failed"):
         lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
         detail = [ln for ln in lines if not ln.startswith(("Weights only load failed", "Check the documentation",
                                                              "Please file an issue"))]
-        return "it holds more than tensors and plain values, refused to unpickle it (" + \
-            (detail[0] if detail else "unsupported content") + ")"
-    first = text.splitlines()[0] if text else ""
-    if len(first) > 160 and ". " in first:
-        first = first[:first.index(". ")]
-    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+        return ("the safe loader (weights_only) refused to unpickle it (" + (detail[0] if detail else "unsupported")
+                + "): it is corrupt, or holds more than tensors and plain values")
+    return f"it is truncated or corrupt ({_brief(e)})"
 
 
 def read_latest(folder: str) -> Optional[Dict[str, Any]]:
@@ -154,13 +200,13 @@ def read_latest(folder: str) -> Optional[Dict[str, Any]]:
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise CheckpointError(f"cannot read {path!r}: {_reason(e)}") from e
+        raise CheckpointError(f"cannot read {path!r}: {_brief(e)}") from e
     if not raw:
         raise CheckpointError(f"{path!r} is empty (0 bytes); it should name the latest complete checkpoint")
     try:
         latest = json.loads(raw.decode("utf-8"))
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-        raise CheckpointError(f"{path!r} is not valid JSON ({_reason(e)}); the file is corrupt") from e
+        raise CheckpointError(f"{path!r} is not valid JSON ({_brief(e)}); the file is corrupt") from e
     expect = {"round": int, "world_size": int, "num_workers": int, "config": dict}
     bad = [k for k, tp in expect.items() if not isinstance(latest, dict) or not isinstance(latest.get(k), tp)
            or isinstance(latest.get(k), bool)]
@@ -215,12 +261,7 @@ def load(folder: str, rank: int, world_size: int, cfg) -> Dict[str, Any]:
         raise CheckpointError(f"{path!r} is missing ({os.path.join(folder, LATEST)!r} names round {round_})")
     if os.path.getsize(path) == 0:
         raise CheckpointError(f"{path!r} is empty (0 bytes); the checkpoint is damaged")
-    try:
-        with warnings.catch_warnings():  # torch warns about pickle protocols before refusing a file
-            warnings.simplefilter("ignore")
-            payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"{path!r} cannot be read as a checkpoint: {_reason(e)}") from None
+    payload = read_sealed(path)
     bad = [k for k, tp in _PAYLOAD.items() if not isinstance(payload, dict) or
            not isinstance(payload.get(k), tp) or isinstance(payload.get(k), bool)]
     if bad:
@@ -246,5 +287,5 @@ def restore(folder: str, rank: int, world_size: int, cfg, method) -> Dict[str, A
 
         if isinstance(e, CollectiveError):
             raise
-        raise CheckpointError(f"{payload['path']!r} does not fit this run ({cfg.method}): {_reason(e)}") from e
+        raise CheckpointError(f"{payload['path']!r} does not fit this run ({cfg.method}): {_brief(e)}") from e
     return payload

@@ -147,7 +147,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         print("\n".join(available_methods() if ns["list_methods"] else available_datasets()))
         return 0
-    from .launch import failure_status, report_failure
+    from .launch import exit_worker, failure_status, report_failure
 
     try:
         cfg, summaries = _validate_and_run(argv)
@@ -155,7 +155,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         status = failure_status(e)
         if status is None:  # a bug: keep the traceback
             raise
-        report_failure(e, f"rank {os.environ['RANK']}: " if under_torchrun() else "")
+        if under_torchrun():  # this process is one rank: it ends here
+            report_failure(e, f"rank {os.environ['RANK']}: ")
+            exit_worker(status)
+        report_failure(e)
         return status
     if summaries is not None and cfg.stop_after is not None and not all(s["finished"] for s in summaries):
         print(f"stopped after round {summaries[0]['rounds']}; continue with --resume")

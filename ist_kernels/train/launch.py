@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from ..distributed import destroy_process_group, init_process_group
+from ..distributed import CollectiveError, destroy_process_group, init_process_group
 from .config import TrainConfig, under_torchrun
 from .runner import World, train
 
@@ -76,11 +76,16 @@ def _run_rank(cfgs: List[TrainConfig], rank: int, world_size: int, local_rank: i
     else:
         init_process_group(resolve_backend(cfg, device), timeout=cfg.timeout_s, init_method=init_method,
                            rank=rank, world_size=world_size)
+    group_ok = True
     try:
         world = World(rank, world_size, local_rank, simulated=False, device=device)
         return [train(c, world) for c in cfgs]
+    except CollectiveError:
+        group_ok = False  # unusable: an orderly destroy can block on the dead or stalled peer
+        raise
     finally:
-        destroy_process_group()
+        if group_ok:
+            destroy_process_group()
 
 
 class WorkerError(RuntimeError):
@@ -96,7 +101,6 @@ class WorkerError(RuntimeError):
 def failure_status(e: BaseException) -> Optional[int]:
     """The exit status a failure ends the run with: 2 for an invalid option (ConfigError), 1 (or the
     worker's own) for the failures below; None for anything else (a bug: keep the traceback)."""
-    from ..distributed import CollectiveError
     from .checkpoint import CheckpointError
     from .config import ConfigError
     from .output import OutputLockError
@@ -116,6 +120,15 @@ def report_failure(e: BaseException, prefix: str = "") -> None:
         print(f"ist-train: error: {prefix}{e}", file=sys.stderr, flush=True)
 
 
+def exit_worker(status: int) -> None:
+    """End a process that exists only to be one rank, at once: after a failed collective the gloo
+    threads can still be blocked, and the interpreter's teardown then aborts (SIGABRT) instead of
+    exiting with ``status``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def _spawned(local_rank: int, cfgs: List[TrainConfig], world_size: int, init_method: str):
     try:
         _run_rank(cfgs, local_rank, world_size, local_rank, init_method)
@@ -124,7 +137,7 @@ def _spawned(local_rank: int, cfgs: List[TrainConfig], world_size: int, init_met
         if status is None:
             raise  # torch.multiprocessing hands the traceback to the launcher
         report_failure(e, f"rank {local_rank}: ")
-        sys.exit(status)
+        exit_worker(status)
 
 
 GRACE_S = 5.0  # seconds the other workers get to report their own error after one failed
@@ -144,7 +157,7 @@ def _spawn(cfgs: List[TrainConfig], s: int) -> None:
     except mp.ProcessExitedException as e:
         i = e.error_index
         if e.signal_name:
-            raise WorkerError(f"worker process {i} (rank {i}) was killed by {e.signal_name}; the other workers "
+            raise WorkerError(f"worker process {i} (rank {i}, pid {e.error_pid}) was killed by {e.signal_name}; the other workers "
                               f"were stopped. Continue from the last checkpoint with --resume") from None
         raise WorkerError(f"worker process {i} (rank {i}) exited with status {e.exit_code}",
                           exit_code=e.exit_code if e.exit_code in (1, 2) else 1,

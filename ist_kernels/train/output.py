@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import socket
+import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
@@ -139,6 +140,10 @@ def read_metrics(path: str) -> List[Dict[str, Any]]:
 def progress_bar(total: int, initial: int, enabled: bool, desc: str):
     from tqdm import tqdm
 
+    if not hasattr(tqdm, "_lock"):
+        # a thread lock, not tqdm's default multiprocessing one: the bar never crosses processes, and
+        # the semaphore of a killed worker would be reported as leaked by the launcher
+        tqdm.set_lock(threading.RLock())
     return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, unit="round", dynamic_ncols=True)
 
 
