@@ -11,7 +11,9 @@ stops itself (SIGSTOP), frozen exactly there, for the test to SIGKILL it or to l
 - ``cleanup:R``: after round R's checkpoint, before this rank removes its older files.
 
 The rank is ``RANK`` (torchrun's environment; 0 without it). The points wrap the trainer's own
-functions in this process only; nothing in the package knows about them.
+functions in this process only; nothing in the package knows about them. With ``FAULT_SYNC_DIR``
+set, the ranks wait for each other after their imports, so that a short ``--timeout-s`` bounds the
+collectives, not the start-up skew of a busy machine.
 """
 import os
 import signal
@@ -81,8 +83,17 @@ def install(spec: str) -> None:
                 _stop()
             real_os.unlink(path)
 
-        checkpoint.os = types.SimpleNamespace(**{k: getattr(real_os, k) for k in dir(real_os) if not k.startswith("__")})
-        checkpoint.os.unlink = unlink
+        names = {k: getattr(real_os, k) for k in dir(real_os) if not k.startswith("__")}
+        checkpoint.os = types.SimpleNamespace(**dict(names, unlink=unlink))  # this module's os only
+
+
+def _wait_for_peers(folder: str) -> None:
+    import time
+
+    open(os.path.join(folder, os.environ["RANK"]), "w").close()
+    end = time.monotonic() + 120
+    while len(os.listdir(folder)) < int(os.environ["WORLD_SIZE"]) and time.monotonic() < end:
+        time.sleep(0.01)
 
 
 if __name__ == "__main__":
@@ -90,4 +101,6 @@ if __name__ == "__main__":
         install(sys.argv[1])
     from ist_kernels.train import cli
 
+    if os.environ.get("FAULT_SYNC_DIR"):
+        _wait_for_peers(os.environ["FAULT_SYNC_DIR"])
     sys.exit(cli.main(sys.argv[2:]))

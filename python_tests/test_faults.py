@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -80,8 +81,9 @@ def _cli(capsys, *args):
 def _start_ranks(out, specs, *args):
     port = _free_port()
     argv = [*LOCALSGD, "--out-dir", str(out), *map(str, args)]
+    sync = tempfile.mkdtemp(dir=os.path.dirname(out))
     return [subprocess.Popen([sys.executable, WORKER, spec, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                             text=True, env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), FAULT_SYNC_DIR=sync,
                                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
             for r, spec in enumerate(specs)]
 
@@ -129,17 +131,16 @@ def _fault(out, victim, spec, *args, kill=True):
     return rc, _error_line(err), took
 
 
-# (victim rank, its fault point, what the peer's message must name); rounds of 10, a checkpoint
-# each round. "{step}" is a seeded random point of round 2.
+# (victim rank, its fault point, what the peer's message names, latest checkpoint round after it);
+# a checkpoint every round. "{step}" is a seeded random step of round 2.
 CHAIN = [
     (1, "step:2:{step}", "all_reduce (local SGD, full model) (round 2)", 1),
     (0, "write-rank:3", "barrier (checkpoint round 3: every rank's file written) (round 3)", 2),
-    (1, "wrote-rank:4", "barrier (checkpoint round 4: every rank's file written) (round 4)", 3),
-    (0, "write-latest:5", "barrier (checkpoint round 5: latest.json updated) (round 5)", 4),
-    (0, "wrote-latest:6", "barrier (checkpoint round 6: latest.json updated) (round 6)", 6),
-    (1, "cleanup:7", "all_reduce (local SGD, full model) (round 8)", 7),
+    (0, "write-latest:4", "barrier (checkpoint round 4: latest.json updated) (round 4)", 3),
+    (0, "wrote-latest:5", "barrier (checkpoint round 5: latest.json updated) (round 5)", 5),
+    (1, "cleanup:6", "all_reduce (local SGD, full model) (round 7)", 6),
 ]
-ROUNDS = 10
+ROUNDS = 8
 STALL_TIMEOUT_S = 6
 
 
@@ -159,22 +160,23 @@ def test_killed_and_stalled_ranks_then_exact_resume(tmp_path, capsys):
 
     # rank 1's file of the latest round is truncated: rank 1 names it, rank 0 names the collective
     # in which it misses rank 1; both end with status 1
-    victim_file = ckpt / "round-000007-rank-1.pt"
+    victim_file = ckpt / "round-000006-rank-1.pt"
     good = victim_file.read_bytes()
     victim_file.write_bytes(good[: len(good) // 2])
     procs = _start_ranks(out, ["-", "-"], "--rounds", ROUNDS, "--resume")
     (rc0, err0), (rc1, err1) = _finish(procs[0]), _finish(procs[1])
-    assert rc1 == 1 and str(victim_file) in _error_line(err1) and "cannot be read as a checkpoint: it is truncated or corrupt" in err1, err1
+    assert rc1 == 1 and str(victim_file) in _error_line(err1), err1
+    assert "cannot be read as a checkpoint: it is truncated or corrupt" in err1, err1
     assert rc0 == 1 and _error_line(err0).startswith("ist-train: error: rank 0: all_reduce"), err0
     victim_file.write_bytes(good)
 
     # rank 1 stalls (stopped, alive): rank 0 gives up at the timeout, naming the collective
-    rc, line, took = _fault(out, 1, "step:8:0", "--rounds", ROUNDS, "--timeout-s", STALL_TIMEOUT_S, "--resume",
+    rc, line, took = _fault(out, 1, "step:7:0", "--rounds", ROUNDS, "--timeout-s", STALL_TIMEOUT_S, "--resume",
                             kill=False)
-    assert rc == 1 and line.startswith("ist-train: error: rank 0: all_reduce (local SGD, full model) (round 8) "
+    assert rc == 1 and line.startswith("ist-train: error: rank 0: all_reduce (local SGD, full model) (round 7) "
                                        "on rank 0 of 2 ") and "timed out" in line, line
     assert STALL_TIMEOUT_S - 1 < took < STALL_TIMEOUT_S + 10, took
-    assert checkpoint.latest_round(str(ckpt)) == 7
+    assert checkpoint.latest_round(str(ckpt)) == 6
 
     procs = _start_ranks(out, ["-", "-"], "--rounds", ROUNDS, "--resume")
     assert [_finish(p)[0] for p in procs] == [0, 0]
@@ -183,7 +185,7 @@ def test_killed_and_stalled_ranks_then_exact_resume(tmp_path, capsys):
     assert_equal_states(ref_model, model)
     assert untimed(hist) == untimed(ref_hist)
     # the crashes' leftovers (older rounds, half-written temporary files) are gone
-    assert sorted(os.listdir(ckpt)) == ["latest.json", "round-000010-rank-0.pt", "round-000010-rank-1.pt"]
+    assert sorted(os.listdir(ckpt)) == ["latest.json", "round-000008-rank-0.pt", "round-000008-rank-1.pt"]
 
 
 def test_spawned_worker_killed_then_exact_resume(tmp_path, capsys):

@@ -157,8 +157,8 @@ def _spawn(cfgs: List[TrainConfig], s: int) -> None:
     except mp.ProcessExitedException as e:
         i = e.error_index
         if e.signal_name:
-            raise WorkerError(f"worker process {i} (rank {i}, pid {e.error_pid}) was killed by {e.signal_name}; the other workers "
-                              f"were stopped. Continue from the last checkpoint with --resume") from None
+            raise WorkerError(f"worker process {i} (rank {i}, pid {e.error_pid}) was killed by {e.signal_name}; "
+                              f"the other workers were stopped. Continue from the last checkpoint with --resume") from None
         raise WorkerError(f"worker process {i} (rank {i}) exited with status {e.exit_code}",
                           exit_code=e.exit_code if e.exit_code in (1, 2) else 1,
                           reported=e.exit_code in (1, 2)) from None

@@ -35,9 +35,13 @@ class OutputLock:
     def __enter__(self) -> "OutputLock":
         try:
             for folder in self.folders:
-                os.makedirs(folder, exist_ok=True)
                 path = os.path.join(folder, LOCK_FILE)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    os.makedirs(folder, exist_ok=True)
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                except OSError as e:
+                    raise OutputLockError(f"cannot create the lock {path!r} of the output folder: "
+                                          f"{e.strerror or e}") from None
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
