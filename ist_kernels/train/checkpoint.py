@@ -37,7 +37,6 @@ _FILE = re.compile(r"^round-(\d+)-rank-(\d+)\.pt$")
 _TMP = re.compile(r"^\.tmp-.*-(round-\d+-rank-(\d+)\.pt|latest\.json)$")  # left by a crash mid-write
 
 
-
 class CheckpointError(RuntimeError):
     """A checkpoint file cannot be used: the message names the file and what is wrong with it."""
 
