@@ -35,7 +35,7 @@ from train_helpers import run as _run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "python_tests", "fault_worker.py")
-LOCALSGD = [*TINY_MLP, "--method", "localsgd", "--checkpoint-interval", "1"]
+LOCALSGD = [*TINY_MLP, "--method", "localsgd", "--checkpoint-interval", "1", "--device", "cpu"]  # gloo, also on a GPU machine
 run = functools.partial(_run, base=LOCALSGD)
 DEADLINE_S = 120  # no single launch of these tiny runs takes this long; a hang fails the test
 
