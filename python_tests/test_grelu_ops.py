@@ -115,11 +115,12 @@ def test_triton_float64(gen):
 
 @requires_triton
 @pytest.mark.parametrize("mask", [(True, False, False), (False, True, False), (False, False, True), (False, True, True)])
-@pytest.mark.parametrize("split_m", [1, 3])
-def test_triton_backward_output_mask_and_split(mask, split_m, gen):
+@pytest.mark.parametrize("tile", [dict(BM=16, BN=64), dict(BM=8, BN=32)])
+def test_triton_backward_output_mask_and_tiles(mask, tile, gen, monkeypatch):
+    """Every output_mask, and gate-pass tiles that leave partial tiles at both edges (70 x 45)."""
+    monkeypatch.setattr(tg, "INTERPRET_GATE_GRAD_TILE" if not HAS_CUDA else "GATE_GRAD_TILE", tile)
     x, w, b, gates = make(70, 24, 45, torch.float32, gen, device=TRITON_DEVICE)
-    bwd = lambda *a: tg.gated_linear_backward(*a, split_m=split_m)  # noqa: E731
-    check_gated_linear(tg.gated_linear, bwd, x, w, b, gates, gen, mask=mask)
+    check_gated_linear(tg.gated_linear, tg.gated_linear_backward, x, w, b, gates, gen, mask=mask)
 
 
 @requires_triton
