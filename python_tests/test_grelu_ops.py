@@ -124,6 +124,20 @@ def test_triton_backward_output_mask_and_tiles(mask, tile, gen, monkeypatch):
 
 
 @requires_triton
+@pytest.mark.parametrize("tile", [dict(BM=16, BN=64), dict(BM=8, BN=32)])
+def test_triton_cublas_epilogue_path(tile, gen, monkeypatch):
+    """The forward as a torch GEMM + one gate pass (taken from K >= CUBLAS_EPILOGUE_MIN_K): forced
+    here for small K, with pass tiles that leave partial tiles at both edges."""
+    monkeypatch.setattr(tg, "CUBLAS_EPILOGUE_MIN_K", 0)
+    monkeypatch.setattr(tg, "INTERPRET_GATE_GRAD_TILE" if not HAS_CUDA else "GATE_GRAD_TILE", tile)
+    for rows, K, N in [(45, 40, 100), (7, 33, 31), (3, 5, 64)]:
+        x, w, b, gates = make(rows, K, N, torch.float32, gen, device=TRITON_DEVICE)
+        check_relu_gates(tg.relu_gates, x, w, b)
+        check_relu_gates(tg.relu_gates, x, w, None)
+        check_gated_linear(tg.gated_linear, tg.gated_linear_backward, x, w, b, gates, gen)
+
+
+@requires_triton
 @pytest.mark.parametrize("config", [dict(BM=16, BN=32, BK=16, GROUP_M=1), dict(BM=32, BN=128, BK=32, GROUP_M=3)])
 def test_triton_other_tiles(config, gen, monkeypatch):
     if HAS_CUDA:

@@ -117,6 +117,25 @@ def _gate_grad(
         tl.store(db_ptr + pid_m * stride_dbt + offs_n * stride_dbn, tl.sum(g.to(ACC), axis=0), mask=n_ok)
 
 
+@triton.jit
+def _relu_pack(z_ptr, gates_ptr, M, N, stride_zm, stride_zn, stride_gm, stride_gw,
+               BM: tl.constexpr, BN: tl.constexpr):
+    """The relu_gates epilogue as a pass over z = x Wᵀ + b (from cuBLAS): z <- relu(z) in place
+    (NaN propagates, as in torch.relu) and gates = pack(z > 0)."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    offs_w = tl.program_id(1) * (BN // 32) + tl.arange(0, BN // 32)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    rows64 = offs_m.to(tl.int64)
+    z_ptrs = z_ptr + rows64[:, None] * stride_zm + offs_n[None, :] * stride_zn
+    z = tl.load(z_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+    on = (z > 0) & n_ok[None, :]
+    tl.store(z_ptrs, tl.where(on | (z != z), z, 0.0), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(gates_ptr + rows64[:, None] * stride_gm + offs_w[None, :] * stride_gw, _pack(on, BM, BN),
+             mask=m_ok[:, None] & (offs_w < tl.cdiv(N, 32))[None, :])
+
+
 # ---------------------------------------------------------------------------------------- configs
 # Under the interpreter one small config (fast, and several tiles per test shape so tile edges are
 # exercised); tests may change it. On a GPU the kernels are autotuned over the lists below.
@@ -189,6 +208,27 @@ def _rows(t):
 
 
 # ---------------------------------------------------------------------------------------- launches
+# From this reduction length on, the forward runs as a cuBLAS GEMM (bias in its epilogue) followed by
+# one gate pass over the output, instead of the fused Triton GEMM. The pass moves ~4.1 bytes per
+# output element (bf16 z read + written, 1 gate bit), i.e. ~444/K of the GEMM's time at 3 TB/s and
+# 650 TFLOP/s: 11% at K = 4096, under the 12-25% the fused kernel lost to cuBLAS there on an H100
+# (bench/results/h100-baseline.md); at K = 1024 (44%) the fused kernel wins.
+CUBLAS_EPILOGUE_MIN_K = 4096
+
+
+def _cublas_then_pass(x2, weight, bias, g2, relu_gates):
+    """z = x Wᵀ + b by torch (cuBLAS on a GPU), then the gate epilogue in one pass, z in place."""
+    z = torch.addmm(bias, x2, weight.t()) if bias is not None else torch.mm(x2, weight.t())
+    if relu_gates:
+        M, N = z.shape
+        tile = INTERPRET_GATE_GRAD_TILE if _INTERPRET else GATE_GRAD_TILE
+        if M > 0 and N > 0:
+            _relu_pack[(triton.cdiv(M, tile["BM"]), triton.cdiv(N, tile["BN"]))](
+                z, g2, M, N, z.stride(0), z.stride(1), g2.stride(0), g2.stride(1), num_warps=4, **tile)
+        return z
+    return gate_grad(z, g2, want_out=True, want_db=False, out=z)[0]
+
+
 def _forward(op, x, weight, bias, gates, relu_gates):
     check_grelu_linear(op, x, weight, bias)
     N = weight.shape[0]
@@ -198,8 +238,12 @@ def _forward(op, x, weight, bias, gates, relu_gates):
     x2 = _rows(x)
     M, K = x2.shape
     W = gate_words(N)
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     g2 = torch.empty((M, W), dtype=torch.int32, device=x.device) if relu_gates else _rows(gates)
+    if K >= CUBLAS_EPILOGUE_MIN_K:
+        with _on(x):
+            out = _cublas_then_pass(x2, weight, bias, g2, relu_gates).view(*x.shape[:-1], N)
+        return (out, g2.view(*x.shape[:-1], W)) if relu_gates else out
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M > 0 and N > 0:
         kernel, cfg = _pick(_fwd_tuned, _linear_gates_fwd)
         grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
@@ -226,12 +270,15 @@ def gated_linear(x, weight, bias, gates):
     return _forward("gated_linear", x, weight, bias, gates, False)
 
 
-def gate_grad(grad_out, gates, want_out=True, want_db=True):
+def gate_grad(grad_out, gates, want_out=True, want_db=True, out=None):
     """(g' = grad_out ⊙ unpack(gates) or None, db = Σ_m g' or None) in one pass over [M, N] rows.
-    db is summed in fp32 (fp64 for fp64) from per-tile partials, then cast to grad_out's dtype."""
+    db is summed in fp32 (fp64 for fp64) from per-tile partials, then cast to grad_out's dtype.
+    ``out``: where g' goes ([M, N]; grad_out itself is allowed: each element is read before it is
+    written, by the same program); a new tensor by default."""
     g2, G2 = _rows(grad_out), _rows(gates)
     M, N = g2.shape
-    out = torch.empty((M, N), dtype=g2.dtype, device=g2.device) if want_out else None
+    if want_out and out is None:
+        out = torch.empty((M, N), dtype=g2.dtype, device=g2.device)
     tile = INTERPRET_GATE_GRAD_TILE if _INTERPRET else GATE_GRAD_TILE
     tiles_m = triton.cdiv(M, tile["BM"])
     part = torch.float64 if g2.dtype == torch.float64 else torch.float32
