@@ -8,6 +8,10 @@ from ist_kernels.train import cli
 from ist_kernels.train.output import read_metrics
 
 TIME_KEYS = ("train_time", "wall_time")
+# One thread per process: the spawned workers and the simulated run then compute bit-identical steps
+# on any machine (and small runs do not fight over a shared box's cores). Digits, an MLP of width 16.
+TINY_MLP = ["--dataset", "digits", "--model", "mlp", "--width", "16", "--batch-size", "8", "--local-steps", "2",
+            "--no-progress", "--no-plots", "--eval-interval", "2", "--threads", "1"]
 
 
 def outputs(out):
@@ -17,8 +21,13 @@ def outputs(out):
 
 
 def run(out, *args, base):
-    """ist-train ``base + --out-dir out + args``; asserts success and returns :func:`outputs`."""
-    assert cli.main([*base, "--out-dir", str(out), *map(str, args)]) == 0
+    """ist-train ``base + --out-dir out + args``; asserts success and returns :func:`outputs`.
+    Runs on the CPU unless ``--device`` is given: with ``--device auto`` on a one-GPU machine a
+    simulated run would take the GPU and a 2-process run the CPU, and the tests compare the two."""
+    argv = [*base, "--out-dir", str(out), *map(str, args)]
+    if "--device" not in argv:
+        argv += ["--device", "cpu"]
+    assert cli.main(argv) == 0
     return outputs(out)
 
 
