@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ist_kernels.train import cli
+from ist_kernels.train import checkpoint, cli
 from train_helpers import assert_equal_states, run as _run, untimed
 
 BASE = ["--dataset", "digits", "--batch-size", "8", "--local-steps", "2", "--no-progress", "--no-plots",
@@ -104,7 +104,7 @@ def test_resume_from_per_rank_checkpoints_is_exact(loft_dist, tmp_path, stop):
     part, _, _ = run(out, *LOFT, "--rounds", 4, "--workers", 2, "--stop-after", stop)
     assert part["rounds"] == stop and not part["finished"]
     if stop == 1:  # each rank's file holds its own filters only (half of every partitioned conv)
-        ranks = [torch.load(out / "checkpoints" / f"round-000001-rank-{k}.pt", weights_only=False) for k in (0, 1)]
+        ranks = [checkpoint.read_sealed(str(out / "checkpoints" / f"round-000001-rank-{k}.pt")) for k in (0, 1)]
         parts = [r["method"]["pretrain"]["part"] for r in ranks]
         name = "layer4.1.conv1.weight"
         assert parts[0][name].shape[0] + parts[1][name].shape[0] == full_model[name].shape[0] * 2 == 32
