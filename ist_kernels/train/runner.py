@@ -341,9 +341,16 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
     model = assembled[end] if end in assembled else method.global_model()
     final_gather = ctx.gather_bytes  # outside metrics.jsonl (a stop_after run assembles after its last round)
     final_gather = sum_over_ranks([0.0, final_gather], "the final save's bytes", end)[1]
-    if not rank0:
-        return None
-    hist = log.history
+    summary = _write_outputs(cfg, world, method, model, log.history, final_gather, rounds, out_dir) if rank0 else None
+    # every rank leaves together, once rank 0 has written the outputs (none tears its process group
+    # down while another still works)
+    _barrier(world, "the run's outputs written", end)
+    return summary
+
+
+def _write_outputs(cfg, world, method, model, hist, final_gather, rounds, out_dir) -> Dict[str, Any]:
+    """summary.json and model.pt of a finished (or stopped) run, on rank 0; returns the summary."""
+    S = cfg.num_workers
     final = hist[-1]
     if "test_loss" not in final:  # stopped between evaluations (stop_after): score the model now,
         final = {**final, **method.evaluate(model)}  # outside metrics.jsonl, which resume continues
