@@ -33,6 +33,10 @@ except ImportError:  # pragma: no cover
     HAS_TRITON = False
 requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 
+#: the exception types bad input may raise (ist_kernels/ops/_checks.py: TypeError for a dtype,
+#: IndexError for an index out of range, ValueError for the rest); test_bad_inputs.py checks which.
+BAD_INPUT = (ValueError, TypeError, IndexError)
+
 # Devices every op is tested on: the CPU always, CUDA where present.
 DEVICES = ["cpu", CUDA_PARAM]
 

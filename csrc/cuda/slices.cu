@@ -129,7 +129,8 @@ __device__ __forceinline__ void scatter_vector(const ScatterTarget& t, const Sca
   } else {
     using A = typename AccType<T>::type;
     constexpr bool kIntegral = std::is_integral_v<T>;
-    A acc[V], first[V];
+    A acc[V];
+    OwnerMean<A, kIntegral> mean[V];
     int64_t k = 0;
     if constexpr (R == SliceReduce::Sum) {
       const VecT x = *out;
@@ -146,10 +147,9 @@ __device__ __forceinline__ void scatter_vector(const ScatterTarget& t, const Sca
         if constexpr (R == SliceReduce::Sum) {
           acc[e] += val;
         } else if (k == 0) {
-          first[e] = val;
-          acc[e] = mean_begin<kIntegral>(val);
+          mean[e].begin(val);
         } else {
-          acc[e] = mean_step<kIntegral>(acc[e], first[e], val);
+          mean[e].step(val);
         }
       }
       ++k;
@@ -159,7 +159,7 @@ __device__ __forceinline__ void scatter_vector(const ScatterTarget& t, const Sca
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       if constexpr (R == SliceReduce::Sum) y.v[e] = from_acc<T>(acc[e]);
-      else y.v[e] = from_acc<T>(mean_finish<kIntegral>(acc[e], first[e], k));
+      else y.v[e] = from_acc<T>(mean[e].finish(k));
     }
     *out = y;
   }
