@@ -4,6 +4,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .ops import _checks
 from .ops import slices as _slices
 
 _ops = torch.ops.ist_kernels
@@ -185,6 +186,8 @@ def owner_average_(target: Tensor, updates: Sequence[Tensor], indices: Sequence[
     keeps its value. Returns ``target``.
     """
     updates, indices = list(updates), list(indices)
+    _checks.check_index(-target.dim() <= dim < target.dim(), "owner_average_",
+                        f"dim = {dim} is out of range for target with {target.dim()} dimensions")
     _ops.slice_scatter_([target], [0] * len(updates), updates, indices, [dim], "mean")
     return target
 # ---- GReLU layers (paper 004 §2.1, §4.4)

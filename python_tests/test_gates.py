@@ -66,3 +66,14 @@ def test_bad_input():
         F.unpack_gates(torch.ones(3, 2, dtype=torch.int64), 40)
     with pytest.raises(BAD_INPUT, match="num_features=70 needs 3 words"):
         F.unpack_gates(torch.ones(3, 2, dtype=torch.int32), 70)
+
+
+def test_unpack_gates_num_features_out_of_range():
+    """Issue 10, item 8: unpack_gates(w, 2**63 - 1) reported a negative word count."""
+    w = torch.zeros(2, 1, dtype=torch.int32)
+    for words in (w, w.to("meta")):  # the C++ kernel and the fake kernel say the same
+        with pytest.raises(ValueError, match=r"num_features=9223372036854775807 needs 288230376151711744 words per "
+                                             r"row, but words has 1"):
+            F.unpack_gates(words, 2**63 - 1)
+        with pytest.raises(ValueError, match=r"num_features must be >= 0, got -1"):
+            F.unpack_gates(words, -1)

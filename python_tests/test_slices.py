@@ -1,3 +1,7 @@
+import math
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -583,3 +587,107 @@ def test_mixed_dtype_bad_index_in_either_launch_writes_nothing(device):
             assert torch.equal(a, b)
         with pytest.raises(BAD_INPUT, match=match):
             F.gather_slices([w, n, v], [0, 1, 2], idx, [0, 0, 0])
+
+
+# ---- regressions (issue 10): each reproduction gives the right result or a clean, named error
+def test_gather_into_out_over_an_index_list_is_refused():
+    """Item 1: out sharing memory with an int64 index list overwrote the indices while reading them
+    (a segfault). Run as the issue did, in a fresh process, so that a crash fails this test."""
+    code = ("import torch, ist_kernels; b = torch.tensor([0, 1, 0, 0]); "
+            "torch.ops.ist_kernels.slice_gather_into_(b, [torch.full((4, 2), 10**12)], [0], [b[:2]], [0])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "ValueError: slice_gather_into_: out shares memory with indices[0]" in proc.stderr
+    b = torch.tensor([0, 1, 0, 0])
+    with pytest.raises(ValueError, match=r"out shares memory with indices\[0\]"):
+        F.slice_gather([torch.full((4, 2), 10**12)], [0], [b[:2]], [0], out=b)
+    assert torch.equal(b, torch.tensor([0, 1, 0, 0]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_mean_is_overflow_safe(device, dtype):
+    """Item 4: owners [inf, 3e38] and [inf, -3e38] gave [nan, -inf]; the mean is [inf, 0]. Near the
+    largest finite value, opposite owners average to 0 and equal ones to themselves; nan and
+    inf/-inf owners give nan, as the exact mean does."""
+    big = torch.finfo(dtype).max * 0.9 if dtype != torch.float64 else 3e38
+    inf, nan = math.inf, math.nan
+    cases = [  # owners of each element -> mean
+        ([inf, big], [inf, -big], [inf, 0.0]),
+        ([big, -big], [big, big], [big, 0.0]),
+        ([-big, inf], [-big, -inf], [-big, nan]),
+        ([nan, 1.0], [2.0, 1.0], [nan, 1.0]),
+    ]
+    for first, second, want in cases:
+        target = torch.zeros(2, dtype=dtype, device=device)
+        upd = [torch.tensor(first, dtype=dtype, device=device), torch.tensor(second, dtype=dtype, device=device)]
+        idx = [torch.tensor([0, 1], device=device)] * 2
+        F.owner_average_(target, upd, idx)
+        torch.testing.assert_close(target.cpu(), torch.tensor(want, dtype=dtype), equal_nan=True, rtol=0, atol=0)
+    # three owners near the top of the range: (big + big - big) / 3 without overflow
+    target = torch.zeros(1, dtype=dtype, device=device)
+    F.owner_average_(target, [torch.tensor([v], dtype=dtype, device=device) for v in (big, big, -big)],
+                     [torch.tensor([0], device=device)] * 3)
+    torch.testing.assert_close(target.double().cpu(), torch.tensor([float(torch.tensor(big, dtype=dtype)) / 3],
+                                                                  dtype=torch.float64), rtol=1e-2, atol=0)
+    # owners that all return the target's values, inf and -0.0 included, leave it unchanged bit for bit
+    target = torch.tensor([inf, -0.0, -inf, big, 1.5], dtype=dtype, device=device)
+    before = target.clone()
+    F.owner_average_(target, [target.clone()] * 3, [torch.arange(5, device=device)] * 3)
+    assert torch.equal(target.view(torch.uint8 if dtype != torch.float64 else torch.int64),
+                       before.view(torch.uint8 if dtype != torch.float64 else torch.int64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_dtype_scatter_writes_nothing_before_its_checks(device):
+    """Item 5: an int64 target that is the index list of another dtype's launch was written before
+    that launch's check failed, and errors named per-group positions."""
+    n = torch.arange(5, device=device)
+    w = torch.randn(6, 4, device=device)
+    before = (n.clone(), w.clone())
+    t = lambda *v: torch.tensor(v, device=device)  # noqa: E731
+    with pytest.raises(ValueError, match=r"targets\[1\] shares memory with indices\[1\]"):
+        F.slice_scatter_([w, n], [1, 0], [t(9, 9, 9, 9), torch.ones(4, 4, device=device)], [t(0, 1, 2, 3), n[:4]],
+                         [0, 0], "copy")
+    # the first launch (float32, the most indices) names the caller's position 3, not its own 1
+    with pytest.raises(IndexError, match=r"indices\[3\]\[1\] = 9 is out of range for targets\[1\] along dim 0"):
+        F.slice_scatter_([n, w], [0, 1, 0, 1], [t(9), torch.ones(1, 4, device=device), t(8),
+                                                torch.ones(3, 4, device=device)],
+                         [t(0), t(0), t(1), t(1, 9, 2)], [0, 0], "copy")
+    # an expanded target of a later launch is named by the caller's position before anything runs
+    with pytest.raises(ValueError, match=r"targets\[2\] has elements that share memory"):
+        F.slice_scatter_([w, n, torch.zeros(1, device=device).expand(3)], [0, 1, 2],
+                         [torch.ones(1, 4, device=device), t(7), torch.ones(1, device=device)], [t(0), t(1), t(2)],
+                         [0, 0, 0], "copy")
+    assert torch.equal(n, before[0]) and torch.equal(w, before[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_sources_gather_into_a_buffer(device):
+    """Item 6: a strided source made slice_gather_into_ / slice_gather(out=) /
+    gather_slices(out=GatherBuffers) fail with "out shares memory" although nothing was shared."""
+    src = torch.tensor([[5.0, 1, 0, 2, 3, 4]] * 4, device=device).cumsum(0)[:, ::2]
+    idx = [torch.tensor([0, 2], device=device)]
+    want = src.index_select(0, idx[0]).reshape(-1)
+    out = torch.empty(6, device=device)
+    ops.slice_gather_into_(out, [src], [0], idx, [0])
+    assert torch.equal(out, want)
+    assert torch.equal(F.slice_gather([src], [0], idx, [0], out=torch.empty(6, device=device)), want)
+    holder = F.GatherBuffers()
+    parts = F.gather_slices([src, torch.arange(3, device=device)], [0, 1], idx * 2, [0, 0], out=holder)
+    assert torch.equal(parts[0].reshape(-1), want) and torch.equal(parts[1], torch.tensor([0, 2], device=device))
+    # interleaved views of one buffer that share no element are fine as targets; sharing one is not
+    buf = torch.zeros(24, device=device)
+    F.slice_scatter_([buf[0::2].view(3, 4), buf[1::2].view(3, 4)], [0, 1],
+                     [torch.ones(1, 4, device=device), 2 * torch.ones(1, 4, device=device)],
+                     [torch.tensor([1], device=device)] * 2, [0, 0], "copy")
+    assert buf.view(3, 8)[1].tolist() == [1.0, 2.0] * 4 and buf.view(3, 8)[[0, 2]].abs().sum() == 0
+    with pytest.raises(ValueError, match=r"out shares memory with sources\[0\]"):
+        ops.slice_gather_into_(buf[4:5], [buf[0::2]], [0], [torch.tensor([2], device=device)], [0])
+
+
+def test_meta_index_list_is_named():
+    """Item 8: a meta index list got "must be on the CPU or on cpu"."""
+    with pytest.raises(ValueError, match=r"indices\[0\] is on meta but the tensors are on cpu; index lists must be "
+                                         r"on the CPU$"):
+        ops.slice_gather([torch.randn(3, 3)], [0], [torch.tensor([0], device="meta")], [0])

@@ -9,7 +9,7 @@ import torch.nn.functional as TF
 
 import ist_kernels.functional as F
 import reference as ref
-from conftest import BAD_INPUT, DEVICES, HAS_CUDA, requires_cuda, requires_triton
+from conftest import BAD_INPUT, DEVICES, HAS_CUDA, HAS_TRITON, requires_cuda, requires_triton
 
 op = torch.ops.ist_kernels.subnet_linear
 op_backward = torch.ops.ist_kernels.subnet_linear_backward
@@ -301,3 +301,74 @@ def test_triton_bf16_cuda(case, gen):
 
     x, w, b, rows, cols = make(gen, *case, torch.bfloat16, "cuda", bias=True)
     check_against_reference(T.subnet_linear, T.subnet_linear_backward, x, w, b, rows, cols, gen, torch.bfloat16)
+
+
+# ---- regressions (issue 10): each reproduction gives the right result or a clean, named error
+def backends():
+    """(forward, backward) of every backend that runs here: the op, and the Triton launchers as
+    registered for CUDA (called on CPU tensors under the interpreter)."""
+    out = [(op, op_backward)]
+    if HAS_CUDA or HAS_TRITON:
+        from ist_kernels.ops.subnet import triton_subnet_linear, triton_subnet_linear_backward
+        out.append((triton_subnet_linear, triton_subnet_linear_backward))
+    return out
+
+
+@pytest.mark.parametrize("backend", range(len(backends())))
+def test_empty_index_lists_give_zero_gradients(backend, gen):
+    """Item 2: an empty cols list was taken for "all columns" and grad_weight came back
+    uninitialised (garbage such as 1784.9); an empty rows list deserves the same test."""
+    fwd, bwd = backends()[backend]
+    device = TRITON_DEVICE if backend else "cpu"
+    w = torch.randn(6, 5, generator=gen).to(device)
+    empty = torch.tensor([], dtype=torch.int64, device=device)
+    for _ in range(3):  # fresh allocations each time: reused garbage would show
+        junk = torch.full((64, 64), 1784.9, device=device)
+        del junk
+        for rows, cols, x, g in ((None, empty, torch.randn(3, 0), torch.randn(3, 6)),
+                                 (empty, None, torch.randn(3, 5), torch.randn(3, 0)),
+                                 (empty, empty, torch.randn(3, 0), torch.randn(3, 0))):
+            x, g = x.to(device), g.to(device)
+            y = fwd(x, w, None, rows, cols)
+            assert y.shape == g.shape and (y == 0).all()
+            got = bwd(g, x, w, rows, cols, [True, True, True])
+            for t, want in zip(got, ref.subnet_linear_backward(g, x, w, rows, cols)):
+                assert t.shape == want.shape
+                torch.testing.assert_close(t.double(), want, **tol(torch.float32, 3))
+            assert (got[1] == 0).all()  # grad_weight: no (row, column) pair is selected
+    x = torch.randn(3, 0, device=device)
+    wr = w.clone().requires_grad_(True)
+    if backend == 0:  # autograd through the op
+        F.subnet_linear(x, wr, None, None, empty).sum().backward()
+        assert (wr.grad == 0).all()
+
+
+@pytest.mark.parametrize("backend", range(len(backends())))
+def test_strided_index_lists(backend, gen):
+    """Item 3: the Triton kernels read rows / cols with unit stride, so a strided view
+    (torch.tensor([5, 1, 0, 2, 3, 4])[::2]) gave wrong values, and junk between the entries was
+    read as indices. Junk here is in range, so a stride bug gives wrong values, not a crash."""
+    fwd, bwd = backends()[backend]
+    device = TRITON_DEVICE if backend else "cpu"
+    w = torch.randn(7, 7, generator=gen).to(device)
+    b = torch.randn(7, generator=gen).to(device)
+    rows = torch.tensor([5, 1, 0, 2, 3, 4], device=device)[::2]
+    cols = torch.tensor([5, 6, 1, 6, 0, 6, 2], device=device)[::2]
+    assert rows.stride(0) == 2 and cols.stride(0) == 2
+    x = torch.randn(3, 4, generator=gen).to(device)
+    torch.testing.assert_close(fwd(x, w, b, rows, cols).double(), ref.subnet_linear(x, w, b, rows, cols), **tol(
+        torch.float32, 4))
+    g = torch.randn(3, 3, generator=gen).to(device)
+    for got, want in zip(bwd(g, x, w, rows, cols, [True, True, True]), ref.subnet_linear_backward(g, x, w, rows, cols)):
+        torch.testing.assert_close(got.double(), want, **tol(torch.float32, 3))
+
+
+@pytest.mark.parametrize("backend", range(len(backends())))
+def test_output_mask_of_the_wrong_length(backend):
+    """Item 8: output_mask of the wrong length got the dispatcher's "Tried to convert a List"."""
+    _, bwd = backends()[backend]
+    device = TRITON_DEVICE if backend else "cpu"
+    w, x, g = torch.randn(6, 5, device=device), torch.randn(3, 5, device=device), torch.randn(3, 6, device=device)
+    for mask in ([True, True], [True] * 4, []):
+        with pytest.raises(ValueError, match=rf"output_mask must have 3 entries .*got {len(mask)}"):
+            bwd(g, x, w, None, None, mask)
