@@ -96,7 +96,7 @@ inline std::vector<std::pair<uintptr_t, uintptr_t>> element_bytes(const at::Tens
 
 // Elements up to which two strided views of one storage whose byte ranges interleave are compared
 // element by element; beyond it the answer is kUnknown (treated as shared).
-constexpr int64_t kExactOverlapMax = int64_t{1} << 22;
+constexpr int64_t kExactOverlapMax = int64_t{1} << 20;
 
 // Do a and b share a byte? kNo when either is empty, their storages differ or their byte ranges are
 // disjoint (strided views side by side are fine); exact when both are non-overlapping and dense

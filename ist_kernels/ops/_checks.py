@@ -141,7 +141,7 @@ def check_output_mask(op: str, output_mask) -> None:
 
 # ---- memory overlap (out= / in-place arguments against every input); mirrors ist::memory_overlap
 # in csrc/checks.h.
-EXACT_OVERLAP_MAX = 1 << 22  # elements compared one by one at most (interleaved strided views)
+EXACT_OVERLAP_MAX = 1 << 20  # elements compared one by one at most (interleaved strided views)
 
 
 def byte_range(t: torch.Tensor):
