@@ -30,7 +30,7 @@ import ist_kernels.functional as F
 import reference as ref
 
 ops = torch.ops.ist_kernels
-CPP, FAKE, TRITON = "cpp", "fake", "triton"
+CPP, FAKE, TRITON, GATHER_GEMM = "cpp", "fake", "triton", "gather-gemm"
 BATCH = 400  # probes per subprocess
 
 
@@ -575,6 +575,9 @@ add("F.slice_scatter_", "indices", "valid", mixed(), None, check=check_scatter, 
 
 # ----------------------------------------------------------------------------------- running them
 def _entry(op, path):
+    if path == GATHER_GEMM:  # subnet_linear's CUDA backend (torch ops, so it runs on CPU tensors)
+        from ist_kernels.cuda import subnet as C
+        return {"subnet_linear": C.subnet_linear, "subnet_linear_backward": C.subnet_linear_backward}[op]
     if path == TRITON:
         from ist_kernels.ops.subnet import triton_subnet_linear, triton_subnet_linear_backward
         from ist_kernels.triton import grelu as tg
@@ -672,7 +675,10 @@ def _paths(probe):
             import triton  # noqa: F401
         except ImportError:  # pragma: no cover
             have_triton = False
-    return [p for p in probe.paths if p != TRITON or have_triton]
+    paths = [p for p in probe.paths if p != TRITON or have_triton]
+    if probe.op.startswith("subnet_linear") and TRITON in probe.paths:  # the CUDA backend sees what Triton sees
+        paths.append(GATHER_GEMM)
+    return paths
 
 
 KEYS = [f"{p.name}@{path}" for p in PROBES for path in _paths(p)]
@@ -754,4 +760,4 @@ def test_table_covers_every_op_and_kind():
         by_type[p.expect.__name__ if p.expect else "valid"] = by_type.get(p.expect.__name__ if p.expect else "valid",
                                                                           0) + 1
     print(f"\nbad-input table: {len(PROBES)} probes, {len(KEYS)} (probe, path) runs; by outcome {by_type}; "
-          f"by path { {path: sum(k.endswith('@' + path) for k in KEYS) for path in (CPP, FAKE, TRITON)} }")
+          f"by path { {path: sum(k.endswith('@' + path) for k in KEYS) for path in (CPP, FAKE, TRITON, GATHER_GEMM)} }")

@@ -25,6 +25,8 @@ from conftest import HAS_CUDA, HAS_TRITON  # noqa: E402
 
 ops = torch.ops.ist_kernels
 
+from ist_kernels.cuda import subnet as gather_gemm  # noqa: E402 (the CUDA backend of subnet_linear: torch ops)
+
 if HAS_TRITON and not HAS_CUDA:
     from ist_kernels.ops.subnet import triton_subnet_linear, triton_subnet_linear_backward
     from ist_kernels.triton import grelu as tg
@@ -257,12 +259,12 @@ def test_gated_linear(data, backend):
 
 
 # ---------------------------------------------------------------------------------- subnet_linear
-@given(st.data(), st.sampled_from(BACKENDS))
+@given(st.data(), st.sampled_from(BACKENDS + ["gather-gemm"]))
 def test_subnet_linear(data, backend):
     gen = generator(data)
-    small = backend == "triton"
-    dtype = data.draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16] if not small else TRITON_DTYPES),
-                      label="dtype")
+    small = backend != "cpp"
+    dtype = data.draw(st.sampled_from({"cpp": [torch.float32, torch.float64, torch.bfloat16],
+                                       "gather-gemm": GEMM_CPU_DTYPES, "triton": TRITON_DTYPES}[backend]), label="dtype")
     N = data.draw(st.integers(0, 40 if not small else 24), label="N")
     K = data.draw(st.integers(0, 40 if not small else 24), label="K")
     rows = index_list(data, gen, N, label="rows") if data.draw(st.booleans(), label="has rows") else None
@@ -273,8 +275,9 @@ def test_subnet_linear(data, backend):
     x, w = inputs_maybe_overlapping(data, gen, (*lead, Kc), (N, K), dtype)
     b = layout(data, values((N,), dtype, gen)) if data.draw(st.booleans(), label="bias") else None
     note(f"rows={rows} cols={cols}")
-    fwd, bwd = (ops.subnet_linear, ops.subnet_linear_backward) if backend == "cpp" else (
-        triton_subnet_linear, triton_subnet_linear_backward)
+    fwd, bwd = {"cpp": (ops.subnet_linear, ops.subnet_linear_backward),
+                "gather-gemm": (gather_gemm.subnet_linear, gather_gemm.subnet_linear_backward),
+                "triton": (triton_subnet_linear, triton_subnet_linear_backward) if "triton" in BACKENDS else None}[backend]
     inputs = [t for t in (x, w, b, rows, cols) if t is not None]
     saved = [t.clone() for t in inputs]
     y = fwd(x, w, b, rows, cols)

@@ -303,11 +303,39 @@ def test_triton_bf16_cuda(case, gen):
     check_against_reference(T.subnet_linear, T.subnet_linear_backward, x, w, b, rows, cols, gen, torch.bfloat16)
 
 
+# ---- the CUDA backend (compact gather + cuBLAS, ist_kernels/cuda/subnet.py): torch ops only, so it
+# runs on CPU tensors too; on a GPU the registered kernel runs it through the dispatcher above.
+@pytest.mark.parametrize("case", CASES + [((4,), 20, 17, 6, 0), ((3, 2), 25, 19, None, None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gather_gemm_backend_matches_reference(case, dtype, gen):
+    from ist_kernels.cuda import subnet as C
+
+    x, w, b, rows, cols = make(gen, *case, dtype, TRITON_DEVICE, bias=True)
+    check_against_reference(C.subnet_linear, C.subnet_linear_backward, x, w, b, rows, cols, gen, dtype)
+
+
+def test_gather_gemm_backend_strided_indices_and_views(gen):
+    """Strided index views and non-contiguous operands (issue 10 item 3 for this backend)."""
+    from ist_kernels.cuda import subnet as C
+
+    N, K = 37, 45
+    w = torch.randn(K, N, generator=gen).to(TRITON_DEVICE).t()
+    b = torch.randn(2 * N, generator=gen).to(TRITON_DEVICE)[::2]
+    rows = torch.randperm(N, generator=gen)[:46 // 2 * 2].to(TRITON_DEVICE)[::2]
+    cols = torch.randperm(K, generator=gen)[:38].to(TRITON_DEVICE)[::2]
+    x = torch.randn(len(cols), 6, generator=gen).to(TRITON_DEVICE).t()
+    assert not rows.is_contiguous() and not cols.is_contiguous()
+    check_against_reference(C.subnet_linear, C.subnet_linear_backward, x, w, b, rows, cols, gen, torch.float32)
+
+
 # ---- regressions (issue 10): each reproduction gives the right result or a clean, named error
 def backends():
-    """(forward, backward) of every backend that runs here: the op, and the Triton launchers as
-    registered for CUDA (called on CPU tensors under the interpreter)."""
-    out = [(op, op_backward)]
+    """(forward, backward) of every backend that runs here: the op (C++ on CPU tensors), the CUDA
+    backend's gather + GEMM code (torch ops: runs on CPU tensors too), and the Triton variant's
+    launchers (on CPU tensors under the interpreter)."""
+    from ist_kernels.cuda import subnet as C
+
+    out = [(op, op_backward), (C.subnet_linear, C.subnet_linear_backward)]
     if HAS_CUDA or HAS_TRITON:
         from ist_kernels.ops.subnet import triton_subnet_linear, triton_subnet_linear_backward
         out.append((triton_subnet_linear, triton_subnet_linear_backward))

@@ -14,7 +14,7 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 LOG="$OUT/suite.log"
 T0=$(date +%s)
-BUDGET_S=${BUDGET_S:-540}
+BUDGET_S=${BUDGET_S:-560}
 status=0
 
 step() {  # step NAME LIMIT_S CMD...: run with a time limit, log rc and seconds
@@ -24,10 +24,10 @@ step() {  # step NAME LIMIT_S CMD...: run with a time limit, log rc and seconds
   left=$((BUDGET_S - (start - T0) - 10))  # the whole suite stays inside BUDGET_S
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -le 5 ]; then echo "== $name: skipped, the ${BUDGET_S}s budget is spent" | tee -a "$LOG"; status=1; return 124; fi
-  echo "== $name (limit ${limit}s, at +$((start - T0))s)" | tee -a "$LOG"
+  echo "== $name (limit ${limit}s, at +$((start - T0))s)" >&2
   timeout -k 15 "$limit" "$@"
   rc=$?
-  echo "== $name: rc=$rc in $(($(date +%s) - start))s" | tee -a "$LOG"
+  echo "== $name: rc=$rc in $(($(date +%s) - start))s" | tee -a "$LOG" >&2
   [ "$rc" -ne 0 ] && status=1
   return "$rc"
 }
@@ -39,13 +39,29 @@ step() {  # step NAME LIMIT_S CMD...: run with a time limit, log rc and seconds
   nvcc --version | tail -1
 } >>"$LOG" 2>&1
 
-# 1. build for sm_90 in place (no pip: the image's torch stays as it is)
+# 1. build for sm_90 in place (no pip: the image's torch stays as it is). The GPU image's default
+# compiler (CXX=/opt/gcc/bin/g++, a wrapper) linked libstdc++ into _C statically, and that copy's
+# ostream crashed formatting any TORCH_CHECK message with an integer (seen on an H100, 2026-11-22):
+# build with the distribution's g++ (13, as torch 2.11 was) where it is there, and check the result.
+for v in 13 ""; do
+  if [ -x "/usr/bin/g++${v:+-$v}" ] && [ -x "/usr/bin/gcc${v:+-$v}" ]; then
+    export CC="/usr/bin/gcc${v:+-$v}" CXX="/usr/bin/g++${v:+-$v}"
+    break
+  fi
+done
+echo "compiler: CC=${CC:-default} CXX=${CXX:-default}" >>"$LOG"
 step build 240 env TORCH_CUDA_ARCH_LIST="9.0" MAX_JOBS="$(nproc)" "$PY" setup.py build_ext --inplace >>"$LOG" 2>&1 \
   || { echo "build failed: see $LOG" | tee -a "$LOG"; tail -40 "$LOG"; exit 1; }
+if nm -C --defined-only ist_kernels/_C*.so 2>/dev/null | grep -q " [TW] std::basic_ostream"; then
+  echo "build check: _C carries its own libstdc++ (static); its C++ errors would crash. Set CXX to a g++ that links it dynamically." | tee -a "$LOG"
+  exit 1
+fi
 "$PY" -c "import torch, ist_kernels; print('ist_kernels from', ist_kernels.__file__); x = torch.randn(8, 4, device='cuda'); print('cuda slice_gather ok', torch.ops.ist_kernels.slice_gather([x], [0], [torch.tensor([1, 3], device='cuda')], [0])[0].shape)" >>"$LOG" 2>&1
 
-# 2. GPU-only tests (one pinned tile config per kernel: IST_KERNELS_AUTOTUNE=0 from the conftest)
-step tests_gpu 150 "$PY" -m pytest python_tests -m gpu -q -ra -p no:cacheprovider --timeout=120 \
+# 2. GPU-only tests (one pinned tile config per kernel: IST_KERNELS_AUTOTUNE=0 from the conftest);
+# in xdist workers where pytest-xdist is there, so that a crash fails one test, not the run
+if "$PY" -c "import xdist" 2>/dev/null; then par4=(-n 4); par8=(-n 8); else par4=(); par8=(); fi
+step tests_gpu 150 "$PY" -m pytest python_tests -m gpu -q -ra -p no:cacheprovider --timeout=120 "${par4[@]}" \
   >"$OUT/tests_gpu.log" 2>&1
 tail -5 "$OUT/tests_gpu.log" | tee -a "$LOG"
 
@@ -63,8 +79,7 @@ if [ "${#jsons[@]}" -gt 0 ]; then
 fi
 
 # 4. the rest of the suite with CUDA present (CPU and Triton-on-CUDA paths), in parallel workers
-if "$PY" -c "import xdist" 2>/dev/null; then par=(-n 8); else par=(); fi
-step tests_all 150 "$PY" -m pytest python_tests -m "not gpu" -q -ra -p no:cacheprovider --timeout=120 "${par[@]}" \
+step tests_all 170 "$PY" -m pytest python_tests -m "not gpu" -q -ra -p no:cacheprovider --timeout=120 "${par8[@]}" \
   >"$OUT/tests_all.log" 2>&1
 tail -5 "$OUT/tests_all.log" | tee -a "$LOG"
 

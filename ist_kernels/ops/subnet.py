@@ -2,7 +2,8 @@
 
 y = x W[rows][:, cols]^T + b[rows]; the backward gives grad_x for the compact x and full-size
 grad_weight / grad_bias that are zero outside the selected rows x cols. Fake kernels and autograd
-here; CPU kernels in csrc/cpu/subnet.cpp; CUDA kernels in Triton (ist_kernels/triton/subnet.py).
+here; CPU kernels in csrc/cpu/subnet.cpp; CUDA: a compact gather + cuBLAS (ist_kernels/cuda/subnet.py);
+the Triton gathered-load GEMMs (ist_kernels/triton/subnet.py) are the alternative kernel.
 """
 import torch
 
@@ -10,7 +11,7 @@ from ._checks import check, check_index_list, check_output_mask, check_same_devi
 
 # dtypes each backend implements.
 CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # csrc/cpu/subnet.cpp
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # triton/subnet.py (CUDA)
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # CUDA (cuda/ and triton/subnet.py)
 
 
 def check_subnet(op, x, weight, bias, rows, cols, values=False, dtypes=None):
@@ -86,16 +87,23 @@ def _backward(ctx, grad):
 
 torch.library.register_autograd("ist_kernels::subnet_linear", _backward, setup_context=_setup_context)
 
+# CUDA: gather the compact weight once, then cuBLAS GEMMs (ist_kernels/cuda/subnet.py explains why
+# this beats the in-kernel gather of ist_kernels/triton/subnet.py, which stays as the Triton variant).
+from ..cuda import subnet as _cuda  # noqa: E402
+
+torch.library.register_kernel("ist_kernels::subnet_linear", "cuda", _cuda.subnet_linear)
+torch.library.register_kernel("ist_kernels::subnet_linear_backward", "cuda", _cuda.subnet_linear_backward)
+
+# The Triton variant (ist_kernels/triton/subnet.py; tested and benchmarked, not registered), given
+# index lists it can read: its kernels load entry p of an index list at base + p (unit stride), so
+# a strided view (rows[::2]) is made contiguous here first (a copy of a short list; contiguous
+# lists pass through untouched).
 try:
     from ..triton import subnet as _triton
-except ImportError:  # pragma: no cover (no triton: CUDA tensors have no subnet_linear kernel)
+except ImportError:  # pragma: no cover (no triton)
     _triton = None
 
 
-
-# The CUDA kernels: the Triton launchers, given index lists they can read. Their kernels load entry
-# p of an index list at base + p (unit stride), so a strided view (rows[::2]) is made contiguous
-# here first (a copy of a short list; contiguous lists pass through untouched).
 def _unit_stride(idx):
     return None if idx is None else idx.contiguous()
 
@@ -109,8 +117,3 @@ def triton_subnet_linear_backward(grad_out, x, weight, rows=None, cols=None, out
     """subnet_linear_backward on the Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)."""
     check_output_mask("subnet_linear_backward", output_mask)
     return _triton.subnet_linear_backward(grad_out, x, weight, _unit_stride(rows), _unit_stride(cols), output_mask)
-
-
-if _triton is not None:
-    torch.library.register_kernel("ist_kernels::subnet_linear", "cuda", triton_subnet_linear)
-    torch.library.register_kernel("ist_kernels::subnet_linear_backward", "cuda", triton_subnet_linear_backward)
