@@ -195,7 +195,8 @@ __device__ __forceinline__ void scatter_item(const ScatterTarget& t, const Scatt
   } else {
     using A = typename AccType<T>::type;
     constexpr bool kIntegral = std::is_integral_v<T>;
-    A acc[L][V], first[L][V];
+    A acc[L][V];
+    OwnerMean<A, kIntegral> mean[L][V];  // common/slices.h: overflow-safe, bit-exact for equal owners
     int32_t k[L];
     Item x0;
     if constexpr (R == SliceReduce::Sum) x0 = *out;
@@ -205,7 +206,6 @@ __device__ __forceinline__ void scatter_item(const ScatterTarget& t, const Scatt
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         acc[l][e] = R == SliceReduce::Sum ? to_acc<A>(x0.v[l * V + e]) : A(0);
-        first[l][e] = A(0);
       }
     }
     for (int64_t j0 = t.seg_begin; j0 < t.seg_end; j0 += C) {
@@ -231,10 +231,9 @@ __device__ __forceinline__ void scatter_item(const ScatterTarget& t, const Scatt
             if constexpr (R == SliceReduce::Sum) {
               acc[l][e] += val;
             } else if (k[l] == 0) {
-              first[l][e] = val;
-              acc[l][e] = mean_begin<kIntegral>(val);
+              mean[l][e].begin(val);
             } else {
-              acc[l][e] = mean_step<kIntegral>(acc[l][e], first[l][e], val);
+              mean[l][e].step(val);
             }
           }
           ++k[l];
@@ -254,7 +253,7 @@ __device__ __forceinline__ void scatter_item(const ScatterTarget& t, const Scatt
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         if constexpr (R == SliceReduce::Sum) y.v[l * V + e] = from_acc<T>(acc[l][e]);
-        else y.v[l * V + e] = from_acc<T>(mean_finish<kIntegral>(acc[l][e], first[l][e], k[l]));
+        else y.v[l * V + e] = from_acc<T>(mean[l][e].finish(k[l]));
       }
     }
     *out = y;

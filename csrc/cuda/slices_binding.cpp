@@ -98,8 +98,8 @@ void gather_into(const GatherPlan& plan, const at::Tensor& out) {
     s.idx = buf.device_at<const int64_t>(idx_at);
     idx_at += s.n * static_cast<int64_t>(sizeof(int64_t));
   }
-  TORCH_CHECK(blocks <= kMaxBlocks, "slice_gather: ", plan.total(), " elements need ", blocks,
-              " blocks, more than one launch allows");
+  TORCH_CHECK_VALUE(blocks <= kMaxBlocks, "slice_gather: ", plan.total(), " elements need ", blocks,
+                    " blocks, more than one launch allows");
   buf.upload();
   C10_CUDA_CHECK(ist::cuda::slice_gather(buf.device_at<const GatherSegment>(0), L, blocks,
                                          c10::cuda::getCurrentCUDAStream()));
@@ -120,7 +120,7 @@ void slice_gather_into_cuda(at::Tensor& out, at::TensorList sources, at::IntArra
   c10::cuda::OptionalCUDAGuard guard;
   if (out.is_cuda()) guard.set_device(out.device());
   const GatherPlan plan(sources, source_ids, indices, dims, "slice_gather_into_");
-  plan.check_out(out, sources, "slice_gather_into_");
+  plan.check_out(out, sources, indices, "slice_gather_into_");
   gather_into(plan, out);
 }
 
@@ -189,7 +189,8 @@ void slice_scatter_cuda(at::TensorList targets, at::IntArrayRef target_ids, at::
     const int64_t per_block = kSliceThreads * scatter_items_per_thread(t.store / t.unit);
     if (owned) blocks += (t.items + per_block - 1) / per_block;
   }
-  TORCH_CHECK(blocks <= kMaxBlocks, "slice_scatter_: the targets need ", blocks, " blocks, more than one launch allows");
+  TORCH_CHECK_VALUE(blocks <= kMaxBlocks, "slice_scatter_: the targets need ", blocks,
+                    " blocks, more than one launch allows");
   buf.upload();
   C10_CUDA_CHECK(ist::cuda::slice_scatter(buf.device_at<const ScatterTarget>(0), A,
                                           buf.device_at<const ScatterSegment>(t_bytes), blocks, plan.reduce,
