@@ -27,7 +27,7 @@ import triton.language as tl
 from ..ops._checks import (check, check_gated_linear_backward, check_grelu_gates,
                           check_grelu_linear, gate_words)
 
-from .common import INTERPRET as _INTERPRET, grouped_tile, tuned
+from .common import INTERPRET as _INTERPRET, HopperKernel, grouped_tile, tuned
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -36,7 +36,7 @@ def _unpack(words, ROWS: tl.constexpr, COLS: tl.constexpr):
     """int32 words [ROWS, COLS // 32] -> on [ROWS, COLS] (bool); column 32w + j is bit j of word w.
     The compact tile (4 B per 32 features) is what the GEMM pipelines through shared memory; the
     [ROWS, COLS // 32, 32] -> [ROWS, COLS] reshape is a free relabelling of registers (checked in
-    TTGIR with tools/check_triton_grelu.py), unlike a per-element load of each feature's word."""
+    TTGIR with tools/hopper_report.py --dump), unlike a per-element load of each feature's word."""
     bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
     return tl.reshape(bits, (ROWS, COLS)) != 0
 
@@ -339,3 +339,25 @@ def gated_linear_backward(grad_out, x, weight, gates, output_mask, split_m=None)
             if want_db:
                 db = torch.zeros((N,), dtype=x.dtype, device=x.device)
     return dx, dw, db
+
+
+# ---------------------------------------------------------------------------------------- sm_90a report
+def _hopper_args(unit_strides, **flags):
+    """HopperKernel.args: contiguous operands of one dtype, int32 gate words (tools/hopper_report.py)."""
+    def args(dtype):
+        probe = torch.empty(0, dtype=dtype)
+        return dict(gates_ptr="*i32", PRECISION=_precision(probe), ACC=_acc(probe),
+                    **dict.fromkeys(unit_strides, 1), **flags)
+    return args
+
+
+_FWD_UNIT = ("stride_xk", "stride_wk", "stride_b", "stride_gw", "stride_on")
+HOPPER_KERNELS = [
+    HopperKernel("relu_gates fwd", _linear_gates_fwd, _hopper_args(_FWD_UNIT, HAS_BIAS=True, RELU_GATES=True)),
+    HopperKernel("gated_linear fwd", _linear_gates_fwd, _hopper_args(_FWD_UNIT, HAS_BIAS=True, RELU_GATES=False)),
+    HopperKernel("gated_linear bwd dx", _gated_dx,
+                 _hopper_args(("stride_gn", "stride_Gw", "stride_wk", "stride_dk"))),
+    HopperKernel("gated_linear bwd dW+db", _gated_dw,
+                 _hopper_args(("stride_gn", "stride_Gw", "stride_xk", "stride_dk", "stride_bn"),
+                              HAS_DW=True, HAS_DB=True, SPLIT=1)),
+]
