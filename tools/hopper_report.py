@@ -46,7 +46,6 @@ import torch
 import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,6 +61,24 @@ CUDA_FLAGS = ["-O3", "-std=c++20", "-lineinfo", "-arch=sm_90", "-Icsrc"]  # setu
 
 
 # ------------------------------------------------------------------------------- reading compilers
+def triton_ptxas():
+    """The ptxas Triton runs for sm_90a (3.9 picks one by arch; older versions have one)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+    except ImportError:
+        return knobs.nvidia.ptxas
+    try:
+        return get_ptxas(ARCH)
+    except TypeError:
+        return get_ptxas()
+
+
+def _site_relative(path):
+    """A tool's path from the site-packages folder on (shorter, the same on every machine)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(triton.__file__)))
+    return os.path.relpath(path, root) if path and path.startswith(root) else path
+
+
 def parse_ptxas_log(log):
     """{entry function: dict(regs, spill_st, spill_ld, stack, smem)} from a ``ptxas -v`` log."""
     out, props, entry = {}, {}, None
@@ -255,7 +272,8 @@ def compile_triton(module, index, cfg_index, dtype_name, dump):
             with open(f"{base}.sass", "w") as f:
                 f.write("\n".join(f"/*{a:04x}*/ {i};" for a, i in sass))
     except Exception as e:  # reported in the table and failing the run
-        sys.stderr.write(f"{decl.name} {dtype_name} {row['config']}:\n{traceback.format_exc()}{log.getvalue()[-4000:]}\n")
+        sys.stderr.write(f"{decl.name} {dtype_name} {row['config']}:\n{traceback.format_exc()}"
+                         f"{log.getvalue()[-4000:]}\n")
         row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     row["seconds"] = time.time() - t0
     return row
@@ -339,50 +357,56 @@ def verdict(r):
     return "FAIL: " + ", ".join(bad) if bad else "ok"
 
 
+def _markdown(header, cells):
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
+        ["| " + " | ".join(str(c) for c in row) + " |" for row in cells]
+
+
+def _range(xs):
+    return "-" if not xs else str(min(xs)) if min(xs) == max(xs) else f"{min(xs)}-{max(xs)}"
+
+
+def _measures(r):
+    """regs, spills, shared, MMA, TMA, cp.async, main loop: the columns every row shares."""
+    if "error" in r:
+        return [""] * 7
+    return [r["regs"], f"{r['spill_st']}/{r['spill_ld']}", r["shared"], _mma(r), _yes(r["tma"]),
+            _yes(r["cp_async"]), _loop(r)]
+
+
+MEASURES = ["regs", "spills st/ld B", "shared B", "MMA", "TMA", "cp.async", "main loop instr"]
+
+
 def triton_table(rows):
-    lines = ["| kernel | dtype | config | regs | spills st/ld B | shared B | MMA | TMA | cp.async | main loop instr | |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['kernel']} | {r['dtype']} | {r['config']} | | | | | | | | {verdict(r)} |")
-            continue
-        lines.append(f"| {r['kernel']} | {r['dtype']} | {r['config']} | {r['regs']} | {r['spill_st']}/{r['spill_ld']} | "
-                     f"{r['shared']} | {_mma(r)} | {_yes(r['tma'])} | {_yes(r['cp_async'])} | {_loop(r)} | {verdict(r)} |")
-    return lines
+    return _markdown(["kernel", "dtype", "config", *MEASURES, ""],
+                     [[r["kernel"], r["dtype"], r["config"], *_measures(r), verdict(r)] for r in rows])
 
 
 def summary_table(rows):
     """Per kernel and dtype over the configs that fit: the ranges the full table spells out."""
-    lines = ["| kernel | dtype | configs ok / skipped / failed | regs | spills max B | wgmma | main loop instr | pinned loop |",
-             "|---|---|---|---|---|---|---|---|"]
     groups = {}
     for r in rows:
         groups.setdefault((r["kernel"], r["dtype"]), []).append(r)
+    cells = []
     for (kernel, dtype), rs in groups.items():
         v = [verdict(r) for r in rs]
         fit = [r for r, s in zip(rs, v) if not s.startswith("skipped") and "error" not in r]
-        rng = lambda xs: "-" if not xs else f"{min(xs)}" if min(xs) == max(xs) else f"{min(xs)}-{max(xs)}"  # noqa: E731
+        wgmma = sum(r["wgmma"] for r in fit)
         pinned = [r for r in fit if r["config"].endswith("(pinned)")]
-        lines.append(
-            f"| {kernel} | {dtype} | {sum(s == 'ok' for s in v)} / {sum(s.startswith('skipped') for s in v)} / "
-            f"{sum(s.startswith('FAIL') for s in v)} | {rng([r['regs'] for r in fit])} | "
-            f"{max([max(r['spill_st'], r['spill_ld']) for r in fit], default=0)} | "
-            f"{'all' if fit and all(r['wgmma'] for r in fit) else 'none' if not any(r['wgmma'] for r in fit) else 'some'} | "
-            f"{rng([r['loop'] for r in fit if r['loop'] is not None])} | "
-            f"{_loop(pinned[0]) if pinned else '-'} |")
-    return lines
+        cells.append([kernel, dtype, f"{sum(s == 'ok' for s in v)} / {sum(s.startswith('skipped') for s in v)} / "
+                                     f"{sum(s.startswith('FAIL') for s in v)}",
+                      _range([r["regs"] for r in fit]),
+                      max([max(r["spill_st"], r["spill_ld"]) for r in fit], default=0),
+                      "all" if fit and wgmma == len(fit) else "none" if not wgmma else f"{wgmma} of {len(fit)}",
+                      _range([r["loop"] for r in fit if r["loop"] is not None]), _loop(pinned[0]) if pinned else "-"])
+    return _markdown(["kernel", "dtype", "configs ok / skipped / failed", "regs", "spills max B", "wgmma",
+                      "main loop instr", "pinned config's loop"], cells)
 
 
 def cuda_table(rows):
-    lines = ["| source | kernel | regs | spills st/ld B | stack B | smem B | wgmma | TMA | cp.async | main loop instr |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['source']} | {r['kernel']} | FAIL: {r['error']} | | | | | | | |")
-            continue
-        lines.append(f"| {r['source']} | `{r['kernel']}` | {r['regs']} | {r['spill_st']}/{r['spill_ld']} | {r['stack']} | "
-                     f"{r['smem']} | {_yes(r['wgmma'])} | {_yes(r['tma'])} | {_yes(r['cp_async'])} | {_loop(r)} |")
-    return lines
+    return _markdown(["source", "kernel", *MEASURES, "stack B", ""],
+                     [[r["source"], f"`{r['kernel']}`", *_measures(r), r.get("stack", ""),
+                       f"FAIL: {r['error']}" if "error" in r else ""] for r in rows])
 
 
 def _tool_version(cmd):
@@ -418,7 +442,8 @@ def main(argv=None):
     cache = tempfile.mkdtemp(prefix="hopper_report_triton_cache_")
     os.environ["TRITON_CACHE_DIR"] = cache  # fresh per run: every kernel really compiles (and logs)
     try:
-        with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+        spawn = multiprocessing.get_context("spawn")  # fresh interpreters: nothing forked from a torch process
+        with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=spawn) as pool:
             cu_futs = [pool.submit(compile_cuda, f, args.dump) for f in cu] if have_nvcc else []
             futs = [pool.submit(compile_triton, *t, args.dump) for t in tasks]
             trows = []
@@ -431,29 +456,31 @@ def main(argv=None):
     finally:
         shutil.rmtree(cache, ignore_errors=True)
 
-    failures = [f"{r['kernel']} {r['dtype']} {r['config']}: {verdict(r)}" for r in trows if verdict(r).startswith("FAIL")]
-    failures += [f"{r['source']}: nvcc failed: {r['error']}" for r in crows if "error" in r]
-    ptxas = get_ptxas(ARCH)
+    failures = [f"{r['kernel']} {r['dtype']} {r['config']}: {verdict(r)}"
+                for r in trows if verdict(r).startswith("FAIL")]
+    failures += [f"{r['source']}: FAIL: nvcc: {r['error']}" for r in crows if "error" in r]
+    ptxas = triton_ptxas()
+    nvcc = _tool_version(["nvcc", "--version"]) if have_nvcc else "nvcc not found: CUDA sources not compiled"
     md = [f"# sm_90 report: what the compilers make of the kernels ({time.strftime('%Y-%m-%d')})", "",
-          f"Produced by `python tools/hopper_report.py` in {time.time() - t0:.0f} s ({args.jobs} processes). "
-          f"Triton {triton.__version__}, target sm_90a, its ptxas {ptxas.version} (`{ptxas.path}`); "
-          f"SASS by `{knobs.nvidia.cuobjdump.path}`. CUDA: `nvcc -cubin {' '.join(CUDA_FLAGS)} -Xptxas -v` "
-          f"({_tool_version(['nvcc', '--version']) if have_nvcc else 'nvcc not found: CUDA sources not compiled'}). "
+          f"`python tools/hopper_report.py`, {time.time() - t0:.0f} s with {args.jobs} processes. "
+          f"Triton {triton.__version__} for sm_90a, its ptxas {getattr(ptxas, 'version', '')} "
+          f"(`{_site_relative(ptxas.path)}`); SASS by `{_site_relative(knobs.nvidia.cuobjdump.path)}`. "
+          f"CUDA: `nvcc -cubin {' '.join(CUDA_FLAGS)} -Xptxas -v` ({nvcc}). "
           "Shared memory: Triton's dynamic allocation / ptxas' static smem; a config over "
-          f"{SMEM_LIMIT} B is skipped (the autotuner prunes it). MMA / TMA / cp.async: PTX has "
+          f"{SMEM_LIMIT} B is skipped (the autotuner prunes it). MMA / TMA / cp.async: the PTX has "
           "`wgmma.mma_async` (else `mma.sync`) / `cp.async.bulk.tensor` / `cp.async.ca|cg`. Main loop: the "
-          "innermost SASS loop (backward `BRA` to its target) that holds a matrix instruction, else the longest "
-          "loop without an inner loop; instructions from the target to the branch, matrix ones in parentheses. "
-          "A GEMM kernel's config that fits must have wgmma (bf16/fp16) and no spills.", ""]
+          "innermost SASS loop (a backward `BRA` and its target) that holds a matrix instruction, else the "
+          "longest loop without an inner loop; its instructions from the target to the branch, the matrix "
+          "ones in parentheses. A GEMM kernel's config that fits must have wgmma (bf16/fp16) and no spills.", ""]
     if trows:
         md += ["## Triton kernels, per kernel and dtype (configs that fit)", ""] + summary_table(trows)
         md += ["", "## Triton kernels, every chosen config", ""] + triton_table(trows)
     if undeclared:
-        md += ["", f"Autotuned kernels with no HOPPER_KERNELS declaration (not compiled here): {', '.join(undeclared)}."]
+        md += ["", f"Autotuned kernels with no HOPPER_KERNELS declaration (not compiled): {', '.join(undeclared)}."]
     if crows:
         md += ["", "## CUDA kernels (nvcc, sm_90)", ""] + cuda_table(crows)
     md += ["", "## Result", ""]
-    md += [f"- FAIL {f}" for f in failures] or ["PASS: every GEMM kernel's chosen configs that fit have wgmma and no spills."]
+    md += [f"- {f}" for f in failures] or ["PASS: every GEMM kernel's chosen configs that fit have wgmma, no spills."]
     text = "\n".join(md) + "\n"
     print(text)
     if args.out:
