@@ -212,7 +212,7 @@ def config_label(c, pinned):
 def signature(decl, dtype_name, config):
     """(signature, constexprs, attrs) for ASTSource, from the declaration (see HopperKernel)."""
     fn = decl.kernel
-    given = {**decl.args(DTYPES[dtype_name]), **config.kwargs}
+    given = {**decl.args(DTYPES[dtype_name], dict(config.kwargs)), **config.kwargs}
     unknown = sorted(set(given) - set(fn.arg_names))
     if unknown:
         raise ValueError(f"{decl.name}: the declaration names {unknown}, not parameters of {fn.__name__}")
@@ -224,7 +224,7 @@ def signature(decl, dtype_name, config):
                 raise ValueError(f"{decl.name}: constexpr {p.name} of {fn.__name__} has no value in the declaration")
             sig[p.name], cx[p.name] = "constexpr", given.get(p.name, p.default)
         elif isinstance(v, str):
-            sig[p.name] = v
+            sig[p.name] = v.format(dtype=dtype_name)
         elif v is not None:  # an integer the launch passes as this constant (the JIT specialises it)
             sig[p.name], cx[p.name] = "constexpr", v
         else:

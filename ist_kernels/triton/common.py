@@ -55,15 +55,17 @@ class HopperKernel(NamedTuple):
     """A Triton kernel as tools/hopper_report.py compiles it offline for sm_90a. Each module lists
     its kernels in a module-level ``HOPPER_KERNELS`` next to them.
 
-    ``args(dtype)`` (a torch dtype) gives {parameter name: value} for one launch: every
-    tl.constexpr parameter the configs do not set, the element type of each pointer parameter that
-    does not point to ``dtype`` (a Triton type string, e.g. "*i32"), and each integer parameter a
-    contiguous launch passes as 1 (unit strides: the JIT turns those into constants). The
-    remaining ``*_ptr`` parameters point to ``dtype``; the remaining ones are i32. Pointers and
+    ``args(dtype, meta)`` (a torch dtype; the config's parameters, e.g. meta["BM"]) gives
+    {parameter name: value} for one launch: every tl.constexpr parameter the config does not set;
+    the Triton type of each parameter that is neither a pointer to ``dtype`` nor an i32 ("*i32",
+    "tensordesc<{dtype}[128, 64]>", where {dtype} stands for ``dtype``'s Triton name); and each
+    integer a contiguous launch passes as 1 (unit strides: the JIT turns those into constants).
+    The remaining ``*_ptr`` parameters point to ``dtype``, the remaining ones are i32; pointers and
     integers are taken as multiples of 16, as the JIT specialises contiguous tensors whose sizes
-    are multiples of 16. ``configs``: the chosen configs (the autotune list, then the pinned one);
-    None takes those the kernel was given to ``tuned``. ``gemm``: the main loop is a tl.dot, so
-    the report requires wgmma (16-bit dtypes) and no spills for every chosen config."""
+    are multiples of 16. ``configs``: the chosen configs; None takes those the kernel was given to
+    ``tuned`` (the autotune list, then the pinned one). ``gemm``: the main loop is a tl.dot, so the
+    report requires wgmma (16-bit dtypes) and no spills of every chosen config; memory-bound
+    kernels (gemm=False) are reported only."""
     name: str
     kernel: object
     args: Callable

@@ -420,22 +420,38 @@ def gated_linear_backward(grad_out, x, weight, gates, output_mask):
 
 
 # ---------------------------------------------------------------------------------------- sm_90a report
-def _hopper_args(unit_strides, **flags):
-    """HopperKernel.args: contiguous operands of one dtype, int32 gate words (tools/hopper_report.py)."""
-    def args(dtype):
+def _hopper_args(unit_strides, extra):
+    """HopperKernel.args (tools/hopper_report.py): contiguous operands, int32 gate words; ``extra``
+    (dtype, meta) adds the kernel's own parameters."""
+    return lambda dtype, meta: dict(gates_ptr="*i32", **dict.fromkeys(unit_strides, 1), **extra(dtype, meta))
+
+
+def _fwd(relu_gates, tma=False):
+    def extra(dtype, meta):
         probe = torch.empty(0, dtype=dtype)
-        return dict(gates_ptr="*i32", PRECISION=_precision(probe), ACC=_acc(probe),
-                    **dict.fromkeys(unit_strides, 1), **flags)
-    return args
+        out = dict(HAS_BIAS=True, RELU_GATES=relu_gates, PRECISION=_precision(probe), ACC=_acc(probe))
+        if tma:
+            out.update(x_desc=f"tensordesc<{{dtype}}[{meta['BM']}, {meta['BK']}]>",
+                       w_desc=f"tensordesc<{{dtype}}[{meta['BN']}, {meta['BK']}]>", NUM_SMS=132)  # an H100 SXM
+        return out
+    return extra
 
 
-_FWD_UNIT = ("stride_xk", "stride_wk", "stride_b", "stride_gw", "stride_on")
+def _gate_grad_extra(dtype, meta):
+    return dict(HAS_OUT=True, HAS_DB=True, ACC=_acc(torch.empty(0, dtype=dtype)),
+                db_ptr="*fp64" if dtype == torch.float64 else "*fp32")
+
+
+_UNIT = ("stride_b", "stride_gw", "stride_on")
+_GATE_PASS = [triton.Config(GATE_GRAD_TILE, num_warps=4)]  # as gate_grad and _cublas_then_pass launch them
 HOPPER_KERNELS = [
-    HopperKernel("relu_gates fwd", _linear_gates_fwd, _hopper_args(_FWD_UNIT, HAS_BIAS=True, RELU_GATES=True)),
-    HopperKernel("gated_linear fwd", _linear_gates_fwd, _hopper_args(_FWD_UNIT, HAS_BIAS=True, RELU_GATES=False)),
-    HopperKernel("gated_linear bwd dx", _gated_dx,
-                 _hopper_args(("stride_gn", "stride_Gw", "stride_wk", "stride_dk"))),
-    HopperKernel("gated_linear bwd dW+db", _gated_dw,
-                 _hopper_args(("stride_gn", "stride_Gw", "stride_xk", "stride_dk", "stride_bn"),
-                              HAS_DW=True, HAS_DB=True, SPLIT=1)),
+    HopperKernel("relu_gates fwd", _linear_gates_fwd, _hopper_args(_UNIT + ("stride_xk", "stride_wk"), _fwd(True))),
+    HopperKernel("gated_linear fwd", _linear_gates_fwd, _hopper_args(_UNIT + ("stride_xk", "stride_wk"), _fwd(False))),
+    HopperKernel("relu_gates fwd TMA", _linear_gates_fwd_tma, _hopper_args(_UNIT, _fwd(True, tma=True))),
+    HopperKernel("gated_linear fwd TMA", _linear_gates_fwd_tma, _hopper_args(_UNIT, _fwd(False, tma=True))),
+    HopperKernel("gate_grad pass", _gate_grad,
+                 _hopper_args(("stride_gn", "stride_Gw", "stride_on", "stride_dbn"), _gate_grad_extra),
+                 configs=_GATE_PASS, gemm=False),
+    HopperKernel("relu_gates pass", _relu_pack, _hopper_args(("stride_zn", "stride_gw"), lambda dtype, meta: {}),
+                 configs=_GATE_PASS, gemm=False),
 ]

@@ -257,10 +257,9 @@ def subnet_linear_backward(grad_out, x, weight, rows=None, cols=None, output_mas
 
 # ---- sm_90a report (tools/hopper_report.py): the gathered path (rows and cols given), contiguous operands.
 def _hopper_args(unit_strides, **flags):
-    def args(dtype):
-        return dict(rows_ptr="*i64", cols_ptr="*i64", HAS_ROWS=True, HAS_COLS=True,
-                    PRECISION=_precision(dtype), ACC=_acc(dtype), **dict.fromkeys(unit_strides, 1), **flags)
-    return args
+    return lambda dtype, meta: dict(rows_ptr="*i64", cols_ptr="*i64", HAS_ROWS=True, HAS_COLS=True,
+                                    PRECISION=_precision(dtype), ACC=_acc(dtype),
+                                    **dict.fromkeys(unit_strides, 1), **flags)
 
 
 HOPPER_KERNELS = [
