@@ -282,9 +282,10 @@ def compile_triton(module, index, cfg_index, dtype_name, dump):
 # ------------------------------------------------------------------------------- CUDA kernels
 def _short_names(mangled):
     """Demangled kernel names without namespaces and parameter lists."""
-    if not mangled:
-        return {}
-    text = subprocess.run(["c++filt"], input="\n".join(mangled), capture_output=True, text=True).stdout
+    try:
+        text = subprocess.run(["c++filt"], input="\n".join(mangled), capture_output=True, text=True).stdout
+    except OSError:  # no binutils: the mangled names
+        return {m: m for m in mangled}
     out = {}
     for m, d in zip(mangled, text.splitlines()):
         d = re.sub(r"^void ", "", d)
@@ -321,8 +322,8 @@ def compile_cuda(path, dump):
             with open(os.path.join(dump, _slug(rel) + ".ptx"), "w") as f:
                 f.write(ptx)
     names = _short_names(sorted(props))
-    rows = [dict(source=rel, kernel=names[m], **analyse(p, entries.get(m, ""), sass.get(m, []), p["smem"]))
-            for m, p in sorted(props.items(), key=lambda kv: names[kv[0]])]
+    rows = [dict(source=rel, kernel=names.get(m, m), **analyse(p, entries.get(m, ""), sass.get(m, []), p["smem"]))
+            for m, p in sorted(props.items(), key=lambda kv: names.get(kv[0], kv[0]))]
     for row in rows:
         row["seconds"] = time.time() - t0
     return rows
