@@ -269,9 +269,11 @@ def _rows(t):
 # From this reduction length on, the forward runs as a cuBLAS GEMM (bias in its epilogue) followed by
 # one gate pass over the output, instead of the fused Triton GEMM. The pass moves ~4.1 bytes per
 # output element (bf16 z read + written, 1 gate bit), i.e. ~444/K of the GEMM's time at 3 TB/s and
-# 650 TFLOP/s: 11% at K = 4096, under the 12-25% the fused kernel lost to cuBLAS there on an H100
-# (bench/results/h100-baseline.md); at K = 1024 (44%) the fused kernel wins.
-CUBLAS_EPILOGUE_MIN_K = 4096
+# 650 TFLOP/s. Measured on an H100, bf16 (bench/results/h100.md, both forced side by side): at
+# K = 4096 the persistent TMA kernel won (0.198 vs 0.203 ms at 4096³, 0.835 vs 0.858 ms at
+# M = 16384), at K = 8192 cuBLAS + pass won (1.669 vs 1.715 ms); at K = 1024 TMA, 0.244 ms vs
+# cuBLAS alone 0.205. The pointer kernel (non-TMA operands) was 1.18-1.40x slower than TMA.
+CUBLAS_EPILOGUE_MIN_K = 8192
 
 
 def _cublas_then_pass(x2, weight, bias, g2, relu_gates):
