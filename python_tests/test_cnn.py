@@ -42,6 +42,7 @@ def _state(model):
     (M.preact_resnet18, {}), (M.resnet18, {}), (M.preact_resnet34, {"width": 8}),
     (M.resnet34, {"width": 8}), (M.preact_resnet50, {"width": 4}), (M.preact_resnet101, {"width": 2}),
     (M.preact_resnet152, {"width": 2}), (M.preact_resnet200, {"width": 2}), (M.wide_resnet34, {"k": 1}),
+    (M.preact_resnet101_basic, {"width": 2}),
 ])
 def test_models_forward_8x8(factory, kwargs, gen):
     model = factory(num_classes=7, in_channels=5, **kwargs)
@@ -66,6 +67,69 @@ def test_model_depths_and_sizes():
     assert w.layer1[0].conv1.out_channels == 160 and w.layer3[4].conv2.out_channels == 640
     with pytest.raises(ValueError, match="k must be >= 1"):
         M.wide_resnet34(k=0)
+
+
+# Paper 003 Table 1, "Local SGD" row: GB (1e9 bytes) sent per round with ResNet101 on 2 / 4 / 8 machines.
+PAPER_003_TABLE1_LOCAL_SGD = {2: 0.662, 4: 1.325, 8: 2.649}
+
+
+def test_preact_resnet101_basic_is_paper_003s_resnet101():
+    """Paper 003's ResNet101 has basic blocks: 41.4M parameters for CIFAR-100, and 2·S fp32 models
+    (each worker uploads and downloads the whole model) give Table 1's local-SGD column exactly."""
+    with torch.device("meta"):  # shapes only: no 165 MB to initialise
+        basic = M.preact_resnet101_basic(num_classes=100)
+        bottleneck = M.preact_resnet101(num_classes=100)
+    blocks = [len(getattr(basic, f"layer{i}")) for i in range(1, 5)]
+    assert blocks == [3, 4, 23, 3] and all(isinstance(b, M.PreActBlock) for b in basic.layer3)
+    n = sum(p.numel() for p in basic.parameters())
+    # stem + per stage (first block with its projection, then the rest) + final BN + fc, by hand
+    conv = lambda cin, cout, k=3: cin * cout * k * k  # noqa: E731
+    by_hand = conv(3, 64) + 2 * 512 + 512 * 100 + 100
+    cin = 64
+    for width, count in zip((64, 128, 256, 512), blocks):
+        for j in range(count):
+            proj = conv(cin, width, 1) if cin != width else 0
+            by_hand += 2 * cin + conv(cin, width) + 2 * width + conv(width, width) + proj
+            cin = width
+    assert n == by_hand == 41_397_924
+    assert round(n / 1e6, 1) == 41.4
+    for S, gb in PAPER_003_TABLE1_LOCAL_SGD.items():
+        assert round(2 * S * 4 * n / 1e9, 3) == gb, S
+    # the bottleneck ResNet-101 (kept as preact_resnet101) does not match the table
+    nb = sum(p.numel() for p in bottleneck.parameters())
+    assert round(2 * 2 * 4 * nb / 1e9, 3) != PAPER_003_TABLE1_LOCAL_SGD[2]
+
+
+def test_paper_003_table1_constants_match_the_paper():
+    """The constants above are the paper's (where the papers' text is at hand)."""
+    import glob
+    import os
+    import re
+
+    files = glob.glob(os.path.join(os.environ.get("IST_PAPERS_DIR", "/work/shared/papers"), "003_*.txt"))
+    if not files:
+        pytest.skip("paper 003's text is not on this machine (set IST_PAPERS_DIR)")
+    with open(files[0]) as f:
+        row = next(line for line in f if re.match(r"\s*Local SGD\s+[\d.]+ GB", line))
+    assert [float(v) for v in re.findall(r"([\d.]+) GB", row)] == list(PAPER_003_TABLE1_LOCAL_SGD.values())
+
+
+def test_resist_plan_on_preact_resnet101_basic(gen):
+    """ResIST partitions the 22 blocks of layer3 after its first; sub-ResNets run and aggregate."""
+    model = M.preact_resnet101_basic(num_classes=5, width=2)
+    before = _state(model)
+    plan = resist_plan(model, 4, 5, gen)
+    assert plan.partitioned_blocks == [f"layer3.{j}" for j in range(1, 23)]
+    assert sorted(len(b) for b in plan.blocks) == [5, 5, 6, 6] and plan.residual_scale == pytest.approx(1 / 4)
+    subs = plan.build()
+    x = _x(gen, dtype=torch.float32)
+    for s, sub in enumerate(subs):
+        assert len(sub.module.layer3) == 1 + len(plan.blocks[s])
+        assert sub.module.eval()(x).shape == (2, 5)
+    plan.aggregate(subs)  # unchanged subnetworks: the model comes back as it was (BN stats too)
+    after = _state(model)
+    for k in before:
+        torch.testing.assert_close(after[k], before[k], rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------------------ LOFT
