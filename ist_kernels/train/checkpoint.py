@@ -26,7 +26,7 @@ _FILE = re.compile(r"^round-(\d+)-rank-(\d+)\.pt$")
 
 # Options that must not change between a checkpoint and its resumption.
 RESUME_MUST_MATCH = ("method", "model", "width", "depth", "dataset", "data_path", "seed", "batch_size",
-                     "local_steps", "options", "precision", "augment")
+                     "local_steps", "options", "precision", "augment", "dataset_size")
 
 
 def _atomic_write(path: str, write) -> None:
