@@ -141,6 +141,55 @@ def test_resist_resume_equals_uninterrupted(resist_runs, tmp_path):
     assert untimed(hist) == untimed(full_hist)
 
 
+def _resist_context(*args):
+    from ist_kernels.train import datasets
+    from ist_kernels.train.runner import RunContext, World
+
+    cfg = cli.build_config([*TINY, *RESIST, "--simulate", "2", *args]).validate()
+    data = datasets.ShardedData(datasets.load_dataset(cfg), 2, cfg.batch_size, cfg.seed, "cpu")
+    return RunContext(cfg, World(simulated=True), data, cfg.rounds)
+
+
+def test_resist_warmup_trains_with_the_residual_scale():
+    """Paper 003 §2.6, footnote 2: the local-SGD warm-up already scales the blocks ResIST partitions,
+    so the full model never changes form when the ResIST rounds start."""
+    from ist_kernels.train.methods import get_method
+    from ist_kernels.train.methods.localsgd import average_models
+
+    ctx = _resist_context("--option", "warmup_fraction=0.5")  # rounds 0, 1 warm-up; 2, 3 ResIST
+    method = get_method("resist")(ctx)
+    partitioned = [f"layer3.{j}" for j in range(1, 6)]  # preact_resnet34: layer3 has 6 blocks
+    scale = 0.5  # S = 2, min_depth 2: the 5 blocks are dealt 3 + 2, every one owned once: 1/S
+
+    def scales(model):
+        return {n: m.residual_scale for n, m in model.named_modules() if hasattr(m, "residual_scale")}
+
+    for m in method.models.values():
+        got = scales(m)
+        assert all(got[n] == scale for n in partitioned)
+        assert all(v == 1.0 for n, v in got.items() if n not in partitioned)
+    # the warm-up round is local SGD on models scaled so (set here by hand), bit for bit ...
+    refs = {s: ctx.build_model() for s in (0, 1)}
+    for m in refs.values():
+        for n in partitioned:
+            m.get_submodule(n).residual_scale = scale
+    unscaled = {s: ctx.build_model() for s in (0, 1)}
+    for models in (refs, unscaled):
+        for s, m in models.items():
+            ctx.train_local(m, ctx.make_optimizer(m.parameters()), s, 0)
+        average_models(list(models.values()), 2, 0, False)
+    method.run_round(0)
+    assert_equal_states(method.models[0].state_dict(), refs[0].state_dict())
+    # ... and not at scale 1
+    assert not torch.equal(method.models[0].layer3[1].conv1.weight, unscaled[0].layer3[1].conv1.weight)
+    # the full model keeps the scale through the switch to ResIST rounds
+    evaluated = []
+    for r in range(1, 4):
+        method.run_round(r)
+        evaluated.append([scales(method.global_model())[n] for n in partitioned])
+    assert evaluated == [[scale] * 5] * 3
+
+
 def test_cnn_methods_reject_bad_configs(capsys):
     assert cli.main([*TINY, "--method", "loft", "--model", "mlp", "--simulate", "2"]) == 2
     assert "loft partitions the filters of a ResNet" in capsys.readouterr().err

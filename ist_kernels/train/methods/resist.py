@@ -2,7 +2,9 @@
 
 1. Warm-up, the first ``warmup_fraction`` of the rounds: local SGD on the full ResNet (every worker
    trains it, one flat all_reduce per round: ``localsgd.average_models``), as §2.6 does for the
-   first epochs.
+   first epochs, with the blocks ResIST will partition already scaled by the full model's
+   ``residual_scale`` (§2.6, footnote 2: "to maintain consistency with ResIST"), so the full
+   model computes the same function before, during and after the switch to ResIST rounds.
 2. ResIST rounds: each round a fresh ``resist_plan(model, S, min_depth, ctx.generator(PLAN, r))``;
    the third stage's blocks (except its first) are dealt round-robin to S shallower sub-ResNets, each
    worker trains its own for ``local_steps``, and they are aggregated (``_subnet.SubnetRounds``:
@@ -13,6 +15,8 @@
 ``min_depth``: partitioned blocks per sub-ResNet (default: min(5, blocks of layer3 after its first)).
 """
 from __future__ import annotations
+
+import torch
 
 from . import ConfigError, Method, Option, RoundResult, register_method
 from ._subnet import MOMENTUM_OPTION, SubnetRounds, phase_rounds
@@ -50,13 +54,20 @@ class ResIST(Method):
         self.warmup_rounds = phase_rounds(ctx.rounds, o["warmup_fraction"])
         self.momentum_state = o["momentum_state"]
         self.model = ctx.build_model()
-        blocks = len(resist_plan(self.model, 1, 0).partitioned_blocks)  # checks the model (ValueError)
+        # plans made here only describe the model: any permutation does, none touches the global RNG
+        probe = lambda S, depth: resist_plan(self.model, S, depth, torch.Generator().manual_seed(0))  # noqa: E731
+        blocks = len(probe(1, 0).partitioned_blocks)  # checks the model (ValueError)
         self.min_depth = min(5, blocks) if o["min_depth"] == -1 else o["min_depth"]
         if self.min_depth > blocks:
             raise ConfigError("options.min_depth", f"{self.min_depth} is more than the {blocks} partitionable "
                               f"blocks of {ctx.cfg.model}'s layer3")
+        # the scale every ResIST round's aggregation sets (it depends on S and min_depth, not on
+        # the round's permutation); the warm-up trains with it already
+        full_model = probe(ctx.num_workers, self.min_depth)
         self.rounds = None
         self.models = {s: (self.model if s == self.workers[0] else ctx.build_model()) for s in self.workers}
+        for m in self.models.values():
+            full_model.scale_residuals(m)
         self.optimizers = {s: ctx.make_optimizer(m.parameters()) for s, m in self.models.items()}
 
     def _start_resist(self):
