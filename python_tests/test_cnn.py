@@ -388,7 +388,7 @@ def test_aggregate_after_updates_matches_reference(device, kind, subset, gen):
     for k, v in expected.items():
         got = after[k].cpu()
         if got.dtype == torch.int64:
-            assert torch.equal(got, v.round().long()), k
+            assert torch.equal(got, v.long()), k
         else:
             _assert_mean_close(got, v, [st[k] for st in sub_states if k in st], k)
     for n, p in model.named_parameters():
@@ -401,6 +401,94 @@ def _assert_mean_close(got, expected, addends, name):
     scale = max([a.detach().abs().max().item() for a in addends if a.numel()] + [1e-30])
     err = (got.double() - expected).abs().max().item() if got.numel() else 0.0
     assert err <= 4 * 2**-23 * scale, (name, err, scale)
+
+
+def test_aggregate_counters_take_the_owners_maximum(gen):
+    """BN num_batches_tracked of a ResIST block owned by several sub-ResNets is the largest owner
+    count, never a truncated mean; LOFT's shared counters the largest over all subnetworks."""
+    model, plan = _plans("resist", gen)  # 5 blocks into 3 sub-ResNets of >= 3 blocks: shared blocks
+    shared_block = next(b for b in plan.partitioned_blocks if len(plan.owners[b]) >= 2)
+    subs = plan.build()
+    counts = {}
+    for sub in subs:
+        for name in plan.blocks[sub.index]:
+            local = plan.local_names[f"{name}.bn1.num_batches_tracked"][sub.index]
+            c = 10 + sub.index if name == shared_block else 20 + sub.index
+            sub.module.get_buffer(local).fill_(c)
+            counts.setdefault(name, []).append(c)
+    plan.aggregate(subs)
+    for name, cs in counts.items():
+        got = int(model.get_buffer(f"{name}.bn1.num_batches_tracked"))
+        assert got == max(cs), (name, got, cs)
+    assert len(counts[shared_block]) >= 2 and max(counts[shared_block]) != sum(counts[shared_block]) // \
+        len(counts[shared_block])  # the mean would have been truncated below the maximum
+
+    model, plan = _plans("loft", gen)
+    subs = plan.build()
+    for sub in subs:
+        sub.module.bn.num_batches_tracked.fill_(7 + 2 * sub.index)
+    plan.aggregate(subs)
+    assert int(model.bn.num_batches_tracked) == 7 + 2 * 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_aggregate_slices_matches_reference(device, gen):
+    """Mixed floating and integer targets of odd shapes, overlapping and unowned slices: floating
+    slices are their owners' mean, integer ones their owners' maximum, unowned ones unchanged."""
+    from ist_kernels.partition import aggregate_slices_
+
+    shapes = [((5, 3), 0, torch.float32), ((4, 7, 2), 1, torch.float64), ((6,), 0, torch.int64),
+              ((3, 5), 1, torch.int32), ((0, 3), 0, torch.float32)]
+    targets = [torch.randn(s, generator=gen, dtype=torch.float64).mul(50).to(dt).to(device) for s, _, dt in shapes]
+    dims = [d for _, d, _ in shapes]
+    before = {str(t): x.cpu().clone() for t, x in enumerate(targets)}
+    S = 3
+    owners = {str(t): [torch.randperm(x.shape[d], generator=gen)[:int(torch.randint(0, x.shape[d] + 1, (1,),
+                                                                                      generator=gen))].sort().values
+                       for _ in range(S)] for t, (x, d) in enumerate(zip(targets, dims))}
+    sub_values = [{} for _ in range(S)]
+    ids, updates, indices = [], [], []
+    for s in range(S):
+        for t, (x, d) in enumerate(zip(targets, dims)):
+            idx = owners[str(t)][s]
+            shape = list(x.shape)
+            shape[d] = len(idx)
+            u = torch.randn(shape, generator=gen, dtype=torch.float64).mul(50).to(x.dtype).to(device)
+            sub_values[s][str(t)] = u.cpu()
+            ids.append(t)
+            updates.append(u)
+            indices.append(idx.to(device))
+    aggregate_slices_(targets, ids, updates, indices, dims)
+    expected = ref.aggregate_owner_mean(before, {str(t): d for t, d in enumerate(dims)}, owners, sub_values)
+    for t, x in enumerate(targets):
+        want = expected[str(t)]
+        if x.is_floating_point():
+            tol = 1e-5 * 50 if x.dtype == torch.float32 else 1e-12 * 50
+            torch.testing.assert_close(x.cpu().double(), want, rtol=0, atol=tol)
+        else:
+            assert torch.equal(x.cpu(), want.to(x.dtype)), t
+
+
+def test_aggregate_slices_checks_before_writing(gen):
+    from ist_kernels.partition import aggregate_slices_
+
+    f, c = torch.randn(4, generator=gen), torch.arange(3)
+    ok_f, ok_c = (torch.randn(2, generator=gen), torch.tensor([0, 3])), (torch.tensor([9]), torch.tensor([1]))
+    cases = [  # (float segment, counter segment, message)
+        ((ok_f[0], torch.tensor([0, 4])), ok_c, "out of range"),  # a float index: found by the op
+        (ok_f, (torch.tensor([9]), torch.tensor([3])), r"outside \[0, 3\)"),
+        (ok_f, (torch.tensor([9, 9]), torch.tensor([1])), r"needs torch.int64 and \[1\]"),
+        (ok_f, (torch.tensor([9.0]), torch.tensor([1])), r"updates\[1\] has dtype torch.float32"),
+    ]
+    for (fu, fi), (cu, ci), why in cases:
+        f0, c0 = f.clone(), c.clone()
+        with pytest.raises((ValueError, RuntimeError), match=why):
+            aggregate_slices_([f, c], [0, 1], [fu, cu], [fi, ci], [0, 0])
+        assert torch.equal(f, f0) and torch.equal(c, c0)  # nothing written
+    with pytest.raises(ValueError, match=r"target_ids\[1\] = 2 is out of range"):
+        aggregate_slices_([f, c], [0, 2], list(ok_f[:1]) + [ok_c[0]], [ok_f[1], ok_c[1]], [0, 0])
+    aggregate_slices_([f, c], [0, 1, 1], [ok_f[0], ok_c[0], torch.tensor([4])], [ok_f[1], ok_c[1], ok_c[1]], [0, 0])
+    assert c.tolist() == [0, 9, 2] and torch.equal(f[[0, 3]], ok_f[0])
 
 
 def test_first_round_creates_optimizer_state(gen):
