@@ -26,9 +26,21 @@ def floats_bytes(state, names=None):
 # ---------------------------------------------------------------- loft
 
 @pytest.fixture(scope="module")
-def loft_runs(tmp_path_factory):
+def loft_and_baseline_runs(tmp_path_factory):
+    """LOFT and its paper baseline (--baseline), simulated and with 2 gloo workers:
+    {mode: (loft outputs, localsgd outputs)}."""
     root = tmp_path_factory.mktemp("loft")
-    return run(root / "sim", *LOFT, "--simulate", 2), run(root / "dist", *LOFT, "--workers", 2)
+    out = {}
+    for mode, launch in (("sim", "--simulate"), ("dist", "--workers")):
+        assert cli.main([*TINY, *LOFT, launch, "2", "--baseline", "--out-dir", str(root / mode)]) == 0
+        out[mode] = (outputs(root / mode / "loft"), outputs(root / mode / "localsgd"))
+    out["table"] = (root / "sim" / "summary.md").read_text()
+    return out
+
+
+@pytest.fixture(scope="module")
+def loft_runs(loft_and_baseline_runs):
+    return loft_and_baseline_runs["sim"][0], loft_and_baseline_runs["dist"][0]
 
 
 def test_loft_distributed_equals_simulated(loft_runs):
@@ -85,6 +97,48 @@ def test_loft_resume_equals_uninterrupted(loft_runs, tmp_path):
     out2 = tmp_path / "run2"
     run(out2, *LOFT, "--simulate", 2, "--stop-after", 3)
     _, model, hist = run(out2, *LOFT, "--simulate", 2, "--resume")
+    assert_equal_states(full_model, model)
+    assert untimed(hist) == untimed(full_hist)
+
+
+def test_loft_baseline_is_local_sgd_pretrain_prune_finetune(loft_and_baseline_runs, tmp_path):
+    """Paper 000's baseline: local SGD pre-trains the dense model for the same rounds, the same L2
+    filter pruning, local-SGD fine-tuning; summary.md shows the pruned sizes and bytes by phase."""
+    (loft, loft_model, loft_hist), (base, model, hist) = loft_and_baseline_runs["sim"]
+    _, (d_base, d_model, d_hist) = loft_and_baseline_runs["dist"]
+    assert_equal_states(model, d_model)
+    assert untimed(hist) == untimed(d_hist)
+    assert base["method"] == "localsgd" and [r.get("phase") for r in hist[1:]] == [0, 0, 1, 1]
+    assert base["pretrain_rounds"] == loft["pretrain_rounds"] == 2
+    # pruned like LOFT's model: half the filters of every partitioned conv, the same parameter count
+    assert {k: v.shape for k, v in model.items()} == {k: v.shape for k, v in loft_model.items()}
+    assert base["params_pruned"] == loft["params_pruned"] == base["params"] < base["params_full"]
+    # pre-training is dense local SGD: the same rounds as a run that never prunes
+    _, _, dense_hist = run(tmp_path / "dense", *LOFT, "--method", "localsgd", "--simulate", 2)
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "phase"} for r in untimed(rows)]  # noqa: E731
+    assert strip(hist[:3]) == strip(dense_hist[:3])
+    # bytes: the dense model's ring all_reduce while pre-training, the pruned one's while fine-tuning
+    # (the same as LOFT's fine-tuning); split by phase in summary.json and summary.md
+    dense_bytes = dense_hist[1]["bytes_sent"]
+    assert hist[1]["bytes_sent"] == hist[2]["bytes_sent"] == dense_bytes
+    assert hist[3]["bytes_sent"] == hist[4]["bytes_sent"] == loft_hist[3]["bytes_sent"] == 2 * floats_bytes(model)
+    assert base["bytes_by_phase"] == {"pretrain": 2 * dense_bytes, "finetune": 4 * floats_bytes(model)}
+    assert loft["bytes_by_phase"]["finetune"] == base["bytes_by_phase"]["finetune"]
+    assert loft["bytes_by_phase"]["pretrain"] < base["bytes_by_phase"]["pretrain"]
+    table = loft_and_baseline_runs["table"]
+    assert "model size" in table and "bytes by phase" in table
+    from ist_kernels.train.output import human_bytes, human_count
+
+    for s in (loft, base):
+        assert f"pruned from {human_count(s['params_full'])}" in table
+        assert f"finetune {human_bytes(s['bytes_by_phase']['finetune'])}" in table
+
+
+def test_localsgd_pruning_resume_equals_uninterrupted(loft_and_baseline_runs, tmp_path):
+    _, (_, full_model, full_hist) = loft_and_baseline_runs["sim"]
+    args = [*LOFT, "--method", "localsgd", "--option", "pretrain_fraction=0.5", "--simulate", 2]
+    run(tmp_path, *args, "--stop-after", 3)  # in the fine-tune phase: rebuilt from the dense model
+    _, model, hist = run(tmp_path, *args, "--resume")
     assert_equal_states(full_model, model)
     assert untimed(hist) == untimed(full_hist)
 
@@ -199,6 +253,9 @@ def test_cnn_methods_reject_bad_configs(capsys):
     assert cli.main([*TINY, "--method", "resist", "--model", "preact_resnet18", "--simulate", "2",
                      "--option", "momentum_state=keep"]) == 2
     assert "reset or aggregate" in capsys.readouterr().err
+    assert cli.main([*TINY, "--method", "localsgd", "--model", "mlp", "--simulate", "2",
+                     "--option", "pretrain_fraction=0.5"]) == 2
+    assert "'options.pretrain_fraction'" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- the demo

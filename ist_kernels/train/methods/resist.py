@@ -38,6 +38,7 @@ class ResIST(Method):
                             check=lambda v: v >= -1, expected="an integer >= 0, or -1"),
         "momentum_state": MOMENTUM_OPTION,
     }
+    phases = ("warmup", "resist")
 
     @classmethod
     def validate(cls, cfg):
