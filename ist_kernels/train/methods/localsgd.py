@@ -107,17 +107,27 @@ class LocalSGD(Method):
     @classmethod
     def validate(cls, cfg):
         super().validate(cfg)
-        if cfg.options["pretrain_fraction"] < 1 and cfg.model == "mlp":
+        if cfg.options.get("pretrain_fraction", 1.0) < 1 and cfg.model == "mlp":
             raise ConfigError("options.pretrain_fraction", "pruning filters needs a ResNet model (e.g. "
                               "preact_resnet18), got mlp; leave pretrain_fraction at 1")
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.pretrain_rounds = phase_rounds(ctx.rounds, ctx.options["pretrain_fraction"])
+        # (.get: a subclass may bring its own options)
+        self.pretrain_rounds = phase_rounds(ctx.rounds, ctx.options.get("pretrain_fraction", 1.0))
         self.prunes = self.pretrain_rounds < ctx.rounds
         self.local = LocalModels(ctx, {s: ctx.build_model() for s in ctx.local_workers})
         self.full_params = count_params(self.local.model)
         self.dense = None  # the pre-trained model, once pruned
+
+    @property
+    def models(self) -> Dict[int, nn.Module]:
+        """The local workers' models (pruned ones once fine-tuning started)."""
+        return self.local.models
+
+    @property
+    def optimizers(self) -> Dict[int, torch.optim.Optimizer]:
+        return self.local.optimizers
 
     def _prune(self):
         self.dense = self.local.model
