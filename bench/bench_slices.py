@@ -71,6 +71,13 @@ WIDTHS = [pytest.param(60, id="resnet18-width60")] if DEVICE == "cpu" else [
     pytest.param(64, id="resnet18"), pytest.param(256, id="resnet18-width256")]
 
 
+def device_copy(nbytes):
+    """The floor of a memory-bound op: one flat device copy reading and writing ``nbytes`` each."""
+    src = torch.randn(max(1, nbytes // 4), device=DEVICE)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
 # ---- Python-loop baselines (one or more launches per tensor)
 def loop_gather(xs, ids, indices, dims):
     return [xs[t].index_select(dims[t], i) for t, i in zip(ids, indices)]
@@ -103,13 +110,15 @@ def loop_owner_average(xs, ids, updates, indices, dims):
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-@pytest.mark.parametrize("provider", ["ist_kernels", "ist_kernels into a reused buffer", "loop_index_select"])
+@pytest.mark.parametrize("provider", ["ist_kernels", "ist_kernels into a reused buffer", "loop_index_select",
+                                      "device copy"])
 def test_gather(benchmark, peaks, width, provider):
     xs, dims, ids, indices, _, seg_bytes, _, numel = setup(width)
     buffers = F.GatherBuffers()
     fn = {"ist_kernels": lambda: F.gather_slices(xs, ids, indices, dims),
           "ist_kernels into a reused buffer": lambda: F.gather_slices(xs, ids, indices, dims, out=buffers),
-          "loop_index_select": lambda: loop_gather(xs, ids, indices, dims)}[provider]
+          "loop_index_select": lambda: loop_gather(xs, ids, indices, dims),
+          "device copy": device_copy(seg_bytes)}[provider]
     record(benchmark, group=f"slice gather S={S} xi=1/2 {len(xs)} tensors {numel / 1e6:.1f}M el", provider=provider,
            bytes=2 * seg_bytes, dtype=torch.float32, peaks=peaks, segments=len(ids))
     run(benchmark, fn)
@@ -119,18 +128,20 @@ def test_gather(benchmark, peaks, width, provider):
 @pytest.mark.parametrize("reduce,provider", [
     ("mean", "ist_kernels"), ("mean", "loop_index_add_count_where"),
     ("sum", "ist_kernels"), ("sum", "loop_index_add_"),
-    ("copy", "ist_kernels"), ("copy", "loop_index_copy_"),
+    ("copy", "ist_kernels"), ("copy", "loop_index_copy_"), ("copy", "device copy"),
 ])
 def test_scatter(benchmark, peaks, width, reduce, provider):
     xs, dims, ids, indices, updates, seg_bytes, owned, numel = setup(width)
     loops = {"mean": loop_owner_average, "sum": loop_scatter_sum, "copy": loop_scatter_copy}
-    if provider == "ist_kernels":
+    nbytes = seg_bytes + owned * (2 if reduce == "sum" else 1)
+    if provider == "device copy":
+        fn = device_copy(nbytes // 2)
+    elif provider == "ist_kernels":
         def fn():
             F.slice_scatter_(xs, ids, updates, indices, dims, reduce)
     else:
         def fn():
             loops[reduce](xs, ids, updates, indices, dims)
-    nbytes = seg_bytes + owned * (2 if reduce == "sum" else 1)
     record(benchmark, group=f"slice scatter {reduce} S={S} xi=1/2 {len(xs)} tensors {numel / 1e6:.1f}M el",
            provider=provider, bytes=nbytes, dtype=torch.float32, peaks=peaks, segments=len(ids))
     run(benchmark, fn)

@@ -17,8 +17,18 @@ def rows_of(data):
     groups = defaultdict(list)
     for b in data["benchmarks"]:
         info = b.get("extra_info", {})
-        groups[b.get("group") or b["name"]].append((info, b["stats"]["median"]))
+        seconds = info.get("median_s", b["stats"]["median"])  # CUDA-event median where measured
+        groups[b.get("group") or b["name"]].append((info, seconds))
     return groups
+
+
+def load(paths):
+    """The benchmarks of several pytest-benchmark JSON files, as one file's dict."""
+    data = {"benchmarks": []}
+    for path in paths:
+        with open(path) as f:
+            data["benchmarks"] += json.load(f)["benchmarks"]
+    return data
 
 
 def fraction_of_peak(info, seconds):
@@ -59,11 +69,10 @@ def render(data) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("json")
+    p.add_argument("json", nargs="+", help="pytest-benchmark JSON files (merged)")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    with open(args.json) as f:
-        text = render(json.load(f))
+    text = render(load(args.json))
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)

@@ -7,11 +7,23 @@ import torch
 # before any Triton kernel is defined, i.e. before ist_kernels is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# On a GPU the tests pin one tile config per kernel (ist_kernels.triton.common.AUTOTUNE).
+os.environ.setdefault("IST_KERNELS_AUTOTUNE", "0")
 
 import ist_kernels  # noqa: E402,F401
 
 HAS_CUDA = torch.cuda.is_available()
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+_skip_without_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+def requires_cuda(obj):
+    """Mark a GPU-only test: it carries the ``gpu`` marker (``pytest -m gpu`` selects it, also on a
+    machine without a GPU, where it is collected and skipped) and skips without CUDA."""
+    return pytest.mark.gpu(_skip_without_cuda(obj))
+
+
+#: the CUDA entry of a ``device`` parametrization: marked ``gpu``, skipped without CUDA
+CUDA_PARAM = pytest.param("cuda", marks=[pytest.mark.gpu, _skip_without_cuda])
 
 try:
     import triton  # noqa: F401
@@ -22,7 +34,7 @@ except ImportError:  # pragma: no cover
 requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 
 # Devices every op is tested on: the CPU always, CUDA where present.
-DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+DEVICES = ["cpu", CUDA_PARAM]
 
 
 @pytest.fixture

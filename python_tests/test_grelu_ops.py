@@ -8,7 +8,7 @@ import torch
 
 import ist_kernels.functional as F
 import reference as ref
-from conftest import HAS_CUDA, HAS_TRITON, requires_cuda, requires_triton
+from conftest import DEVICES, HAS_CUDA, HAS_TRITON, requires_cuda, requires_triton
 
 ops = torch.ops.ist_kernels
 
@@ -115,11 +115,26 @@ def test_triton_float64(gen):
 
 @requires_triton
 @pytest.mark.parametrize("mask", [(True, False, False), (False, True, False), (False, False, True), (False, True, True)])
-@pytest.mark.parametrize("split_m", [1, 3])
-def test_triton_backward_output_mask_and_split(mask, split_m, gen):
+@pytest.mark.parametrize("tile", [dict(BM=16, BN=64), dict(BM=8, BN=32)])
+def test_triton_backward_output_mask_and_tiles(mask, tile, gen, monkeypatch):
+    """Every output_mask, and gate-pass tiles that leave partial tiles at both edges (70 x 45)."""
+    monkeypatch.setattr(tg, "INTERPRET_GATE_GRAD_TILE" if not HAS_CUDA else "GATE_GRAD_TILE", tile)
     x, w, b, gates = make(70, 24, 45, torch.float32, gen, device=TRITON_DEVICE)
-    bwd = lambda *a: tg.gated_linear_backward(*a, split_m=split_m)  # noqa: E731
-    check_gated_linear(tg.gated_linear, bwd, x, w, b, gates, gen, mask=mask)
+    check_gated_linear(tg.gated_linear, tg.gated_linear_backward, x, w, b, gates, gen, mask=mask)
+
+
+@requires_triton
+@pytest.mark.parametrize("tile", [dict(BM=16, BN=64), dict(BM=8, BN=32)])
+def test_triton_cublas_epilogue_path(tile, gen, monkeypatch):
+    """The forward as a torch GEMM + one gate pass (taken from K >= CUBLAS_EPILOGUE_MIN_K): forced
+    here for small K, with pass tiles that leave partial tiles at both edges."""
+    monkeypatch.setattr(tg, "CUBLAS_EPILOGUE_MIN_K", 0)
+    monkeypatch.setattr(tg, "INTERPRET_GATE_GRAD_TILE" if not HAS_CUDA else "GATE_GRAD_TILE", tile)
+    for rows, K, N in [(45, 40, 100), (7, 33, 31), (3, 5, 64)]:
+        x, w, b, gates = make(rows, K, N, torch.float32, gen, device=TRITON_DEVICE)
+        check_relu_gates(tg.relu_gates, x, w, b)
+        check_relu_gates(tg.relu_gates, x, w, None)
+        check_gated_linear(tg.gated_linear, tg.gated_linear_backward, x, w, b, gates, gen)
 
 
 @requires_triton
@@ -213,7 +228,7 @@ def test_nan_propagates(name, gen):
 
 
 # ---------------------------------------------------------------------------- torch.library
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if HAS_CUDA else []))
+@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device, gen):
     x, w, b, gates = make(None, 37, 45, torch.float32, gen, device=device, lead=(3, 5))
     torch.library.opcheck(ops.relu_gates.default, (x, w, b))

@@ -302,3 +302,28 @@ def test_triton_bf16_cuda(case, gen):
 
     x, w, b, rows, cols = make(gen, *case, torch.bfloat16, "cuda", bias=True)
     check_against_reference(T.subnet_linear, T.subnet_linear_backward, x, w, b, rows, cols, gen, torch.bfloat16)
+
+
+# ---- the CUDA backend (compact gather + cuBLAS, ist_kernels/cuda/subnet.py): torch ops only, so it
+# runs on CPU tensors too; on a GPU the registered kernel runs it through the dispatcher above.
+@pytest.mark.parametrize("case", CASES + [((4,), 20, 17, 6, 0), ((3, 2), 25, 19, None, None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gather_gemm_backend_matches_reference(case, dtype, gen):
+    from ist_kernels.cuda import subnet as C
+
+    x, w, b, rows, cols = make(gen, *case, dtype, TRITON_DEVICE, bias=True)
+    check_against_reference(C.subnet_linear, C.subnet_linear_backward, x, w, b, rows, cols, gen, dtype)
+
+
+def test_gather_gemm_backend_strided_indices_and_views(gen):
+    """Strided index views and non-contiguous operands (issue 10 item 3 for this backend)."""
+    from ist_kernels.cuda import subnet as C
+
+    N, K = 37, 45
+    w = torch.randn(K, N, generator=gen).to(TRITON_DEVICE).t()
+    b = torch.randn(2 * N, generator=gen).to(TRITON_DEVICE)[::2]
+    rows = torch.randperm(N, generator=gen)[:46 // 2 * 2].to(TRITON_DEVICE)[::2]
+    cols = torch.randperm(K, generator=gen)[:38].to(TRITON_DEVICE)[::2]
+    x = torch.randn(len(cols), 6, generator=gen).to(TRITON_DEVICE).t()
+    assert not rows.is_contiguous() and not cols.is_contiguous()
+    check_against_reference(C.subnet_linear, C.subnet_linear_backward, x, w, b, rows, cols, gen, torch.float32)

@@ -17,8 +17,13 @@ def outputs(out):
 
 
 def run(out, *args, base):
-    """ist-train ``base + --out-dir out + args``; asserts success and returns :func:`outputs`."""
-    assert cli.main([*base, "--out-dir", str(out), *map(str, args)]) == 0
+    """ist-train ``base + --out-dir out + args``; asserts success and returns :func:`outputs`.
+    Runs on the CPU unless ``--device`` is given: with ``--device auto`` on a one-GPU machine a
+    simulated run would take the GPU and a 2-process run the CPU, and the tests compare the two."""
+    argv = [*base, "--out-dir", str(out), *map(str, args)]
+    if "--device" not in argv:
+        argv += ["--device", "cpu"]
+    assert cli.main(argv) == 0
     return outputs(out)
 
 

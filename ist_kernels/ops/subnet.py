@@ -2,7 +2,8 @@
 
 y = x W[rows][:, cols]^T + b[rows]; the backward gives grad_x for the compact x and full-size
 grad_weight / grad_bias that are zero outside the selected rows x cols. Fake kernels and autograd
-here; CPU kernels in csrc/cpu/subnet.cpp; CUDA kernels in Triton (ist_kernels/triton/subnet.py).
+here; CPU kernels in csrc/cpu/subnet.cpp; CUDA: a compact gather + cuBLAS (ist_kernels/cuda/subnet.py);
+the Triton gathered-load GEMMs (ist_kernels/triton/subnet.py) are the alternative kernel.
 """
 import torch
 
@@ -10,7 +11,7 @@ from ._checks import check, check_index_list, check_same_device
 
 # dtypes each backend implements.
 CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # csrc/cpu/subnet.cpp
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # triton/subnet.py (CUDA)
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # CUDA (cuda/ and triton/subnet.py)
 
 
 def check_subnet(op, x, weight, bias, rows, cols, values=False, dtypes=None):
@@ -85,11 +86,9 @@ def _backward(ctx, grad):
 
 torch.library.register_autograd("ist_kernels::subnet_linear", _backward, setup_context=_setup_context)
 
-try:
-    from ..triton import subnet as _triton
-except ImportError:  # pragma: no cover (no triton: CUDA tensors have no subnet_linear kernel)
-    _triton = None
+# CUDA: gather the compact weight once, then cuBLAS GEMMs (ist_kernels/cuda/subnet.py explains why
+# this beats the in-kernel gather of ist_kernels/triton/subnet.py, which stays as the Triton variant).
+from ..cuda import subnet as _cuda  # noqa: E402
 
-if _triton is not None:
-    torch.library.register_kernel("ist_kernels::subnet_linear", "cuda", _triton.subnet_linear)
-    torch.library.register_kernel("ist_kernels::subnet_linear_backward", "cuda", _triton.subnet_linear_backward)
+torch.library.register_kernel("ist_kernels::subnet_linear", "cuda", _cuda.subnet_linear)
+torch.library.register_kernel("ist_kernels::subnet_linear_backward", "cuda", _cuda.subnet_linear_backward)

@@ -7,6 +7,17 @@ import triton.language as tl
 # Kernels are defined in interpreter mode when this is set before ist_kernels is imported (tests
 # on CPU); then a single small tile config is used instead of GPU autotuning.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# IST_KERNELS_AUTOTUNE=0 pins every GPU kernel to its one pinned config (the tests do this: one
+# compile per specialisation instead of one per config, and the same tiles on every run).
+AUTOTUNE = os.environ.get("IST_KERNELS_AUTOTUNE", "1") != "0"
+
+
+def tuned(kernel, configs, key, pinned):
+    """``kernel`` autotuned over ``configs`` on a GPU (keyed on ``key``), or over ``[pinned]`` alone
+    when IST_KERNELS_AUTOTUNE=0; None under the interpreter (the launchers pass a fixed config)."""
+    if INTERPRET:
+        return None
+    return triton.autotune(configs if AUTOTUNE else [pinned], key=key)(kernel)
 
 
 @triton.jit

@@ -1,17 +1,14 @@
 """Triton kernels for the GReLU layers (paper 004 §2.1, §4.4): the CUDA backend of
 ``relu_gates``, ``gated_linear`` and ``gated_linear_backward``.
 
-Three tiled GEMMs with the 1-bit gates fused in (bit j of int32 word w is feature 32w + j, as in
-csrc/common/gates.h):
+A tiled GEMM with the 1-bit gates fused in, and a memory pass for the backward (bit j of int32
+word w is feature 32w + j, as in csrc/common/gates.h):
 
 * ``_linear_gates_fwd``: z = x Wᵀ + b, then in the epilogue either relu + pack (relu_gates: the
   [BM, BN] tile is viewed as [BM, BN/32, 32] and summed as bit << j, one int32 word per 32 features)
   or a multiply by the unpacked gate words of the tile (gated_linear).
-* ``_gated_dx``: dx = (g ⊙ G) W, the gate words unpacked and applied to each grad_out tile as it is
-  loaded, inside the K loop of the GEMM.
-* ``_gated_dw``: dW = (g ⊙ G)ᵀ x and db = Σ_m g ⊙ G, the same masked load; db is accumulated by the
-  programs of the first K tile. When N×K has too few tiles to fill the GPU (tall M, e.g.
-  65536×1024×1024), M is split over SPLIT programs that write fp32 partials, summed afterwards.
+* ``_gate_grad``: g' = g ⊙ G and per-tile column sums of g' (db) in one pass over grad_out; the
+  backward's GEMMs dx = g' W and dW = g'ᵀ x then run unmasked (cuBLAS through torch.mm on a GPU).
 
 BN (the feature tile) is always a multiple of 32, so a tile holds whole gate words. fp16/bf16 use
 tensor cores through tl.dot with fp32 accumulation; fp32 uses input_precision="ieee" unless
@@ -27,7 +24,7 @@ import triton.language as tl
 from ..ops._checks import (check, check_gated_linear_backward, check_grelu_gates,
                           check_grelu_linear, gate_words)
 
-from .common import INTERPRET as _INTERPRET, grouped_tile
+from .common import INTERPRET as _INTERPRET, grouped_tile, tuned
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -93,85 +90,50 @@ def _linear_gates_fwd(
 
 
 @triton.jit
-def _gated_dx(
-    g_ptr, gates_ptr, w_ptr, dx_ptr, M, N, K,
-    stride_gm, stride_gn, stride_Gm, stride_Gw, stride_wn, stride_wk, stride_dm, stride_dk,
-    PRECISION: tl.constexpr, ACC: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+def _gate_grad(
+    g_ptr, gates_ptr, out_ptr, db_ptr, M, N,
+    stride_gm, stride_gn, stride_Gm, stride_Gw, stride_om, stride_on, stride_dbt, stride_dbn,
+    HAS_OUT: tl.constexpr, HAS_DB: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):
-    """dx [M, K] = (g ⊙ G) [M, N] @ W [N, K]; BN is the reduction tile (a multiple of 32)."""
-    pid_m, pid_k = grouped_tile(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(K, BK), GROUP_M)
+    """One memory pass over grad_out: g' = g ⊙ G (stored when HAS_OUT) and this M-tile's column sums
+    of g' (db partials [cdiv(M, BM), N], summed afterwards in a fixed order: deterministic)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_k = pid_k * BK + tl.arange(0, BK)
-    offs_n = tl.arange(0, BN)
-    offs_w = tl.arange(0, BN // 32)
-    rm = (offs_m % M).to(tl.int64)
-    rk = (offs_k % K).to(tl.int64)
-    g_ptrs = g_ptr + rm[:, None] * stride_gm + offs_n[None, :] * stride_gn
-    G_ptrs = gates_ptr + rm[:, None] * stride_Gm + offs_w[None, :] * stride_Gw
-    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + rk[None, :] * stride_wk
-    words_total = tl.cdiv(N, 32)
-    acc = tl.zeros((BM, BK), dtype=ACC)
-    for n0 in range(0, N, BN):
-        n_ok = offs_n < N - n0
-        g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-        words = tl.load(G_ptrs, mask=(offs_w < words_total - n0 // 32)[None, :], other=0)
-        g = g * _unpack(words, BM, BN).to(g.dtype)  # the gate mask, applied on load
-        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-        acc = tl.dot(g, w, acc, input_precision=PRECISION, out_dtype=ACC)
-        g_ptrs += BN * stride_gn
-        G_ptrs += (BN // 32) * stride_Gw
-        w_ptrs += BN * stride_wn
-    d_ptrs = dx_ptr + offs_m.to(tl.int64)[:, None] * stride_dm + offs_k[None, :] * stride_dk
-    tl.store(d_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_k < K)[None, :])
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_w = pid_n * (BN // 32) + tl.arange(0, BN // 32)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    rows64 = offs_m.to(tl.int64)
+    g = tl.load(g_ptr + rows64[:, None] * stride_gm + offs_n[None, :] * stride_gn,
+                mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+    words = tl.load(gates_ptr + rows64[:, None] * stride_Gm + offs_w[None, :] * stride_Gw,
+                    mask=m_ok[:, None] & (offs_w < tl.cdiv(N, 32))[None, :], other=0)
+    g = g * _unpack(words, BM, BN).to(g.dtype)  # a product, as g ⊙ G: NaN · 0 stays NaN, as on the CPU
+    if HAS_OUT:
+        tl.store(out_ptr + rows64[:, None] * stride_om + offs_n[None, :] * stride_on, g,
+                 mask=m_ok[:, None] & n_ok[None, :])
+    if HAS_DB:
+        tl.store(db_ptr + pid_m * stride_dbt + offs_n * stride_dbn, tl.sum(g.to(ACC), axis=0), mask=n_ok)
 
 
 @triton.jit
-def _gated_dw(
-    g_ptr, gates_ptr, x_ptr, dw_ptr, db_ptr, M, N, K, K_TILES,
-    stride_gm, stride_gn, stride_Gm, stride_Gw, stride_xm, stride_xk,
-    stride_ds, stride_dn, stride_dk, stride_bs, stride_bn,
-    HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-    ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """dW [N, K] = (g ⊙ G)ᵀ @ x and db [N] = Σ_m g ⊙ G over this program's share of M (program_id(1)
-    of SPLIT); BM is the reduction tile. K_TILES = max(1, K) so that db is made also when K == 0."""
-    pid_n, pid_k = grouped_tile(tl.program_id(0), tl.cdiv(N, BN), tl.cdiv(K_TILES, BK), GROUP_M)
-    split = tl.program_id(1)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = pid_k * BK + tl.arange(0, BK)
-    offs_w = pid_n * (BN // 32) + tl.arange(0, BN // 32)
-    offs_m = tl.arange(0, BM)
+def _relu_pack(z_ptr, gates_ptr, M, N, stride_zm, stride_zn, stride_gm, stride_gw,
+               BM: tl.constexpr, BN: tl.constexpr):
+    """The relu_gates epilogue as a pass over z = x Wᵀ + b (from cuBLAS): z <- relu(z) in place
+    (NaN propagates, as in torch.relu) and gates = pack(z > 0)."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    offs_w = tl.program_id(1) * (BN // 32) + tl.arange(0, BN // 32)
+    m_ok = offs_m < M
     n_ok = offs_n < N
-    k_ok = offs_k < K
-    w_ok = offs_w < tl.cdiv(N, 32)
-    m_per = tl.cdiv(tl.cdiv(M, SPLIT), BM) * BM
-    m_lo = split * m_per
-    m_hi = tl.minimum(M, m_lo + m_per)
-    acc = tl.zeros((BN, BK), dtype=ACC)
-    db = tl.zeros((BN,), dtype=ACC)
-    for m0 in range(m_lo, m_hi, BM):
-        rows = m0 + offs_m
-        m_ok = rows < m_hi
-        rows64 = rows.to(tl.int64)
-        g = tl.load(g_ptr + rows64[:, None] * stride_gm + offs_n[None, :] * stride_gn,
-                    mask=m_ok[:, None] & n_ok[None, :], other=0.0)
-        words = tl.load(gates_ptr + rows64[:, None] * stride_Gm + offs_w[None, :] * stride_Gw,
-                        mask=m_ok[:, None] & w_ok[None, :], other=0)
-        g = g * _unpack(words, BM, BN).to(g.dtype)  # the gate mask, applied on load
-        if HAS_DW:
-            xt = tl.load(x_ptr + rows64[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = tl.dot(tl.trans(g), xt, acc, input_precision=PRECISION, out_dtype=ACC)
-        if HAS_DB:
-            if pid_k == 0:
-                db += tl.sum(g.to(ACC), axis=0)
-    if HAS_DW:
-        d_ptrs = dw_ptr + split * stride_ds + offs_n[:, None] * stride_dn + offs_k[None, :] * stride_dk
-        tl.store(d_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
-    if HAS_DB:
-        if pid_k == 0:
-            tl.store(db_ptr + split * stride_bs + offs_n * stride_bn, db.to(db_ptr.dtype.element_ty), mask=n_ok)
+    rows64 = offs_m.to(tl.int64)
+    z_ptrs = z_ptr + rows64[:, None] * stride_zm + offs_n[None, :] * stride_zn
+    z = tl.load(z_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+    on = (z > 0) & n_ok[None, :]
+    tl.store(z_ptrs, tl.where(on | (z != z), z, 0.0), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(gates_ptr + rows64[:, None] * stride_gm + offs_w[None, :] * stride_gw, _pack(on, BM, BN),
+             mask=m_ok[:, None] & (offs_w < tl.cdiv(N, 32))[None, :])
 
 
 # ---------------------------------------------------------------------------------------- configs
@@ -183,26 +145,28 @@ INTERPRET_CONFIG = dict(BM=16, BN=64, BK=16, GROUP_M=2)
 # (output rows, output cols, reduction, stages, warps) per kernel; the autotuner skips configs that
 # do not fit in shared memory for a dtype (fp32/fp64 use the smaller ones).
 _TILES = [(128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4),
-          (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 32, 4, 4), (64, 64, 32, 5, 2), (64, 64, 32, 3, 4)]
+          (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 32, 4, 4), (64, 64, 32, 3, 4)]
+# The pinned config (IST_KERNELS_AUTOTUNE=0): fits shared memory for every dtype, fp64 included.
+_PINNED = (64, 64, 32, 3, 4)
 # Which kernel parameter tiles which dimension: output rows, output cols, reduction.
-_ROLES = {"fwd": ("BM", "BN", "BK"), "dx": ("BM", "BK", "BN"), "dw": ("BN", "BK", "BM")}
+_ROLES = {"fwd": ("BM", "BN", "BK")}
+# The gate pass (memory-bound): [BM, BN] tiles of grad_out; BN a multiple of 32 (whole gate words).
+GATE_GRAD_TILE = dict(BM=64, BN=128)
+INTERPRET_GATE_GRAD_TILE = dict(BM=16, BN=64)
 
 
-def gpu_configs(kind):
+def gpu_configs(kind, tiles=_TILES):
     rows, cols, red = _ROLES[kind]
     return [triton.Config({rows: r, cols: c, red: k, "GROUP_M": 8}, num_stages=st, num_warps=w)
-            for r, c, k, st, w in _TILES]
+            for r, c, k, st, w in tiles]
 
 
-if _INTERPRET:
-    _fwd_tuned = _dx_tuned = _dw_tuned = None
-else:  # pragma: no cover (GPU only)
-    # Tensor dtypes are part of every autotune key already; the variant switches are added here.
-    _fwd_tuned = triton.autotune(gpu_configs("fwd"), key=["M", "N", "K", "RELU_GATES", "HAS_BIAS", "PRECISION"])(
-        _linear_gates_fwd)
-    _dx_tuned = triton.autotune(gpu_configs("dx"), key=["M", "N", "K", "PRECISION"])(_gated_dx)
-    _dw_tuned = triton.autotune(gpu_configs("dw"), key=["M", "N", "K", "HAS_DW", "HAS_DB", "SPLIT", "PRECISION"])(
-        _gated_dw)
+def _tune(kernel, kind, key):
+    return tuned(kernel, gpu_configs(kind), key, gpu_configs(kind, [_PINNED])[0])
+
+
+# Tensor dtypes are part of every autotune key already; the variant switches are added here.
+_fwd_tuned = _tune(_linear_gates_fwd, "fwd", ["M", "N", "K", "RELU_GATES", "HAS_BIAS", "PRECISION"])
 
 
 def _device_ok(op, t):
@@ -244,6 +208,27 @@ def _rows(t):
 
 
 # ---------------------------------------------------------------------------------------- launches
+# From this reduction length on, the forward runs as a cuBLAS GEMM (bias in its epilogue) followed by
+# one gate pass over the output, instead of the fused Triton GEMM. The pass moves ~4.1 bytes per
+# output element (bf16 z read + written, 1 gate bit), i.e. ~444/K of the GEMM's time at 3 TB/s and
+# 650 TFLOP/s: 11% at K = 4096, under the 12-25% the fused kernel lost to cuBLAS there on an H100
+# (bench/results/h100-baseline.md); at K = 1024 (44%) the fused kernel wins.
+CUBLAS_EPILOGUE_MIN_K = 4096
+
+
+def _cublas_then_pass(x2, weight, bias, g2, relu_gates):
+    """z = x Wᵀ + b by torch (cuBLAS on a GPU), then the gate epilogue in one pass, z in place."""
+    z = torch.addmm(bias, x2, weight.t()) if bias is not None else torch.mm(x2, weight.t())
+    if relu_gates:
+        M, N = z.shape
+        tile = INTERPRET_GATE_GRAD_TILE if _INTERPRET else GATE_GRAD_TILE
+        if M > 0 and N > 0:
+            _relu_pack[(triton.cdiv(M, tile["BM"]), triton.cdiv(N, tile["BN"]))](
+                z, g2, M, N, z.stride(0), z.stride(1), g2.stride(0), g2.stride(1), num_warps=4, **tile)
+        return z
+    return gate_grad(z, g2, want_out=True, want_db=False, out=z)[0]
+
+
 def _forward(op, x, weight, bias, gates, relu_gates):
     check_grelu_linear(op, x, weight, bias)
     N = weight.shape[0]
@@ -253,8 +238,12 @@ def _forward(op, x, weight, bias, gates, relu_gates):
     x2 = _rows(x)
     M, K = x2.shape
     W = gate_words(N)
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     g2 = torch.empty((M, W), dtype=torch.int32, device=x.device) if relu_gates else _rows(gates)
+    if K >= CUBLAS_EPILOGUE_MIN_K:
+        with _on(x):
+            out = _cublas_then_pass(x2, weight, bias, g2, relu_gates).view(*x.shape[:-1], N)
+        return (out, g2.view(*x.shape[:-1], W)) if relu_gates else out
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M > 0 and N > 0:
         kernel, cfg = _pick(_fwd_tuned, _linear_gates_fwd)
         grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
@@ -281,60 +270,54 @@ def gated_linear(x, weight, bias, gates):
     return _forward("gated_linear", x, weight, bias, gates, False)
 
 
-def _split_m(M, N, K, device):
-    """How many programs share the M reduction of dW: enough (N, K) tiles to fill the GPU."""
-    if device.type != "cuda" or M < 4096:
-        return 1
-    tiles = triton.cdiv(N, 128) * triton.cdiv(max(K, 1), 128)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if tiles >= sms:
-        return 1
-    return max(1, min(triton.cdiv(2 * sms, tiles), M // 2048, 16))
+def gate_grad(grad_out, gates, want_out=True, want_db=True, out=None):
+    """(g' = grad_out ⊙ unpack(gates) or None, db = Σ_m g' or None) in one pass over [M, N] rows.
+    db is summed in fp32 (fp64 for fp64) from per-tile partials, then cast to grad_out's dtype.
+    ``out``: where g' goes ([M, N]; grad_out itself is allowed: each element is read before it is
+    written, by the same program); a new tensor by default."""
+    g2, G2 = _rows(grad_out), _rows(gates)
+    M, N = g2.shape
+    if want_out and out is None:
+        out = torch.empty((M, N), dtype=g2.dtype, device=g2.device)
+    tile = INTERPRET_GATE_GRAD_TILE if _INTERPRET else GATE_GRAD_TILE
+    tiles_m = triton.cdiv(M, tile["BM"])
+    part = torch.float64 if g2.dtype == torch.float64 else torch.float32
+    partials = torch.empty((tiles_m, N), dtype=part, device=g2.device) if want_db else None
+    if M > 0 and N > 0 and (want_out or want_db):
+        with _on(g2):
+            _gate_grad[(tiles_m, triton.cdiv(N, tile["BN"]))](
+                g2, G2, out if want_out else g2, partials if want_db else g2, M, N,
+                g2.stride(0), g2.stride(1), G2.stride(0), G2.stride(1),
+                out.stride(0) if want_out else 0, out.stride(1) if want_out else 0,
+                partials.stride(0) if want_db else 0, partials.stride(1) if want_db else 0,
+                HAS_OUT=want_out, HAS_DB=want_db, ACC=_acc(g2), num_warps=4, **tile)
+    db = None
+    if want_db:
+        db = (partials.sum(0) if M > 0 else torch.zeros((N,), dtype=part, device=g2.device)).to(g2.dtype)
+    return out, db
 
 
-def gated_linear_backward(grad_out, x, weight, gates, output_mask, split_m=None):
-    """(dx, dW, db) with g' = grad_out ⊙ G applied on load inside both GEMMs; an output that
-    output_mask does not ask for is an empty tensor. ``split_m`` overrides the M split of dW/db."""
-    op = "gated_linear_backward"
+def gated_linear_backward(grad_out, x, weight, gates, output_mask):
+    """(dx, dW, db): one memory pass g' = grad_out ⊙ G that also sums db (``gate_grad``), then plain
+    GEMMs dx = g' W and dW = g'ᵀ x (cuBLAS through torch.mm on a GPU). An output that output_mask does
+    not ask for is an empty tensor.
+
+    Why not mask inside the GEMMs? The fused design (mask applied to each grad_out tile on load, in
+    the K loop of Triton dx/dW GEMMs) ran at 0.50-0.64x the unmasked torch linear fwd+bwd on an H100
+    (bench/results/h100-baseline.md): the unpack+multiply sat on the main loop's critical path and
+    dW needed a transposed masked tile. The pass costs one read and one write of grad_out."""
     N = check_gated_linear_backward(grad_out, x, weight, gates, output_mask)
-    _device_ok(op, x)
+    _device_ok("gated_linear_backward", x)
     want_dx, want_dw, want_db = (bool(v) for v in output_mask)
-    x2, g2, G2 = _rows(x), _rows(grad_out), _rows(gates)
+    x2 = _rows(x)
     M, K = x2.shape
     dx, dw, db = (x.new_empty((0,)) for _ in range(3))  # distinct: outputs must not alias
     with _on(x):
+        gm, db_full = gate_grad(grad_out, gates, want_out=want_dx or want_dw, want_db=want_db)
         if want_dx:
-            dx = torch.empty((M, K), dtype=x.dtype, device=x.device)
-            if M > 0 and K > 0:
-                kernel, cfg = _pick(_dx_tuned, _gated_dx)
-                grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(K, meta["BK"]),)  # noqa: E731
-                kernel[grid](
-                    g2, G2, weight, dx, M, N, K,
-                    g2.stride(0), g2.stride(1), G2.stride(0), G2.stride(1), weight.stride(0), weight.stride(1),
-                    dx.stride(0), dx.stride(1), PRECISION=_precision(x), ACC=_acc(x), **cfg)
-            dx = dx.view(x.shape)
-        if (want_dw or want_db) and N > 0:
-            split = split_m if split_m is not None else _split_m(M, N, K, x.device)
-            part = torch.float64 if x.dtype == torch.float64 else torch.float32
-            dw_buf = (torch.empty((split, N, K), dtype=part if split > 1 else x.dtype, device=x.device)
-                      if want_dw else None)
-            db_buf = (torch.empty((split, N), dtype=part if split > 1 else x.dtype, device=x.device)
-                      if want_db else None)
-            k_tiles = max(K, 1) if want_dw else 1
-            kernel, cfg = _pick(_dw_tuned, _gated_dw)
-            grid = lambda meta: (triton.cdiv(N, meta["BN"]) * triton.cdiv(k_tiles, meta["BK"]), split)  # noqa: E731
-            kernel[grid](
-                g2, G2, x2, dw_buf if want_dw else g2, db_buf if want_db else g2, M, N, K, k_tiles,
-                g2.stride(0), g2.stride(1), G2.stride(0), G2.stride(1), x2.stride(0), x2.stride(1),
-                N * K, K, 1, N, 1,
-                HAS_DW=want_dw, HAS_DB=want_db, SPLIT=split, PRECISION=_precision(x), ACC=_acc(x), **cfg)
-            if want_dw:
-                dw = dw_buf[0] if split == 1 else dw_buf.sum(0).to(x.dtype)
-            if want_db:
-                db = db_buf[0] if split == 1 else db_buf.sum(0).to(x.dtype)
-        else:
-            if want_dw:
-                dw = torch.zeros((N, K), dtype=x.dtype, device=x.device)
-            if want_db:
-                db = torch.zeros((N,), dtype=x.dtype, device=x.device)
+            dx = torch.mm(gm, weight).view(x.shape)
+        if want_dw:
+            dw = torch.mm(gm.t(), x2)
+        if want_db:
+            db = db_full
     return dx, dw, db

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..ops.subnet import TRITON_DTYPES, check_grad_out, check_subnet
 
-from .common import INTERPRET, grouped_tile
+from .common import INTERPRET, grouped_tile, tuned
 
 
 @triton.jit
@@ -146,7 +146,8 @@ _INTERPRET_CONFIG = {"BM": 16, "BN": 16, "BK": 16, "GROUP": 4}
 def _tuned(kernel, key):
     if INTERPRET:
         return kernel
-    return triton.autotune(configs=_gpu_configs(), key=key)(kernel)
+    pinned = triton.Config({"BM": 64, "BN": 64, "BK": 32, "GROUP": 8}, num_warps=4, num_stages=3)
+    return tuned(kernel, _gpu_configs(), key, pinned)
 
 
 _fwd = _tuned(_fwd_kernel, ["M", "NR", "KC", "HAS_ROWS", "HAS_COLS"])
