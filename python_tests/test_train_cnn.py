@@ -32,7 +32,7 @@ def loft_and_baseline_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("loft")
     out = {}
     for mode, launch in (("sim", "--simulate"), ("dist", "--workers")):
-        assert cli.main([*TINY, *LOFT, launch, "2", "--baseline", "--out-dir", str(root / mode)]) == 0
+        assert cli.main([*TINY, *LOFT, launch, "2", "--baseline", "--device", "cpu", "--out-dir", str(root / mode)]) == 0
         out[mode] = (outputs(root / mode / "loft"), outputs(root / mode / "localsgd"))
     out["table"] = (root / "sim" / "summary.md").read_text()
     return out
