@@ -195,6 +195,20 @@ def test_resist_resume_equals_uninterrupted(resist_runs, tmp_path):
     assert untimed(hist) == untimed(full_hist)
 
 
+def test_resist_on_paper_003s_resnet101_and_synthetic_cifar100(tmp_path):
+    """The papers' model and shapes offline: preact_resnet101_basic (width 4 here) on 3x32x32
+    synthetic CIFAR-100 images, a warm-up round and a ResIST round."""
+    summary, model, hist = run(
+        tmp_path, "--method", "resist", "--model", "preact_resnet101_basic", "--dataset", "synthetic_cifar100",
+        "--dataset-size", 64, "--batch-size", 4, "--local-steps", 1, "--rounds", 2, "--simulate", 2,
+        "--option", "warmup_fraction=0.5")
+    assert summary["finished"] and summary["min_depth"] == 5 and summary["dataset"] == "synthetic_cifar100"
+    assert model["fc.weight"].shape == (100, 32) and model["conv1.weight"].shape == (4, 3, 3, 3)
+    assert sum(1 for k in model if k.startswith("layer3.") and k.endswith(".conv1.weight")) == 23
+    assert hist[1]["bytes_sent"] == 2 * floats_bytes(model)  # warm-up: local SGD's ring all_reduce
+    assert 0 < hist[2]["bytes_sent"] < hist[1]["bytes_sent"]  # ResIST: 22 of 23 layer3 blocks dealt out
+
+
 def _resist_context(*args):
     from ist_kernels.train import datasets
     from ist_kernels.train.runner import RunContext, World
