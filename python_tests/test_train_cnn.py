@@ -232,7 +232,7 @@ def test_resist_warmup_trains_with_the_residual_scale():
     def scales(model):
         return {n: m.residual_scale for n, m in model.named_modules() if hasattr(m, "residual_scale")}
 
-    for m in method.models.values():
+    for m in method.warmup.models.values():
         got = scales(m)
         assert all(got[n] == scale for n in partitioned)
         assert all(v == 1.0 for n, v in got.items() if n not in partitioned)
@@ -247,9 +247,9 @@ def test_resist_warmup_trains_with_the_residual_scale():
             ctx.train_local(m, ctx.make_optimizer(m.parameters()), s, 0)
         average_models(list(models.values()), 2, 0, False)
     method.run_round(0)
-    assert_equal_states(method.models[0].state_dict(), refs[0].state_dict())
+    assert_equal_states(method.warmup.models[0].state_dict(), refs[0].state_dict())
     # ... and not at scale 1
-    assert not torch.equal(method.models[0].layer3[1].conv1.weight, unscaled[0].layer3[1].conv1.weight)
+    assert not torch.equal(method.warmup.models[0].layer3[1].conv1.weight, unscaled[0].layer3[1].conv1.weight)
     # the full model keeps the scale through the switch to ResIST rounds
     evaluated = []
     for r in range(1, 4):
