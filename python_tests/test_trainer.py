@@ -441,6 +441,17 @@ def test_synthetic_cifar_loaders(name, classes):
     assert datasets.DATASETS[name].augment  # crop + flip by default, as for CIFAR
 
 
+def test_synthetic_cifar_trains_and_resume_keeps_its_size(tmp_path, capsys):
+    args = ["--method", "localsgd", "--simulate", 2, "--rounds", 2, "--dataset", "synthetic_cifar10",
+            "--dataset-size", 40]
+    summary, _, hist = run(tmp_path, *args)
+    assert summary["dataset"] == "synthetic_cifar10" and math.isfinite(hist[-1]["train_loss"])
+    capsys.readouterr()
+    rc = cli.main([*TINY, "--out-dir", str(tmp_path), *map(str, args[:-1]), "50", "--resume"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "'dataset_size'" in err and "must not change on resume" in err, err
+
+
 def test_augment_is_a_crop_and_flip():
     x = torch.randn(5, 3, 8, 8)
     seed = 1234
