@@ -79,7 +79,7 @@ def synthetic_images(n: int, num_classes: int, seed: int = 0, stream: int = 0, *
     b ~ U(0, ``distractor``), plus uniform pixel noise of width ``noise`` (in 0..255 units). The
     shifts ask for a convolution, the distractor makes some images ambiguous: a small CNN learns
     far above chance in an epoch or two but cannot reach 100%. Deterministic for (seed, stream, n)
-    on every platform (torch and numpy's PCG64 generators); about 1 s for 60000 images on one core.
+    on every platform (torch and numpy's PCG64 generators); 1-2 s for 60000 images on one CPU core.
     """
     import numpy as np
     import torch.nn.functional as F
