@@ -124,6 +124,30 @@ def test_triton_backward_output_mask_and_tiles(mask, tile, gen, monkeypatch):
 
 
 @requires_triton
+@pytest.mark.parametrize("use_tma", [True, False])
+def test_triton_fused_kernels_tma_and_pointer(use_tma, gen, monkeypatch):
+    """Both fused forward GEMMs: the persistent TMA kernel (aligned, unit-stride operands) and the
+    pointer kernel, on shapes with partial tiles; a K whose rows are not 16-byte aligned and a
+    transposed x always take the pointer kernel."""
+    monkeypatch.setattr(tg, "USE_TMA", use_tma)
+    launched = []
+    real = tg._launch_tma
+    monkeypatch.setattr(tg, "_launch_tma", lambda *a: launched.append(1) or real(*a))
+    dtype = torch.float32 if not HAS_CUDA else torch.float16
+    for rows, K, N in [(45, 40, 100), (70, 24, 45), (5, 36, 200)]:
+        x, w, b, gates = make(rows, K, N, dtype, gen, device=TRITON_DEVICE)
+        check_relu_gates(tg.relu_gates, x, w, b)
+        check_gated_linear(tg.gated_linear, tg.gated_linear_backward, x, w, None, gates, gen)
+    assert bool(launched) == use_tma
+    launched.clear()
+    x, w, b, gates = make(9, 13, 40, dtype, gen, device=TRITON_DEVICE)  # 13 * 4 B rows: not 16-byte aligned
+    check_relu_gates(tg.relu_gates, x, w, b)
+    xt = torch.randn(40, 6, generator=gen).to(TRITON_DEVICE, dtype).t()
+    check_relu_gates(tg.relu_gates, xt, torch.randn(33, 40, generator=gen).to(TRITON_DEVICE, dtype), None)
+    assert not launched
+
+
+@requires_triton
 @pytest.mark.parametrize("tile", [dict(BM=16, BN=64), dict(BM=8, BN=32)])
 def test_triton_cublas_epilogue_path(tile, gen, monkeypatch):
     """The forward as a torch GEMM + one gate pass (taken from K >= CUBLAS_EPILOGUE_MIN_K): forced
