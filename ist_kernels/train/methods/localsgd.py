@@ -16,8 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ...distributed import average_model_
-from ..config import ConfigError
-from . import Method, Option, RoundResult, all_reduce_wire_bytes, register_method
+from . import ConfigError, Method, Option, RoundResult, all_reduce_wire_bytes, register_method
 from ._subnet import count_params, phase_rounds
 
 
