@@ -25,7 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..ops._checks import (check, check_gated_linear_backward, check_grelu_gates,
                           check_grelu_linear, gate_words)
 
-from .common import INTERPRET as _INTERPRET, grouped_tile, tuned
+from .common import INTERPRET as _INTERPRET, HopperKernel, grouped_tile, tuned
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -34,7 +34,7 @@ def _unpack(words, ROWS: tl.constexpr, COLS: tl.constexpr):
     """int32 words [ROWS, COLS // 32] -> on [ROWS, COLS] (bool); column 32w + j is bit j of word w.
     The compact tile (4 B per 32 features) is what the GEMM pipelines through shared memory; the
     [ROWS, COLS // 32, 32] -> [ROWS, COLS] reshape is a free relabelling of registers (checked in
-    TTGIR with tools/check_triton_grelu.py), unlike a per-element load of each feature's word."""
+    TTGIR with tools/hopper_report.py --dump), unlike a per-element load of each feature's word."""
     bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
     return tl.reshape(bits, (ROWS, COLS)) != 0
 
@@ -417,3 +417,41 @@ def gated_linear_backward(grad_out, x, weight, gates, output_mask):
         if want_db:
             db = db_full
     return dx, dw, db
+
+
+# ---------------------------------------------------------------------------------------- sm_90a report
+def _hopper_args(unit_strides, extra):
+    """HopperKernel.args (tools/hopper_report.py): contiguous operands, int32 gate words; ``extra``
+    (dtype, meta) adds the kernel's own parameters."""
+    return lambda dtype, meta: dict(gates_ptr="*i32", **dict.fromkeys(unit_strides, 1), **extra(dtype, meta))
+
+
+def _fwd(relu_gates, tma=False):
+    def extra(dtype, meta):
+        probe = torch.empty(0, dtype=dtype)
+        out = dict(HAS_BIAS=True, RELU_GATES=relu_gates, PRECISION=_precision(probe), ACC=_acc(probe))
+        if tma:
+            out.update(x_desc=f"tensordesc<{{dtype}}[{meta['BM']}, {meta['BK']}]>",
+                       w_desc=f"tensordesc<{{dtype}}[{meta['BN']}, {meta['BK']}]>", NUM_SMS=132)  # an H100 SXM
+        return out
+    return extra
+
+
+def _gate_grad_extra(dtype, meta):
+    return dict(HAS_OUT=True, HAS_DB=True, ACC=_acc(torch.empty(0, dtype=dtype)),
+                db_ptr="*fp64" if dtype == torch.float64 else "*fp32")
+
+
+_UNIT = ("stride_b", "stride_gw", "stride_on")
+_GATE_PASS = [triton.Config(GATE_GRAD_TILE, num_warps=4)]  # as gate_grad and _cublas_then_pass launch them
+HOPPER_KERNELS = [
+    HopperKernel("relu_gates fwd", _linear_gates_fwd, _hopper_args(_UNIT + ("stride_xk", "stride_wk"), _fwd(True))),
+    HopperKernel("gated_linear fwd", _linear_gates_fwd, _hopper_args(_UNIT + ("stride_xk", "stride_wk"), _fwd(False))),
+    HopperKernel("relu_gates fwd TMA", _linear_gates_fwd_tma, _hopper_args(_UNIT, _fwd(True, tma=True))),
+    HopperKernel("gated_linear fwd TMA", _linear_gates_fwd_tma, _hopper_args(_UNIT, _fwd(False, tma=True))),
+    HopperKernel("gate_grad pass", _gate_grad,
+                 _hopper_args(("stride_gn", "stride_Gw", "stride_on", "stride_dbn"), _gate_grad_extra),
+                 configs=_GATE_PASS, gemm=False),
+    HopperKernel("relu_gates pass", _relu_pack, _hopper_args(("stride_zn", "stride_gw"), lambda dtype, meta: {}),
+                 configs=_GATE_PASS, gemm=False),
+]
