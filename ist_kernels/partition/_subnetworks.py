@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional as F
+from .aggregate import aggregate_slices_
 from .plan import SlicePlan, TensorSlices
 
 
@@ -321,10 +322,11 @@ class SubnetworkPlan:
     # -- aggregate ------------------------------------------------------------------------------
     def aggregate(self, subnetworks: Sequence[Subnetwork],
                   optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-        """Write the subnetworks back into the global model with one slice scatter: a slice owned
-        by one subnetwork is copied, by several averaged over its owners, shared tensors
-        (BN running statistics included) averaged over all given subnetworks; slices no given
-        subnetwork owns keep their value. With ``optimizer`` (the global optimizer the subnetworks
+        """Write the subnetworks back into the global model with one slice scatter
+        (:func:`.aggregate.aggregate_slices_`): a slice owned by one subnetwork is copied, by
+        several averaged over its owners, shared tensors (BN running statistics included) averaged
+        over all given subnetworks; integer counters (BN ``num_batches_tracked``) take the owners'
+        maximum, never a truncated mean; slices no given subnetwork owns keep their value. With ``optimizer`` (the global optimizer the subnetworks
         were built with) its state is aggregated the same way from the subnetworks' optimizers.
         Everything is checked before anything is written."""
         seen = set()
@@ -397,7 +399,7 @@ class SubnetworkPlan:
                     indices.append(idx)
         for p, key, g in new_state:
             optimizer.state[p][key] = g
-        F.slice_scatter_(targets, target_ids, updates, indices, dims, reduce="mean")
+        aggregate_slices_(targets, target_ids, updates, indices, dims)
         for (_, key), (p, vals) in off_device.items():  # the owners' mean; the value itself when all agree
             same = all(torch.equal(vals[0], u) for u in vals[1:])
             mean = vals[0] if same else torch.stack(vals).double().mean(0).to(vals[0].dtype)

@@ -159,11 +159,32 @@ def human_bytes(n: float) -> str:
     return str(n)  # pragma: no cover
 
 
+def bytes_by_phase(history: Sequence[Dict[str, Any]], phases: Sequence[str]) -> Dict[str, Any]:
+    """``{"bytes_by_phase": {phase name: bytes}}`` from the rounds' ``phase`` tags (index into
+    ``phases``), in phase order; ``{}`` when no round is tagged."""
+    total: Dict[int, int] = {}
+    for rec in history:
+        if rec.get("phase") is not None:
+            total[rec["phase"]] = total.get(rec["phase"], 0) + rec["bytes_sent"]
+    if not total:
+        return {}
+    name = lambda i: phases[i] if 0 <= i < len(phases) else f"phase {i}"  # noqa: E731
+    return {"bytes_by_phase": {name(i): total[i] for i in sorted(total)}}
+
+
+def human_count(n: float) -> str:
+    return f"{n / 1e6:.3g}M" if n >= 1e6 else (f"{n / 1e3:.3g}k" if n >= 1e3 else str(int(n)))
+
+
 def summary_table(summaries: Sequence[Dict[str, Any]]) -> str:
-    """Markdown table: method, workers, rounds, accuracy, test loss, time, total bytes, and the byte
-    and time ratios to the local-SGD run among ``summaries`` when there is one."""
+    """Markdown table: method, workers, rounds, accuracy, test loss, time, total bytes, the final
+    model's size (after pruning: of how many), the bytes of each phase where a run has phases,
+    and the byte and time ratios to the local-SGD run among ``summaries`` when there is one."""
     base = next((s for s in summaries if s["method"] == "localsgd"), None) if len(summaries) > 1 else None
+    sized = any("params" in s for s in summaries)
+    phased = any(s.get("bytes_by_phase") for s in summaries)
     head = ["method", "model", "workers", "rounds", "accuracy", "test loss", "train time (s)", "bytes sent"]
+    head += ["model size"] * sized + ["bytes by phase"] * phased
     if base is not None:
         head += ["bytes / local SGD", "time / local SGD"]
     rows = []
@@ -172,6 +193,13 @@ def summary_table(summaries: Sequence[Dict[str, Any]]) -> str:
         loss = "-" if s.get("test_loss") is None else f"{s['test_loss']:.4f}"
         row = [s["method"], s["model"], f"{s['workers']} ({s['mode']})", str(s["rounds"]), acc, loss,
                f"{s['train_time']:.1f}", human_bytes(s["total_bytes"])]
+        if sized:
+            size = "-" if "params" not in s else f"{human_count(s['params'])} ({human_bytes(s['param_bytes'])})"
+            if s.get("params_full", s.get("params")) != s.get("params"):
+                size += f", pruned from {human_count(s['params_full'])}"
+            row.append(size)
+        if phased:
+            row.append(", ".join(f"{k} {human_bytes(v)}" for k, v in (s.get("bytes_by_phase") or {}).items()) or "-")
         if base is not None:
             row.append(f"{s['total_bytes'] / base['total_bytes']:.3f}" if base["total_bytes"] else "-")
             row.append(f"{s['train_time'] / base['train_time']:.2f}" if base["train_time"] else "-")

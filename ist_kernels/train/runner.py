@@ -204,7 +204,7 @@ def _barrier(world: World, what: str, r: int):
 
 def train(cfg, world: World) -> Optional[Dict[str, Any]]:
     """Run one config on this process; returns the summary on rank 0 (None elsewhere)."""
-    from .output import MetricsLog, progress_bar
+    from .output import MetricsLog, bytes_by_phase, progress_bar
 
     method_cls = get_method(cfg.method)
     dataset = load_dataset(cfg)
@@ -281,7 +281,10 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
         "rounds": final["round"], "finished": final["round"] == rounds,
         "accuracy": final.get("accuracy"), "test_loss": final.get("test_loss"),
         "train_loss": final.get("train_loss"), "train_time": final["train_time"],
-        "total_bytes": final["total_bytes"], "out_dir": out_dir, **method.summary(),
+        "total_bytes": final["total_bytes"], **bytes_by_phase(log.history, method.phases),
+        "params": sum(p.numel() for p in model.parameters()),
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "out_dir": out_dir, **method.summary(),
     }
     from .checkpoint import atomic_json, atomic_torch_save
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Type
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type
 
 from ..config import ConfigError
 
@@ -82,6 +82,9 @@ class Method:
     options: Dict[str, Option] = {}
     #: the method can train with a single worker (S = 1)
     allows_single_worker: bool = True
+    #: names of the values of ``RoundResult.extra["phase"]`` (e.g. pretrain, finetune); the summary
+    #: splits the bytes sent by them
+    phases: Tuple[str, ...] = ()
 
     # ---- configuration (before any work starts) ----
     @classmethod
@@ -103,6 +106,12 @@ class Method:
                     raise ConfigError(f"options.{key}", f"expected {opt.expected or 'a valid value'}, got {value!r}")
             out[key] = value
         return out
+
+    @classmethod
+    def baseline_options(cls, options: Mapping[str, Any]) -> Dict[str, Any]:
+        """Options of the ``localsgd`` run that ``--baseline`` compares this method with, given
+        this method's (unresolved) options: the paper's baseline. Default: dense local SGD."""
+        return {}
 
     @classmethod
     def validate(cls, cfg) -> None:

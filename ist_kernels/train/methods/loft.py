@@ -9,16 +9,20 @@ L2 norm, fine-tune.
 2. Prune (at the first fine-tune round): ``prune_filters(model, cfg.prune_ratio)`` removes the
    lowest-L2-norm filters of every partitioned conv; the result is a physically smaller model.
 3. Fine-tune the pruned model for the remaining rounds with local SGD (every worker trains the whole
-   pruned model, one flat all_reduce of it per round: ``localsgd.average_models``), fresh optimizers.
+   pruned model, one flat all_reduce of it per round: ``localsgd.LocalModels``), fresh optimizers.
 
 The learning-rate schedule runs over all rounds. Bytes: pre-train, the exchange's counters;
-fine-tune, the local-SGD all_reduce of the pruned model.
+fine-tune, the local-SGD all_reduce of the pruned model. ``--baseline`` compares with the paper's
+baseline, local SGD through the same pipeline (dense pre-training for the same rounds, the same
+pruning, fine-tuning): ``localsgd`` with the same ``pretrain_fraction``.
 """
 from __future__ import annotations
 
 from . import ConfigError, Method, Option, RoundResult, register_method
 from ._subnet import MOMENTUM_OPTION, SubnetRounds, count_params, phase_rounds
-from .localsgd import average_models
+from .localsgd import pruned_local_models
+
+PRETRAIN_FRACTION = 0.5
 
 PLAN = 0x10F7  # generator tag of the round's plan
 
@@ -26,11 +30,17 @@ PLAN = 0x10F7  # generator tag of the round's plan
 @register_method("loft")
 class Loft(Method):
     options = {
-        "pretrain_fraction": Option(0.5, float, "fraction of the rounds that pre-train with LOFT (the rest "
-                                    "fine-tune the pruned model)", check=lambda v: 0 < v <= 1,
+        "pretrain_fraction": Option(PRETRAIN_FRACTION, float, "fraction of the rounds that pre-train with LOFT "
+                                    "(the rest fine-tune the pruned model)", check=lambda v: 0 < v <= 1,
                                     expected="a number in (0, 1]"),
         "momentum_state": MOMENTUM_OPTION,
     }
+    phases = ("pretrain", "finetune")
+
+    @classmethod
+    def baseline_options(cls, options):
+        """Paper 000 §6: local SGD pre-trains for the same rounds, the same pruning, fine-tuning."""
+        return {"pretrain_fraction": options.get("pretrain_fraction", PRETRAIN_FRACTION)}
 
     @classmethod
     def validate(cls, cfg):
@@ -46,17 +56,7 @@ class Loft(Method):
         self.model = ctx.build_model()
         self.full_params = count_params(self.model)
         self.rounds = SubnetRounds(ctx, self.model, o["momentum_state"])
-        self.pruned = None  # worker -> pruned model, once fine-tuning started
-        self.optimizers = None
-
-    # ---- phases
-    def _prune(self):
-        from ...prune import prune_filters
-
-        ratio = self.ctx.cfg.prune_ratio
-        # the same deterministic pruning on every rank (the replicated models are bit-identical)
-        self.pruned = {s: prune_filters(self.model, ratio) for s in self.workers}
-        self.optimizers = {s: self.ctx.make_optimizer(m.parameters()) for s, m in self.pruned.items()}
+        self.finetune = None  # localsgd.LocalModels of the pruned model, once fine-tuning started
 
     def run_round(self, r: int) -> RoundResult:
         ctx = self.ctx
@@ -67,36 +67,32 @@ class Loft(Method):
             plan = loft_plan(self.model, ctx.num_workers, ctx.generator(PLAN, r))
             loss, sent = self.rounds.run(plan, r)
             return RoundResult(loss, steps, sent, extra={"phase": 0})
-        if self.pruned is None:
-            self._prune()
-        loss = sum(ctx.train_local(self.pruned[s], self.optimizers[s], s, r) for s in self.workers)
-        sent = average_models([self.pruned[s] for s in self.workers], ctx.num_workers, r, ctx.distributed)
+        if self.finetune is None:  # the same deterministic pruning on every rank (equal replicas)
+            self.finetune = pruned_local_models(ctx, self.model)
+        loss, sent = self.finetune.run(r)
         return RoundResult(loss, steps, sent, extra={"phase": 1})
 
     def global_model(self):
-        return self.model if self.pruned is None else self.pruned[self.workers[0]]
+        return self.model if self.finetune is None else self.finetune.model
 
     def summary(self):
         out = {"pretrain_rounds": self.pretrain_rounds, "prune_ratio": self.ctx.cfg.prune_ratio,
                "params_full": self.full_params}
-        if self.pruned is not None:
-            out["params_pruned"] = count_params(self.pruned[self.workers[0]])
+        if self.finetune is not None:
+            out["params_pruned"] = count_params(self.finetune.model)
         return out
 
     # ---- resume: the pre-trained model is kept unchanged after pruning, so the pruned structure
     # is rebuilt from it on load
     def state_dict(self):
-        state = {"pretrain": self.rounds.state_dict(), "phase": "pretrain" if self.pruned is None else "finetune"}
-        if self.pruned is not None:
-            state["models"] = {s: m.state_dict() for s, m in self.pruned.items()}
-            state["optimizers"] = {s: o.state_dict() for s, o in self.optimizers.items()}
+        state = {"pretrain": self.rounds.state_dict(), "phase": "pretrain" if self.finetune is None else "finetune"}
+        if self.finetune is not None:
+            state.update(self.finetune.state_dict())
         return state
 
     def load_state_dict(self, state):
         self.rounds.load_state_dict(state["pretrain"])
-        self.pruned = self.optimizers = None
+        self.finetune = None
         if state["phase"] == "finetune":
-            self._prune()
-            for s in self.workers:
-                self.pruned[s].load_state_dict(state["models"][s])
-                self.optimizers[s].load_state_dict(state["optimizers"][s])
+            self.finetune = pruned_local_models(self.ctx, self.model)
+            self.finetune.load_state_dict(state)
