@@ -18,7 +18,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import ist_kernels  # noqa: F401
-from ist_kernels import functional as F
 from ist_kernels.distributed import (
     CollectiveError,
     Exchange,
@@ -30,7 +29,7 @@ from ist_kernels.distributed import (
     plan_bytes,
     ps_bytes,
 )
-from ist_kernels.partition import SlicePlan, TensorSlices
+from ist_kernels.partition import SlicePlan, TensorSlices, aggregate_slices_
 
 EPS = torch.finfo(torch.float32).eps
 
@@ -147,7 +146,8 @@ def compact(full, plan, s):
 
 
 def simulate(full, plan, subnets, names=None):
-    """slice_scatter_(full, every subnetwork's compact tensors in order 0..S-1, reduce="mean")."""
+    """aggregate_slices_(full, every subnetwork's compact tensors in order 0..S-1): owner means,
+    owners' maximum for integer counters (what SubnetworkPlan.aggregate does)."""
     new = {n: v.clone() for n, v in full.items()}
     names = set(names or full)
     targets, pos = [], {}
@@ -173,7 +173,7 @@ def simulate(full, plan, subnets, names=None):
                 ids.append(pos[t.name])
                 updates.append(u.view(u.shape or (1,)))
                 idx.append(t.owners[s])
-    F.slice_scatter_(targets, ids, updates, idx, dims, reduce="mean")
+    aggregate_slices_(targets, ids, updates, idx, dims)
     return new
 
 
@@ -185,9 +185,9 @@ def reference64(full, plan, subnets):
         if is_counter(t.name) and t.shared:
             out[t.name] = subnets[0][t.name].double()
             continue
-        if g.dim() == 0:  # a partitioned counter: integer mean over its owners, toward zero
+        if g.dim() == 0:  # a partitioned counter: the largest of its owners' counts
             vals = [subnets[s][t.name].double() for s, o in enumerate(t.owners) if o.numel()]
-            out[t.name] = torch.stack(vals).mean().trunc() if vals else g
+            out[t.name] = max(vals) if vals else g
             continue
         if t.shared:
             out[t.name] = torch.stack([subnets[s][t.name].double() for s in range(plan.num_subnetworks)]).mean(0)

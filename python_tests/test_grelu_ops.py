@@ -8,7 +8,7 @@ import torch
 
 import ist_kernels.functional as F
 import reference as ref
-from conftest import DEVICES, HAS_CUDA, HAS_TRITON, requires_cuda, requires_triton
+from conftest import BAD_INPUT, DEVICES, HAS_CUDA, HAS_TRITON, requires_cuda, requires_triton
 
 ops = torch.ops.ist_kernels
 
@@ -355,8 +355,24 @@ def test_bad_input(name, case):
             match = match.replace("on cpu", "on cuda:0")
         fn = getattr(tg, op)
     before = [a.clone() for a in args if isinstance(a, torch.Tensor) and a.device.type != "meta"]
-    with pytest.raises((RuntimeError, ValueError), match=match):
+    with pytest.raises(BAD_INPUT, match=match):
         fn(*args)
     after = [a for a in args if isinstance(a, torch.Tensor) and a.device.type != "meta"]
     for u, v in zip(before, after):  # nothing written
         torch.testing.assert_close(u, v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", BACKENDS + ["fake"])
+def test_output_mask_of_the_wrong_length(name, gen):
+    """Issue 10, item 8: output_mask of the wrong length got the dispatcher's "Tried to convert a
+    List with 2 elements to a fixed-size array"; every path names output_mask."""
+    x, w, _, gates = make(3, 5, 7, torch.float32, gen)
+    g = torch.randn(3, 7, generator=gen)
+    if name == "fake":
+        fn, (g, x, w, gates) = ops.gated_linear_backward, (t.to("meta") for t in (g, x, w, gates))
+    else:
+        fn = backend(name)[2]
+    for mask in ([True, True], [True] * 4, []):
+        with pytest.raises(ValueError, match=rf"output_mask must have 3 entries \(grad_x, grad_weight, grad_bias\), "
+                                             rf"got {len(mask)}"):
+            fn(g, x, w, gates, mask)

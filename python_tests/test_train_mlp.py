@@ -48,26 +48,85 @@ def test_ist_distributed_equals_simulated(ist_runs):
     (summary, model, hist), _ = ist_runs
     assert [r["round"] for r in hist] == [0, 1, 2, 3, 4]
     assert hist[-1]["test_loss"] < hist[0]["test_loss"]
-    # decentralized storage, categorical partition of 16 neurons into 2: a neuron whose owner changes
+    # decentralized storage, balanced partition of 16 neurons into 2: a neuron whose owner changes
     # between rounds moves once, its hidden-weight row (64), bias (1) and output column (10); the
     # shared output bias (10) goes to the other rank (--shared exact); the last round only averages.
     # Parameter-server count: each worker uploads and downloads its 8 neurons and the output bias.
-    plans = neuron_plans("ist", "categorical", None, 4)
+    plans = neuron_plans("ist", "balanced", None, 4)
     for r in range(4):
         moved = 0 if r == 3 else sum(len(set(plans[r][s][0].tolist()) & set(plans[r + 1][1 - s][0].tolist()))
                                      for s in range(2))
         assert hist[r + 1]["bytes_sent"] == 4 * (moved * (64 + 1 + 10) + 2 * 10)
         assert hist[r + 1]["ps_bytes"] == 2 * 2 * 4 * (8 * (64 + 1 + 10) + 10)
     assert summary["total_bytes"] == sum(r["bytes_sent"] for r in hist)
-    assert summary["masks"] == "categorical" and summary["xi"] == 0.5
+    assert summary["masks"] == "balanced" and summary["xi"] == 0.5
 
 
-def test_ist_is_masked_with_categorical_masks(ist_runs, tmp_path):
+def test_ist_is_masked_with_balanced_masks(ist_runs, tmp_path):
     (_, ist_model, ist_hist), _ = ist_runs
-    _, model, hist = run(tmp_path, "--method", "masked", "--option", "masks=categorical", "--rounds", 4,
+    _, model, hist = run(tmp_path, "--method", "masked", "--option", "masks=balanced", "--rounds", 4,
                          "--simulate", 2)
     assert_equal_states(ist_model, model)
     assert untimed(hist) == untimed(ist_hist)
+
+
+def _plans(method, width, S, rounds, *options):
+    """The neuron plans of the first ``rounds`` rounds of ``method`` (per round: per subnetwork,
+    per hidden layer, the neuron indices), as the trainer draws them."""
+    from ist_kernels.train.methods import get_method
+    from ist_kernels.train.runner import RunContext, World
+
+    cfg = cli.build_config([*TINY, "--method", method, "--width", str(width), "--simulate", str(S), "--depth", "2",
+                            *[a for o in options for a in ("--option", o)]]).validate()
+    ctx = RunContext(cfg, World(simulated=True), ShardedData(load_dataset(cfg), S, 8, 0, "cpu"), rounds)
+    m = get_method(method)(ctx)
+    return [m.plan(r) for r in range(rounds)]
+
+
+def test_ist_groups_are_balanced():
+    """IST cuts each layer's neurons into S groups whose sizes differ by at most one (IST_Release),
+    disjoint and covering: 10 neurons into 4 groups are always 3, 3, 2, 2 (in some order)."""
+    for plan in _plans("ist", 10, 4, 30):
+        for layer in range(2):
+            groups = [plan[s][layer] for s in range(4)]
+            assert sorted(len(g) for g in groups) == [2, 2, 3, 3]
+            assert sorted(torch.cat(groups).tolist()) == list(range(10))
+
+
+def test_masked_multinomial_and_bernoulli_never_train_an_empty_subnetwork():
+    """The multinomial (categorical) and Bernoulli draws stay options of masked; a layer's draw that
+    leaves a subnetwork without neurons is drawn again. At width 4, S = 3 a raw multinomial draw is
+    empty for some subnetwork with probability 1 - 36/81 = 0.56, so over 40 rounds x 2 layers the
+    unconditioned draws would have had empties (checked below with the raw draw)."""
+    from ist_kernels.partition import categorical_partition
+    from ist_kernels.train.simulated import nonempty_probability
+
+    assert nonempty_probability("categorical", 4, 3) == pytest.approx(36 / 81)
+    assert nonempty_probability("bernoulli", 4, 3, 0.5) == pytest.approx((1 - 0.5 ** 4) ** 3)
+    assert nonempty_probability("balanced", 3, 3) == 1.0 and nonempty_probability("balanced", 2, 3) == 0.0
+    g = torch.Generator().manual_seed(0)
+    assert any(min(len(i) for i in categorical_partition(4, 3, g)) == 0 for _ in range(80))
+    sizes = set()
+    for plan in _plans("masked", 4, 3, 40, "masks=categorical"):
+        for layer in range(2):
+            groups = [plan[s][layer] for s in range(3)]
+            assert min(len(g) for g in groups) >= 1
+            assert sorted(torch.cat(groups).tolist()) == list(range(4))  # still a partition
+            sizes.add(tuple(sorted(len(g) for g in groups)))
+    assert sizes == {(1, 1, 2)}  # the only non-empty multinomial split of 4 into 3
+    for plan in _plans("masked", 4, 3, 40, "masks=bernoulli", "xi=0.5"):
+        assert all(len(plan[s][layer]) >= 1 for s in range(3) for layer in range(2))
+
+
+def test_sample_neurons_says_when_no_draw_can_be_nonempty():
+    from ist_kernels.nn.subnet import SubnetMLP
+    from ist_kernels.train.simulated import sample_neurons
+
+    net = SubnetMLP(3, 2, 1, 1)
+    with pytest.raises(ValueError, match="cannot give each of 3 subnetworks a neuron; use width >= 3"):
+        sample_neurons(net, 3, "balanced", None, torch.Generator())
+    with pytest.raises(ValueError, match="and xi > 0"):
+        sample_neurons(net, 2, "bernoulli", 0.0, torch.Generator())
 
 
 def test_masked_bernoulli_distributed_equals_simulated(tmp_path):
@@ -183,11 +242,8 @@ def test_ist_deeper_replicated_simulated(tmp_path):
     # replicated exchange: each worker sends its compact tensors once (S - 1 = 1): 8 x 64 and 8 x 8
     # hidden weights, 2 x 8 biases, 10 x 8 output columns, 10 output biases
     assert all(r["bytes_sent"] == 2 * 4 * (8 * 64 + 8 * 8 + 2 * 8 + 10 * 8 + 10) for r in hist[1:])
-    # each worker held the full model, its compact copy and the copy's momentum (the largest over the
-    # workers and rounds: the partition's groups need not be equal)
-    full = 4 * (16 * 64 + 16 * 16 + 2 * 16 + 10 * 16 + 10)
-    compact = max(4 * (a * 64 + b * a + a + b + 10 * b + 10) for plan in neuron_plans("ist", "categorical", None, 2, depth=2)
-                  for a, b in ((len(n[0]), len(n[1])) for n in plan))
+    # each worker held the full model, its compact copy and the copy's momentum
+    full, compact = 4 * (16 * 64 + 16 * 16 + 2 * 16 + 10 * 16 + 10), 4 * (8 * 64 + 8 * 8 + 2 * 8 + 10 * 8 + 10)
     assert summary["rank_state_bytes"] == full + 2 * compact and summary["full_state_bytes"] == 2 * full
 
 
@@ -245,7 +301,11 @@ def test_ackley_dataset_is_the_experiments_data():
 # ---------------------------------------------------------------- bad options
 
 BAD = [
-    (["--method", "masked", "--option", "masks=gaussian"], "'options.masks'", "bernoulli or categorical"),
+    (["--method", "masked", "--option", "masks=gaussian"], "'options.masks'", "bernoulli, categorical or balanced"),
+    (["--method", "masked", "--simulate", "8", "--width", "6", "--option", "xi=0.1"], "'options.xi'",
+     "without neurons with probability 0.9"),
+    (["--method", "masked", "--simulate", "8", "--width", "8", "--option", "masks=categorical"], "'width'",
+     "raise the width"),
     (["--method", "masked", "--option", "xi=0"], "'options.xi'", "a probability in (0, 1]"),
     (["--method", "masked", "--option", "xi=1.5"], "'options.xi'", "a probability"),
     (["--method", "masked", "--option", "xi=half"], "'options.xi'", "expected float"),

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..partition.aggregate import aggregate_slices_
 from ..partition.plan import SlicePlan
 from . import quantize as Q
 from .group import collective_timeout, wait_collective
@@ -141,7 +142,6 @@ class _Mover:
         self.target_entries = sorted({s.entry for segs in routing.recv for s in segs})
         self.q_send = [self._qlayout(routing.send[q]) if q != r else (0, 0, 0, 0, 0) for q in range(S)]
         self.q_recv = [self._qlayout(routing.recv[k]) if k != r else (0, 0, 0, 0, 0) for k in range(S)]
-        self._dev: Dict[torch.device, tuple] = {}
 
     def _qlayout(self, segs):
         """(bytes, scales, raw integer part offset, codes offset, floating elements) of one chunk."""
@@ -154,12 +154,9 @@ class _Mover:
         return pad(codes + f_el), n_f, raw, codes, f_el
 
     def _indices(self, device):
-        if device not in self._dev:
-            move = (lambda i: i) if device.type == "cpu" else (lambda i: i.to(device, non_blocking=True))
-            pack_idx = [move(s.index) for s in self.pack]
-            recv_idx = [[move(s.index) for s in segs] for segs in self.routing.recv]
-            self._dev[device] = (pack_idx, recv_idx)
-        return self._dev[device]
+        """The index lists of the pack and unpack, kept on the host whatever ``device`` is: the slice
+        ops read CPU index lists without waiting for the device (no device->host sync in a round)."""
+        return [s.index.cpu() for s in self.pack], [[s.index.cpu() for s in segs] for segs in self.routing.recv]
 
     def run(self, sources: Dict[int, Tensor], targets: Dict[int, Tensor], *, quantize: bool, device,
             name: str, round: Optional[int], group, timeout: timedelta, stats: CommStats) -> None:
@@ -235,10 +232,10 @@ class _Mover:
         else:
             recv = out
 
-        # unpack: segments from ranks 0..S-1 in order (this rank's own part taken from `own`);
-        # integer targets take the owner mean in the buffer dtype, then truncate back
-        tgt_list = [targets[e] if not self.entries[e].integral else targets[e].to(self.dtype)
-                    for e in self.target_entries]
+        # unpack: segments from ranks 0..S-1 in order (this rank's own part taken from `own`),
+        # aggregated as the simulated path does (floating: owner means; integer counters, which
+        # travel as exact floats, back in their dtype: the owners' maximum)
+        tgt_list = [targets[e] for e in self.target_entries]
         tgt_pos = {e: i for i, e in enumerate(self.target_entries)}
         updates, ids, idx = [], [], []
         recv_off = 0
@@ -246,18 +243,15 @@ class _Mover:
             buf, off = (own, 0) if k == r else (recv, recv_off)
             for seg, index in zip(self.routing.recv[k], recv_idx[k]):
                 e = self.entries[seg.entry]
-                updates.append(buf[off:off + seg.numel].view(e.compact_shape(index.numel())))
+                u = buf[off:off + seg.numel].view(e.compact_shape(index.numel()))
+                updates.append(u.to(e.dtype) if e.integral else u)
                 ids.append(tgt_pos[seg.entry])
                 idx.append(index)
                 off += seg.numel
             if k != r:
                 recv_off = off
         if updates:
-            F.slice_scatter_(tgt_list, ids, updates, idx, [self.entries[e].dim for e in self.target_entries],
-                             reduce="mean")
-        for e, t in zip(self.target_entries, tgt_list):
-            if self.entries[e].integral:
-                targets[e].copy_(t)
+            aggregate_slices_(tgt_list, ids, updates, idx, [self.entries[e].dim for e in self.target_entries])
 
 
 def _all_reduce_mean_(tensors: List[Tensor], *, name: str, round, group, timeout, stats: CommStats) -> None:
@@ -475,7 +469,8 @@ class Exchange:
     quantize: None or "int8" (paper 003 A.5; the all-to-all part only, one scale per slice).
     Integer tensors: a shared one (a counter such as BN num_batches_tracked) is returned as it is,
     never averaged; a partitioned one (a ResIST block's counter) moves with its slices, exactly, in
-    the floating buffer (integer owner mean, toward zero, like slice_scatter_ on integers).
+    the floating buffer, and takes its owners' maximum (``partition.aggregate_slices_``, as the
+    simulated aggregation does), never a truncated mean.
     round: the round number, named in errors. timeout: seconds each collective may wait (default:
         the one given to init_process_group).
 
@@ -713,9 +708,10 @@ def gather_full_model(local: Mapping[str, Tensor], plan: SlicePlan, spec: Spec, 
 
     local: this rank's compact tensors under ``plan`` and its shared tensors (as for Exchange).
     reduce: "copy": every slice from its lowest-rank owner and the shared tensors from ``dst``
-        (right after an Exchange, when all copies of a slice are equal); "mean": owner means and
-        the mean of the shared tensors over all ranks (the aggregate, e.g. at the end of a round
-        before the exchange; bit-identical to the simulated aggregation).
+        (right after an Exchange, when all copies of a slice are equal); "mean": owner means (the
+        owners' maximum for integer counters) and the mean of the shared tensors over all ranks
+        (the aggregate, e.g. at the end of a round before the exchange; bit-identical to the
+        simulated aggregation).
     Returns name -> full tensor (new) on ``dst``, None on the other ranks. ``local`` is not changed.
     """
     import time

@@ -18,7 +18,15 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional as F
+from .aggregate import aggregate_slices_
 from .plan import SlicePlan, TensorSlices
+
+
+def _off_device(state: Tensor, param: Tensor) -> bool:
+    """A 0-dim optimizer state kept on another device than its parameter (torch's Adam keeps
+    `step` on the CPU unless capturable/fused): it cannot ride the parameter's one-launch gather or
+    scatter, so it is copied into subnetworks and averaged over owners in Python (a few scalars)."""
+    return state.dim() == 0 and state.device != param.device
 
 
 @dataclass(frozen=True)
@@ -248,6 +256,8 @@ class SubnetworkPlan:
                         if not isinstance(v, Tensor):
                             continue
                         scalar = v.dim() == 0
+                        if _off_device(v, p):  # e.g. Adam's CPU `step`: copied, not gathered
+                            continue
                         if not scalar and v.shape != p.shape:
                             raise ValueError(
                                 f"{self.who}: optimizer state {key!r} of {self._specs[i].name} has "
@@ -294,9 +304,10 @@ class SubnetworkPlan:
                 sub.optimizer = type(optimizer)([g for g in groups if g["params"]])
                 for k, (i, _, _, is_param) in enumerate(self._slots[s]):
                     st = optimizer.state.get(params[i]) if is_param else None
-                    if st:  # non-tensor values (rare) are copied; tensors come from the gather
+                    if st:  # non-tensor values and off-device scalars are copied; tensors come from the gather
                         sub.optimizer.state[attached[s][k]] = {
-                            key: copy.copy(v) for key, v in st.items() if not isinstance(v, Tensor)}
+                            key: (v.clone() if isinstance(v, Tensor) else copy.copy(v)) for key, v in st.items()
+                            if not isinstance(v, Tensor) or _off_device(v, params[i])}
             for (s, k, key, scalar) in state_segments:
                 seg = segments[j]
                 j += 1
@@ -363,10 +374,11 @@ class SubnetworkPlan:
     # -- aggregate ------------------------------------------------------------------------------
     def aggregate(self, subnetworks: Sequence[Subnetwork],
                   optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-        """Write the subnetworks back into the global model with one slice scatter: a slice owned
-        by one subnetwork is copied, by several averaged over its owners, shared tensors
-        (BN running statistics included) averaged over all given subnetworks; slices no given
-        subnetwork owns keep their value. With ``optimizer`` (the global optimizer the subnetworks
+        """Write the subnetworks back into the global model with one slice scatter
+        (:func:`.aggregate.aggregate_slices_`): a slice owned by one subnetwork is copied, by
+        several averaged over its owners, shared tensors (BN running statistics included) averaged
+        over all given subnetworks; integer counters (BN ``num_batches_tracked``) take the owners'
+        maximum, never a truncated mean; slices no given subnetwork owns keep their value. With ``optimizer`` (the global optimizer the subnetworks
         were built with) its state is aggregated the same way from the subnetworks' optimizers.
         Everything is checked before anything is written."""
         seen = set()
@@ -389,6 +401,7 @@ class SubnetworkPlan:
         state_target: Dict[Tuple[int, str], int] = {}
         new_state = []  # (param, key, zeros) created only once every check has passed
         other_state = []  # (param, key, value): non-tensor state (rare), from the first holder
+        off_device = {}  # (param index, key) -> (param, [owners' values]): scalars not on the param's device
         for sub in subnetworks:
             s = sub.index
             clones = sub.parts
@@ -415,6 +428,9 @@ class SubnetworkPlan:
                     if not isinstance(v, Tensor):
                         other_state.append((p, key, v))
                         continue
+                    if _off_device(v, p):
+                        off_device.setdefault((i, key), (p, []))[1].append(v.detach())
+                        continue
                     scalar = v.dim() == 0
                     tid = state_target.get((i, key))
                     if tid is None:
@@ -435,7 +451,14 @@ class SubnetworkPlan:
                     indices.append(idx)
         for p, key, g in new_state:
             optimizer.state[p][key] = g
-        F.slice_scatter_(targets, target_ids, updates, indices, dims, reduce="mean")
+        aggregate_slices_(targets, target_ids, updates, indices, dims)
+        for (_, key), (p, vals) in off_device.items():  # the owners' mean; the value itself when all agree
+            same = all(torch.equal(vals[0], u) for u in vals[1:])
+            mean = vals[0] if same else torch.stack(vals).double().mean(0).to(vals[0].dtype)
+            if optimizer.state[p].get(key) is None:
+                optimizer.state[p][key] = mean.clone()
+            else:
+                optimizer.state[p][key].copy_(mean)
         for p, key, v in other_state:
             optimizer.state[p].setdefault(key, copy.copy(v))
         self.after_aggregate()

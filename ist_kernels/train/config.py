@@ -45,6 +45,8 @@ class TrainConfig:
     dataset: str = _opt("digits", "dataset (see --list-datasets)")
     data_path: Optional[str] = _opt(None, "folder of the dataset files (CIFAR python-pickle folder)")
     augment: Optional[bool] = _opt(None, "random crop + flip for image batches (default: on for CIFAR)")
+    dataset_size: Optional[int] = _opt(None, "generated data sets (synthetic_cifar10/100): training samples "
+                                       "(default 50000, CIFAR's; the test set has a fifth as many)")
     # workers
     workers: Optional[int] = _opt(None, "number of workers S (processes); default: WORLD_SIZE under torchrun, else 2")
     simulate: int = _opt(0, "train S workers/subnetworks one after another in one process (0: off)")
@@ -153,6 +155,8 @@ class TrainConfig:
         _positive_int(self, "eval_batch_size")
         if self.threads is not None:
             _positive_int(self, "threads")
+        if self.dataset_size is not None:
+            _positive_int(self, "dataset_size")
         if self.simulate < 0:
             raise ConfigError("simulate", f"must be >= 0 (0: off), got {self.simulate}")
         if self.workers is not None and self.workers < 1:

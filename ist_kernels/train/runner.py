@@ -222,20 +222,6 @@ class RankStateError(RuntimeError):
     """A rank held more parameters, buffers and optimizer state than --max-rank-state-mb allows."""
 
 
-def _phase_totals(history: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
-    """Per phase of the training rounds: rounds, wire bytes and ps bytes (totals and per round)."""
-    out: Dict[str, Dict[str, Any]] = {}
-    for rec in history[1:]:
-        ph = out.setdefault(rec.get("phase", "train"), {"rounds": 0, "bytes": 0, "ps_bytes": 0})
-        ph["rounds"] += 1
-        ph["bytes"] += rec["bytes_sent"]
-        ph["ps_bytes"] += rec["ps_bytes"]
-    for ph in out.values():
-        ph["bytes_per_round"] = ph["bytes"] / ph["rounds"]
-        ph["ps_bytes_per_round"] = ph["ps_bytes"] / ph["rounds"]
-    return out
-
-
 def train(cfg, world: World) -> Optional[Dict[str, Any]]:
     """Run one config on this process; returns the summary on rank 0 (None elsewhere)."""
     from .output import MetricsLog, progress_bar
@@ -284,7 +270,7 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
         scores = eval_record(0)
         (_, gathered) = sum_over_ranks([0.0, ctx.gather_bytes], "the evaluation's bytes", -1)
         totals["total_gather_bytes"] += gathered
-        rec = {"round": 0, "phase": None, "train_loss": None, "bytes_sent": 0, "ps_bytes": 0,
+        rec = {"round": 0, "train_loss": None, "bytes_sent": 0, "ps_bytes": 0,
                "gather_bytes": gathered, **totals, "train_time": 0.0, "wall_time": 0.0, "lr": ctx.lr_at(0, 0),
                **scores}
         if rank0:
@@ -312,7 +298,7 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
         totals["total_bytes"] += bytes_sent
         totals["total_ps_bytes"] += ps
         totals["total_gather_bytes"] += gathered
-        rec = {"round": done, "phase": res.phase, "train_loss": loss_sum / max(steps, 1), "bytes_sent": bytes_sent,
+        rec = {"round": done, "train_loss": loss_sum / max(steps, 1), "bytes_sent": bytes_sent,
                "ps_bytes": ps, "gather_bytes": gathered, **totals, "rank_state_bytes": max(per_worker),
                "train_time": train_time, "lr": ctx.lr_at(r, 0), **(res.extra or {}), **scores}
         rec["wall_time"] = time.perf_counter() - t_start
@@ -350,12 +336,13 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
 
 def _write_outputs(cfg, world, method, model, hist, final_gather, rounds, out_dir) -> Dict[str, Any]:
     """summary.json and model.pt of a finished (or stopped) run, on rank 0; returns the summary."""
+    from .output import bytes_by_phase
+
     S = cfg.num_workers
     final = hist[-1]
     if "test_loss" not in final:  # stopped between evaluations (stop_after): score the model now,
         final = {**final, **method.evaluate(model)}  # outside metrics.jsonl, which resume continues
     trained = hist[1:]
-    phases = _phase_totals(hist)
     summary = {
         "method": cfg.method, "model": cfg.model, "dataset": cfg.dataset, "workers": S,
         "mode": "simulated" if world.simulated else ("distributed" if world.distributed else "single"),
@@ -366,9 +353,11 @@ def _write_outputs(cfg, world, method, model, hist, final_gather, rounds, out_di
         "total_bytes": final["total_bytes"], "total_ps_bytes": final["total_ps_bytes"],
         "bytes_per_round": final["total_bytes"] / max(len(trained), 1),
         "ps_bytes_per_round": final["total_ps_bytes"] / max(len(trained), 1),
-        "bytes_by_phase": {**phases, "gather": {"bytes": final["total_gather_bytes"] + final_gather}},
+        **bytes_by_phase(hist, method.phases, gather=final["total_gather_bytes"] + final_gather),
         "rank_state_bytes": max((rec.get("rank_state_bytes", 0) for rec in trained), default=0),
         "full_state_bytes": method.full_state_bytes,
+        "params": sum(p.numel() for p in model.parameters()),
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "out_dir": out_dir, **method.summary(),
     }
     from .checkpoint import atomic_json, atomic_torch_save

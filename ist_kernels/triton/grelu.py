@@ -25,7 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..ops._checks import (check, check_gated_linear_backward, check_grelu_gates,
                           check_grelu_linear, gate_words)
 
-from .common import INTERPRET as _INTERPRET, grouped_tile, tuned
+from .common import INTERPRET as _INTERPRET, HopperKernel, grouped_tile, tuned
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -34,7 +34,7 @@ def _unpack(words, ROWS: tl.constexpr, COLS: tl.constexpr):
     """int32 words [ROWS, COLS // 32] -> on [ROWS, COLS] (bool); column 32w + j is bit j of word w.
     The compact tile (4 B per 32 features) is what the GEMM pipelines through shared memory; the
     [ROWS, COLS // 32, 32] -> [ROWS, COLS] reshape is a free relabelling of registers (checked in
-    TTGIR with tools/check_triton_grelu.py), unlike a per-element load of each feature's word."""
+    TTGIR with tools/hopper_report.py --dump), unlike a per-element load of each feature's word."""
     bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
     return tl.reshape(bits, (ROWS, COLS)) != 0
 
@@ -179,8 +179,9 @@ INTERPRET_CONFIG = dict(BM=16, BN=64, BK=16, GROUP_M=2)
 
 # (output rows, output cols, reduction, stages, warps) per kernel; the autotuner skips configs that
 # do not fit in shared memory for a dtype (fp32/fp64 use the smaller ones).
-_TILES = [(128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4),
-          (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 32, 4, 4), (64, 64, 32, 3, 4)]
+# Pruned by tools/hopper_report.py: 128x256x64 s3 w8, 256x128x64 s3 w8 and 128x128x64 s4 w4 spilled
+# (4-20 B) in relu_gates' epilogue; the 2-warp config had no wgmma.
+_TILES = [(128, 128, 64, 4, 8), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 32, 4, 4), (64, 64, 32, 3, 4)]
 # The pinned config (IST_KERNELS_AUTOTUNE=0): fits shared memory for every dtype, fp64 included.
 _PINNED = (64, 64, 32, 3, 4)
 # Which kernel parameter tiles which dimension: output rows, output cols, reduction.
@@ -212,7 +213,7 @@ def _set_tma_blocks(nargs):
 
 
 # The persistent TMA kernel serves 16-bit inputs only (fp32/fp64 take the pointer kernel).
-_TMA_TILES = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)]
+_TMA_TILES = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (64, 128, 64, 4, 4)]  # 128x128x64 s4 w4 spilled 28 B
 _TMA_PINNED = (128, 128, 64, 3, 8)
 
 
@@ -268,9 +269,11 @@ def _rows(t):
 # From this reduction length on, the forward runs as a cuBLAS GEMM (bias in its epilogue) followed by
 # one gate pass over the output, instead of the fused Triton GEMM. The pass moves ~4.1 bytes per
 # output element (bf16 z read + written, 1 gate bit), i.e. ~444/K of the GEMM's time at 3 TB/s and
-# 650 TFLOP/s: 11% at K = 4096, under the 12-25% the fused kernel lost to cuBLAS there on an H100
-# (bench/results/h100-baseline.md); at K = 1024 (44%) the fused kernel wins.
-CUBLAS_EPILOGUE_MIN_K = 4096
+# 650 TFLOP/s. Measured on an H100, bf16 (bench/results/h100.md, both forced side by side): at
+# K = 4096 the persistent TMA kernel won (0.198 vs 0.203 ms at 4096³, 0.835 vs 0.858 ms at
+# M = 16384), at K = 8192 cuBLAS + pass won (1.669 vs 1.715 ms); at K = 1024 TMA, 0.244 ms vs
+# cuBLAS alone 0.205. The pointer kernel (non-TMA operands) was 1.18-1.40x slower than TMA.
+CUBLAS_EPILOGUE_MIN_K = 8192
 
 
 def _cublas_then_pass(x2, weight, bias, g2, relu_gates):
@@ -417,3 +420,41 @@ def gated_linear_backward(grad_out, x, weight, gates, output_mask):
         if want_db:
             db = db_full
     return dx, dw, db
+
+
+# ---------------------------------------------------------------------------------------- sm_90a report
+def _hopper_args(unit_strides, extra):
+    """HopperKernel.args (tools/hopper_report.py): contiguous operands, int32 gate words; ``extra``
+    (dtype, meta) adds the kernel's own parameters."""
+    return lambda dtype, meta: dict(gates_ptr="*i32", **dict.fromkeys(unit_strides, 1), **extra(dtype, meta))
+
+
+def _fwd(relu_gates, tma=False):
+    def extra(dtype, meta):
+        probe = torch.empty(0, dtype=dtype)
+        out = dict(HAS_BIAS=True, RELU_GATES=relu_gates, PRECISION=_precision(probe), ACC=_acc(probe))
+        if tma:
+            out.update(x_desc=f"tensordesc<{{dtype}}[{meta['BM']}, {meta['BK']}]>",
+                       w_desc=f"tensordesc<{{dtype}}[{meta['BN']}, {meta['BK']}]>", NUM_SMS=132)  # an H100 SXM
+        return out
+    return extra
+
+
+def _gate_grad_extra(dtype, meta):
+    return dict(HAS_OUT=True, HAS_DB=True, ACC=_acc(torch.empty(0, dtype=dtype)),
+                db_ptr="*fp64" if dtype == torch.float64 else "*fp32")
+
+
+_UNIT = ("stride_b", "stride_gw", "stride_on")
+_GATE_PASS = [triton.Config(GATE_GRAD_TILE, num_warps=4)]  # as gate_grad and _cublas_then_pass launch them
+HOPPER_KERNELS = [
+    HopperKernel("relu_gates fwd", _linear_gates_fwd, _hopper_args(_UNIT + ("stride_xk", "stride_wk"), _fwd(True))),
+    HopperKernel("gated_linear fwd", _linear_gates_fwd, _hopper_args(_UNIT + ("stride_xk", "stride_wk"), _fwd(False))),
+    HopperKernel("relu_gates fwd TMA", _linear_gates_fwd_tma, _hopper_args(_UNIT, _fwd(True, tma=True))),
+    HopperKernel("gated_linear fwd TMA", _linear_gates_fwd_tma, _hopper_args(_UNIT, _fwd(False, tma=True))),
+    HopperKernel("gate_grad pass", _gate_grad,
+                 _hopper_args(("stride_gn", "stride_Gw", "stride_on", "stride_dbn"), _gate_grad_extra),
+                 configs=_GATE_PASS, gemm=False),
+    HopperKernel("relu_gates pass", _relu_pack, _hopper_args(("stride_zn", "stride_gw"), lambda dtype, meta: {}),
+                 configs=_GATE_PASS, gemm=False),
+]

@@ -38,7 +38,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Type
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type
 
 import torch
 
@@ -71,10 +71,10 @@ class RoundResult:
     ring all_reduce wire bytes, :func:`all_reduce_wire_bytes`); the simulated form reports what its
     S workers would have sent. ps_bytes: the papers' parameter-server count of the same round
     (each worker uploads and downloads its subnetwork, :func:`ist_kernels.distributed.ps_bytes`;
-    local SGD: 2 full models per worker). phase: the method's name for the part of training this
-    round belongs to (e.g. "pretrain", "finetune"). state_bytes: worker -> the bytes of parameters,
-    buffers and optimizer state that worker held this round (:func:`held_bytes`). The trainer sums
-    loss, steps and bytes over the ranks.
+    local SGD: 2 full models per worker). state_bytes: worker -> the bytes of parameters, buffers
+    and optimizer state that worker held this round (:func:`held_bytes`). ``extra["phase"]`` tags
+    the round with an index into ``Method.phases``. The trainer sums loss, steps and bytes over the
+    ranks.
     """
 
     loss_sum: float
@@ -82,7 +82,6 @@ class RoundResult:
     bytes_sent: int = 0
     extra: Optional[Dict[str, float]] = None  # per-round scalars to log (same on every rank)
     ps_bytes: int = 0
-    phase: str = "train"
     state_bytes: Optional[Dict[int, int]] = None
 
 
@@ -95,6 +94,9 @@ class Method:
     options: Dict[str, Option] = {}
     #: the method can train with a single worker (S = 1)
     allows_single_worker: bool = True
+    #: names of the values of ``RoundResult.extra["phase"]`` (e.g. pretrain, finetune); the summary
+    #: splits the bytes (both ways) by them
+    phases: Tuple[str, ...] = ()
 
     # ---- configuration (before any work starts) ----
     @classmethod
@@ -116,6 +118,12 @@ class Method:
                     raise ConfigError(f"options.{key}", f"expected {opt.expected or 'a valid value'}, got {value!r}")
             out[key] = value
         return out
+
+    @classmethod
+    def baseline_options(cls, options: Mapping[str, Any]) -> Dict[str, Any]:
+        """Options of the ``localsgd`` run that ``--baseline`` compares this method with, given
+        this method's (unresolved) options: the paper's baseline. Default: dense local SGD."""
+        return {}
 
     @classmethod
     def validate(cls, cfg) -> None:

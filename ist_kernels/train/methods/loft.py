@@ -12,11 +12,13 @@ L2 norm, fine-tune.
    norm vectors (each filter has one owner, so the sums are exact) gives every rank the same kept
    filters, and one ``Exchange`` sends each kept filter from its owner to every rank.
 3. Fine-tune ("finetune") the pruned model for the remaining rounds with local SGD (every worker
-   trains the whole pruned model, one flat all_reduce of it per round: ``localsgd.average_models``),
+   trains the whole pruned model, one flat all_reduce of it per round: ``localsgd.LocalModels``),
    fresh optimizers.
 
 The learning-rate schedule runs over all rounds. Bytes: pre-train, the exchanges' counters;
-fine-tune, the pruning transfer and the local-SGD all_reduce of the pruned model.
+fine-tune, the pruning transfer and the local-SGD all_reduce of the pruned model. ``--baseline``
+compares with the paper's baseline, local SGD through the same pipeline (dense pre-training for the
+same rounds, the same pruning, fine-tuning): ``localsgd`` with the same ``pretrain_fraction``.
 """
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ import torch
 
 from . import ConfigError, Method, Option, RoundResult, all_reduce_wire_bytes, register_method
 from ._subnet import MOMENTUM_OPTION, SubnetRounds, count_params, phase_rounds, state_split
-from .localsgd import local_sgd_round
+from .localsgd import LocalModels, pruned_local_models
+
+PRETRAIN_FRACTION = 0.5
 
 PLAN = 0x10F7  # generator tag of the round's plan
 
@@ -32,11 +36,17 @@ PLAN = 0x10F7  # generator tag of the round's plan
 @register_method("loft")
 class Loft(Method):
     options = {
-        "pretrain_fraction": Option(0.5, float, "fraction of the rounds that pre-train with LOFT (the rest "
-                                    "fine-tune the pruned model)", check=lambda v: 0 < v <= 1,
+        "pretrain_fraction": Option(PRETRAIN_FRACTION, float, "fraction of the rounds that pre-train with LOFT "
+                                    "(the rest fine-tune the pruned model)", check=lambda v: 0 < v <= 1,
                                     expected="a number in (0, 1]"),
         "momentum_state": MOMENTUM_OPTION,
     }
+    phases = ("pretrain", "finetune")
+
+    @classmethod
+    def baseline_options(cls, options):
+        """Paper 000 §6: local SGD pre-trains for the same rounds, the same pruning, fine-tuning."""
+        return {"pretrain_fraction": options.get("pretrain_fraction", PRETRAIN_FRACTION)}
 
     @classmethod
     def validate(cls, cfg):
@@ -56,8 +66,7 @@ class Loft(Method):
         self.split = state_split(self.rounds.plan(0).slices, self.rounds.spec, self.rounds.param_names,
                                  ctx.cfg.momentum > 0)
         self.rounds.start(0)
-        self.pruned = None  # worker -> pruned model, once fine-tuning started
-        self.optimizers = None
+        self.finetune = None  # localsgd.LocalModels of the pruned model, once fine-tuning started
         self.kept = None  # block -> kept filters (decentralized: rebuilds the pruned structure on resume)
 
     def plan(self, r: int):
@@ -68,24 +77,20 @@ class Loft(Method):
     # ---- phases
     def _prune(self, r: int) -> int:
         """The pre-trained model pruned on every worker; returns the bytes that took."""
-        from ...prune import filters_to_keep, prune_filters
+        from ...prune import filters_to_keep
 
-        ratio = self.ctx.cfg.prune_ratio
         if self.rounds.decentral:
-            sent = self._prune_decentral(r, ratio)
-        else:
-            # the same deterministic pruning on every rank (the replicated models are bit-identical)
-            self.kept = {k.rsplit(".", 1)[0]: v for k, v in filters_to_keep(self.model, ratio).items()}
-            self.pruned = {s: prune_filters(self.model, ratio) for s in self.workers}
-            sent = self._prune_bytes(r) if self.ctx.simulated and self.ctx.decentralized else 0
-        self.optimizers = {s: self.ctx.make_optimizer(m.parameters()) for s, m in self.pruned.items()}
-        return sent
+            return self._prune_decentral(r, self.ctx.cfg.prune_ratio)
+        # the same deterministic pruning on every rank (the replicated models are bit-identical)
+        self.kept = {k.rsplit(".", 1)[0]: v for k, v in filters_to_keep(self.model, self.ctx.cfg.prune_ratio).items()}
+        self.finetune = pruned_local_models(self.ctx, self.model)
+        return self._prune_bytes() if self.ctx.simulated and self.ctx.decentralized else 0
 
     def _pruned_plan(self):
         from ...partition.loft import LoftPlan
 
-        return LoftPlan(self.model, self.ctx.num_workers, filters={b: [k] * self.ctx.num_workers
-                                                                   for b, k in self.kept.items()})
+        S = self.ctx.num_workers
+        return LoftPlan(self.model, S, filters={b: [k] * S for b, k in self.kept.items()})
 
     def _prune_decentral(self, r: int, ratio: float) -> int:
         from ...distributed import Exchange
@@ -109,11 +114,11 @@ class Loft(Method):
         ex = Exchange(plan.slices, pruned.slices, rounds.spec, storage="decentralized", shared=ctx.cfg.shared,
                       round=r + 1, drop_unowned=True)
         tensors = {**rounds.part, **ex({n: rounds.part[n] for n in names if n in rounds.part}, names=names)}
-        self.pruned = {s: pruned.attach(s, tensors).module}
+        self.finetune = LocalModels(ctx, {s: pruned.attach(s, tensors).module})
         rounds.part = rounds.momentum = None  # the pre-trained subnetwork is no longer needed
         return all_reduce_wire_bytes(flat.numel() * flat.element_size(), ctx.num_workers) + ex.last_stats.bytes_sent
 
-    def _prune_bytes(self, r: int) -> int:
+    def _prune_bytes(self) -> int:
         """What :meth:`_prune_decentral` sends, from the plans (simulated runs report it)."""
         from ...distributed import plan_bytes
 
@@ -126,47 +131,43 @@ class Loft(Method):
 
     def run_round(self, r: int) -> RoundResult:
         ctx = self.ctx
-        steps = len(self.workers) * ctx.cfg.local_steps
         if r < self.pretrain_rounds:
             loss, sent, ps, state = self.rounds.run(r, last=r == self.pretrain_rounds - 1)
-            return RoundResult(loss, steps, sent, ps_bytes=ps, phase="pretrain", state_bytes=state)
-        sent = self._prune(r) if self.pruned is None else 0
-        res = local_sgd_round(ctx, self.pruned, self.optimizers, r, phase="finetune")
+            return RoundResult(loss, len(self.workers) * ctx.cfg.local_steps, sent, extra={"phase": 0}, ps_bytes=ps,
+                               state_bytes=state)
+        sent = self._prune(r) if self.finetune is None else 0
+        res = self.finetune.run(r, phase=1)
         res.bytes_sent += sent
         return res
 
     def global_model(self):
-        return self.rounds.global_model() if self.pruned is None else self.pruned[self.workers[0]]
+        return self.rounds.global_model() if self.finetune is None else self.finetune.model
 
     def summary(self):
         out = {"pretrain_rounds": self.pretrain_rounds, "prune_ratio": self.ctx.cfg.prune_ratio,
                "params_full": self.full_params, **self.split}
-        if self.pruned is not None:
-            out["params_pruned"] = count_params(self.pruned[self.workers[0]])
+        if self.finetune is not None:
+            out["params_pruned"] = count_params(self.finetune.model)
         return out
 
     # ---- resume. Replicated / simulated: the pre-trained model is kept unchanged after pruning, so
     # the pruned structure is rebuilt from it. Decentralized: from the kept filters.
     def state_dict(self):
-        state = {"pretrain": self.rounds.state_dict(), "phase": "pretrain" if self.pruned is None else "finetune"}
-        if self.pruned is not None:
-            state["kept"] = self.kept
-            state["models"] = {s: m.state_dict() for s, m in self.pruned.items()}
-            state["optimizers"] = {s: o.state_dict() for s, o in self.optimizers.items()}
+        state = {"pretrain": self.rounds.state_dict(), "phase": "pretrain" if self.finetune is None else "finetune"}
+        if self.finetune is not None:
+            state.update(self.finetune.state_dict(), kept=self.kept)
         return state
 
     def load_state_dict(self, state):
         self.rounds.load_state_dict(state["pretrain"])
-        self.pruned = self.optimizers = None
+        self.finetune = None
         if state["phase"] != "finetune":
             return
         if self.rounds.decentral:
             self.kept = state["kept"]
             pruned = self._pruned_plan()
-            self.pruned = {s: pruned.attach(s, dict(state["models"][s])).module for s in self.workers}
-            self.optimizers = {s: self.ctx.make_optimizer(m.parameters()) for s, m in self.pruned.items()}
+            self.finetune = LocalModels(self.ctx, {s: pruned.attach(s, dict(state["models"][s])).module
+                                                   for s in self.workers})
         else:
             self._prune(self.pretrain_rounds)
-        for s in self.workers:
-            self.pruned[s].load_state_dict(state["models"][s])
-            self.optimizers[s].load_state_dict(state["optimizers"][s])
+        self.finetune.load_state_dict(state)

@@ -1,12 +1,16 @@
 """Independent subnetworks of an MLP's hidden neurons: paper 001's RandomlyMaskedTraining
 (Algorithm 1) as ``masked``, and IST's neuron partition as ``ist`` (the same method with
-categorical masks: :mod:`.ist`).
+balanced masks: :mod:`.ist`).
 
 Every round r each of the S workers gets a subnetwork, a set of neurons per hidden layer drawn
 from ``ctx.generator(PLAN, r)`` (the same on every rank, never sent) by
-:func:`ist_kernels.train.simulated.sample_neurons`: ``masks=categorical`` partitions the neurons
-into S disjoint groups (ξ = 1/S), ``masks=bernoulli`` lets each subnetwork keep each neuron with
-probability ``xi`` (overlaps and unowned neurons). A worker copies its subnetwork's compact
+:func:`ist_kernels.train.simulated.sample_neurons`: ``masks=balanced`` partitions the neurons
+into S disjoint groups whose sizes differ by at most one (ξ = 1/S; ``ist`` always does this),
+``masks=categorical`` into S disjoint groups with each neuron's owner drawn uniformly
+(multinomial sizes, paper 001 Theorem 4), ``masks=bernoulli`` lets each subnetwork keep each
+neuron with probability ``xi`` (overlaps and unowned neurons). A draw that leaves a subnetwork
+without neurons in some layer is drawn again (an empty subnetwork is never trained); settings
+where most draws would be are rejected before the run. A worker copies its subnetwork's compact
 parameters out of the full :class:`~ist_kernels.nn.SubnetMLP` (``extract_all``), trains them for
 τ = ``local_steps`` SGD steps on its shard (the trainer's optimizer and learning-rate schedule; a
 fresh optimizer each round, since the subnetwork changes), and the full model is aggregated
@@ -39,7 +43,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-from ..simulated import MASKS, sample_neurons, selection_probability
+from ..simulated import MASKS, MIN_NONEMPTY, nonempty_probability, sample_neurons, selection_probability
 from . import Method, Option, RoundResult, held_bytes, register_method
 
 PLAN = 0x1570  # generator tag of the round's neuron plan
@@ -87,8 +91,11 @@ class FullModel(nn.Module):
 @register_method("masked")
 class Masked(Method):
     options = {
-        "masks": Option("bernoulli", str, "bernoulli (paper 001) or categorical (a partition)",
-                        check=lambda v: v in MASKS, expected=" or ".join(MASKS)),
+        "masks": Option("bernoulli", str, "bernoulli (paper 001 §4: each neuron kept with probability xi), "
+                        "categorical (a partition, each neuron's owner drawn uniformly: multinomial group sizes, "
+                        "paper 001 Theorem 4) or balanced (a partition into groups whose sizes differ by at most "
+                        "one, as IST does)",
+                        check=lambda v: v in MASKS, expected=", ".join(MASKS[:-1]) + " or " + MASKS[-1]),
         "xi": Option(0.5, float, "bernoulli: the probability a subnetwork keeps a neuron",
                      check=lambda v: 0 < v <= 1, expected="a probability in (0, 1]"),
         "train_output": Option(True, boolean, "train the output layer (paper 001 keeps it fixed at ±1)"),
@@ -96,7 +103,7 @@ class Masked(Method):
         "kappa": Option(1.0, float, "std of the first layer's initial weights (paper 001: κ)",
                         check=lambda v: v > 0, expected="a positive number"),
     }
-    fixed_masks = None  # ist: "categorical"
+    fixed_masks = None  # ist: "balanced"
 
     @classmethod
     def validate(cls, cfg):
@@ -105,10 +112,19 @@ class Masked(Method):
             raise ConfigError("model", f"method {cls.name!r} trains an MLP of hidden neurons (model mlp), "
                               f"got {cfg.model!r}")
         masks = cls.fixed_masks or cfg.options.get("masks", "bernoulli")
-        width = cfg.width or 128
-        if masks == "categorical" and width < cfg.num_workers:
-            raise ConfigError("width", f"a categorical partition of {width} neurons into {cfg.num_workers} "
-                              "subnetworks leaves some empty; use width >= workers")
+        xi = cfg.options.get("xi") if masks == "bernoulli" else None
+        width, S = cfg.width or 128, cfg.num_workers
+        # an empty subnetwork is re-drawn (sample_neurons); reject settings where most draws are
+        p = nonempty_probability(masks, width, S, xi)
+        if p == 0.0 and masks != "bernoulli":
+            raise ConfigError("width", f"a partition of {width} neurons into {S} subnetworks leaves some "
+                              "empty; use width >= workers")
+        if p < MIN_NONEMPTY:
+            raise ConfigError("options.xi" if masks == "bernoulli" else "width",
+                              f"a draw of {masks} masks over {width} neurons leaves one of the {S} subnetworks "
+                              f"without neurons with probability {1 - p:.3g}; an empty subnetwork is never "
+                              f"trained (such draws are re-drawn), so raise the width"
+                              + (" or xi" if masks == "bernoulli" else ""))
         if cfg.precision != "fp32":
             raise ConfigError("precision", f"method {cls.name!r} runs subnet_linear, which does not autocast "
                               f"(its inputs and weights share one dtype); use --precision fp32")
