@@ -552,7 +552,9 @@ def test_subnetworks_are_standalone(gen):
 @pytest.mark.parametrize("kind", ["loft", "resist"])
 def test_attach_builds_a_subnetwork_around_its_own_tensors(kind, gen):
     """Decentralized storage: subnetwork s from its compact tensors alone (``part``), on a plan of
-    the structure-only (meta) model, computes what ``build`` gives and trains those very tensors."""
+    the structure-only (meta) model, holds what ``build`` gives and trains those very tensors. (The
+    outputs are compared to rounding: a conv may pick another kernel for a tensor that starts
+    elsewhere in memory, such as ``build``'s views into one gather buffer.)"""
     model, plan = _plans(kind, gen)
     built = plan.build()
     x = _x(gen, n=4, dtype=torch.float32)
@@ -565,7 +567,11 @@ def test_attach_builds_a_subnetwork_around_its_own_tensors(kind, gen):
         sub = plan.attach(s, part)
         for module in (sub.module, built[s].module):
             module.eval()
-        torch.testing.assert_close(sub.module(x), built[s].module(x), rtol=0, atol=0)
+        assert {k: v.shape for k, v in sub.module.state_dict().items()} == \
+            {k: v.shape for k, v in built[s].module.state_dict().items()}
+        for k, v in sub.module.state_dict().items():
+            assert torch.equal(v, built[s].module.state_dict()[k]), k
+        torch.testing.assert_close(sub.module(x), built[s].module(x), rtol=1e-5, atol=1e-6)
         named = plan.tensors_of(sub)
         assert all(named[n].data_ptr() == part[n].data_ptr() for n in part)  # no copy
         if again is not None:  # a plan of the meta model states its indices on the CPU
