@@ -120,6 +120,8 @@ class SubnetworkPlan:
         tensors = {n: getattr(tree.modules[i], "_parameters" if p else "_buffers")[a]
                    for n, (i, a, p) in where.items()}
         device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+        if device.type == "meta":  # a structure-only model (decentralized storage): indices on the CPU
+            device = torch.device("cpu")
         self._scalar_index = torch.zeros(1, dtype=torch.long, device=device)
 
         # Each subnetwork's structure names the tensors it holds; the first build() uses it.
@@ -234,8 +236,8 @@ class SubnetworkPlan:
         holding the slices of its state): one slice gather for all of them."""
         S = self.num_subnetworks
         skeletons, self._unused_skeletons = self._unused_skeletons, None
-        if skeletons is None:
-            skeletons = [self._skeleton(s) for s in range(S)]
+        skeletons = [sk if sk is not None else self._skeleton(s)
+                     for s, sk in enumerate(skeletons or [None] * S)]
         sources = self._global()
         dims = self._dims
         source_ids = self._source_ids
@@ -311,6 +313,56 @@ class SubnetworkPlan:
                 j += 1
                 subnetworks[s].optimizer.state[attached[s][k]][key] = seg.view(()) if scalar else seg
         return subnetworks
+
+    # -- decentralized storage: one subnetwork from its own compact tensors -------------------------
+    def model_tensors(self) -> Dict[str, Tensor]:
+        """The global model's parameters and buffers by plan name (detached; 0-dim stay 0-dim)."""
+        return {t.name: (g.view(()) if scalar else g)
+                for t, g, scalar in zip(self._specs, self._global(), self._is_scalar)}
+
+    def part(self, s: int) -> Dict[str, Tensor]:
+        """Subnetwork ``s``'s compact tensors cut from the global model (plan name -> new tensor):
+        what a rank holds under decentralized storage (``slices.part``)."""
+        return self.slices.part(self.model_tensors(), s)
+
+    def attach(self, s: int, tensors: Dict[str, Tensor]) -> Subnetwork:
+        """Subnetwork ``s`` built around ``tensors`` (plan name -> its compact tensor, as
+        :meth:`part` or an ``Exchange`` returns them): no copy, the module's parameters and buffers
+        are these tensors. The global model may be a structure on the meta device."""
+        sk = self._unused_skeletons
+        clones = sk[s] if sk is not None and sk[s] is not None else self._skeleton(s)
+        if sk is not None:
+            sk[s] = None
+        requires_grad = self._requires_grad()
+        for (i, pos, attr, is_param) in self._slots[s]:
+            spec = self._specs[i]
+            t = tensors.get(spec.name)
+            want = [] if self._is_scalar[i] else list(self._shape(i))
+            if want:
+                want[spec.dim] = spec.owned[s].numel()
+            if t is None or tuple(t.shape) != tuple(want):
+                raise ValueError(f"{self.who}.attach: subnetwork {s} needs {spec.name} of shape {tuple(want)}, "
+                                 f"got {None if t is None else tuple(t.shape)}")
+            if is_param:
+                t = nn.Parameter(t, requires_grad=requires_grad[i])
+                clones[pos]._parameters[attr] = t
+            else:
+                clones[pos]._buffers[attr] = t
+        return Subnetwork(s, clones[0], None, self, clones)
+
+    def tensors_of(self, sub: Subnetwork, detach: bool = True) -> Dict[str, Tensor]:
+        """Plan name -> subnetwork ``sub``'s parameter or buffer (detached by default, sharing
+        storage: the ``local`` of an ``Exchange``)."""
+        out = {}
+        for (i, pos, attr, is_param) in self._slots[sub.index]:
+            t = (sub.parts[pos]._parameters if is_param else sub.parts[pos]._buffers)[attr]
+            out[self._specs[i].name] = t.detach() if detach else t
+        return out
+
+    def _shape(self, i: int) -> Tuple[int, ...]:
+        mi, attr, is_param = self._where[i]
+        m = self._tree.modules[mi]
+        return tuple((m._parameters if is_param else m._buffers)[attr].shape)
 
     def _params(self) -> List[Optional[Tensor]]:
         mods = self._tree.modules
@@ -409,10 +461,10 @@ class SubnetworkPlan:
                 optimizer.state[p][key].copy_(mean)
         for p, key, v in other_state:
             optimizer.state[p].setdefault(key, copy.copy(v))
-        self._after_aggregate()
+        self.after_aggregate()
 
-    def _after_aggregate(self) -> None:
-        pass
+    def after_aggregate(self, model: Optional[nn.Module] = None) -> None:
+        """What the full model (default: the plan's) needs once aggregated (e.g. ResIST's residual scales)."""
 
     @staticmethod
     def _expected_shape(target: Tensor, dim: int, idx: Tensor) -> Tuple[int, ...]:
