@@ -565,7 +565,10 @@ def test_attach_builds_a_subnetwork_around_its_own_tensors(kind, gen):
         sub = plan.attach(s, part)
         for module in (sub.module, built[s].module):
             module.eval()
-        torch.testing.assert_close(sub.module(x), built[s].module(x), rtol=0, atol=0)
+        # The same tensors and ops; a few ulps apart when the CPU convolution picks another
+        # algorithm for the two modules' memory layouts (seen once in a full-suite run: 2 of 40
+        # elements, 3.7e-9 absolute).
+        torch.testing.assert_close(sub.module(x), built[s].module(x), rtol=1e-6, atol=1e-7)
         named = plan.tensors_of(sub)
         assert all(named[n].data_ptr() == part[n].data_ptr() for n in part)  # no copy
         if again is not None:  # a plan of the meta model states its indices on the CPU
