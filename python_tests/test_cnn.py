@@ -482,10 +482,10 @@ def test_aggregate_slices_checks_before_writing(gen):
     ]
     for (fu, fi), (cu, ci), why in cases:
         f0, c0 = f.clone(), c.clone()
-        with pytest.raises((ValueError, RuntimeError), match=why):
+        with pytest.raises((ValueError, IndexError), match=why):
             aggregate_slices_([f, c], [0, 1], [fu, cu], [fi, ci], [0, 0])
         assert torch.equal(f, f0) and torch.equal(c, c0)  # nothing written
-    with pytest.raises(ValueError, match=r"target_ids\[1\] = 2 is out of range"):
+    with pytest.raises((ValueError, IndexError), match=r"target_ids\[1\] = 2 is out of range"):
         aggregate_slices_([f, c], [0, 2], list(ok_f[:1]) + [ok_c[0]], [ok_f[1], ok_c[1]], [0, 0])
     aggregate_slices_([f, c], [0, 1, 1], [ok_f[0], ok_c[0], torch.tensor([4])], [ok_f[1], ok_c[1], ok_c[1]], [0, 0])
     assert c.tolist() == [0, 9, 2] and torch.equal(f[[0, 3]], ok_f[0])
@@ -552,9 +552,7 @@ def test_subnetworks_are_standalone(gen):
 @pytest.mark.parametrize("kind", ["loft", "resist"])
 def test_attach_builds_a_subnetwork_around_its_own_tensors(kind, gen):
     """Decentralized storage: subnetwork s from its compact tensors alone (``part``), on a plan of
-    the structure-only (meta) model, holds what ``build`` gives and trains those very tensors. (The
-    outputs are compared to rounding: a conv may pick another kernel for a tensor that starts
-    elsewhere in memory, such as ``build``'s views into one gather buffer.)"""
+    the structure-only (meta) model, holds what ``build`` gives and trains those very tensors."""
     model, plan = _plans(kind, gen)
     built = plan.build()
     x = _x(gen, n=4, dtype=torch.float32)
@@ -571,7 +569,10 @@ def test_attach_builds_a_subnetwork_around_its_own_tensors(kind, gen):
             {k: v.shape for k, v in built[s].module.state_dict().items()}
         for k, v in sub.module.state_dict().items():
             assert torch.equal(v, built[s].module.state_dict()[k]), k
-        torch.testing.assert_close(sub.module(x), built[s].module(x), rtol=1e-5, atol=1e-6)
+        # The same tensors and ops; a few ulps apart when the CPU convolution picks another
+        # algorithm for the two modules' memory layouts (seen once in a full-suite run: 2 of 40
+        # elements, 3.7e-9 absolute).
+        torch.testing.assert_close(sub.module(x), built[s].module(x), rtol=1e-6, atol=1e-7)
         named = plan.tensors_of(sub)
         assert all(named[n].data_ptr() == part[n].data_ptr() for n in part)  # no copy
         if again is not None:  # a plan of the meta model states its indices on the CPU
