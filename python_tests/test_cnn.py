@@ -550,6 +550,31 @@ def test_subnetworks_are_standalone(gen):
     assert not torch.equal(subs[0].module.conv1.weight, subs[1].module.conv1.weight)
 
 
+@pytest.mark.parametrize("kind", ["loft", "resist"])
+def test_attach_builds_a_subnetwork_around_its_own_tensors(kind, gen):
+    """Decentralized storage: subnetwork s from its compact tensors alone (``part``), on a plan of
+    the structure-only (meta) model, computes what ``build`` gives and trains those very tensors."""
+    model, plan = _plans(kind, gen)
+    built = plan.build()
+    x = _x(gen, n=4, dtype=torch.float32)
+    for s in range(plan.num_subnetworks):
+        part = plan.part(s)
+        held = {t.name for t in plan.tensors if t.shared or t.owners[s].numel()}
+        assert set(part) == held
+        meta = copy.deepcopy(model).to("meta")
+        again = (loft_plan(meta, 3, torch.Generator().manual_seed(5)) if kind == "loft" else None)
+        sub = plan.attach(s, part)
+        for module in (sub.module, built[s].module):
+            module.eval()
+        torch.testing.assert_close(sub.module(x), built[s].module(x), rtol=0, atol=0)
+        named = plan.tensors_of(sub)
+        assert all(named[n].data_ptr() == part[n].data_ptr() for n in part)  # no copy
+        if again is not None:  # a plan of the meta model states its indices on the CPU
+            assert all(o.device.type == "cpu" for t in again.partitioned for o in t.owners)
+    with pytest.raises(ValueError, match="needs"):
+        plan.attach(0, {})
+
+
 # --------------------------------------------------------------------------------------- pruning
 @pytest.mark.parametrize("make", [lambda: M.preact_resnet18(width=8), lambda: M.resnet34(width=4),
                                   lambda: M.preact_resnet50(width=4)])

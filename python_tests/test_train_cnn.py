@@ -1,6 +1,7 @@
 """The CNN methods of the trainer: loft (pre-train with LOFT, prune, fine-tune) and resist (local-SGD
 warm-up, then ResIST rounds), end to end on 8x8 digits with tiny ResNets (width 4), with 2 spawned
-gloo workers and --simulate 2. With --threads 1 the two launch modes give bit-identical models."""
+gloo workers (decentralized storage) and --simulate 2. With --threads 1 and --shared exact the two
+launch modes give bit-identical models (the default ring all_reduce: see test_train_decentral.py)."""
 import functools
 import os
 
@@ -14,8 +15,8 @@ from train_helpers import assert_equal_states, outputs, run as _run, untimed
 TINY = ["--dataset", "digits", "--width", "4", "--batch-size", "8", "--local-steps", "2", "--no-progress",
         "--no-plots", "--threads", "1", "--eval-interval", "2"]
 run = functools.partial(_run, base=TINY)
-LOFT = ["--method", "loft", "--model", "preact_resnet18", "--prune-ratio", "0.5", "--rounds", "4"]
-RESIST = ["--method", "resist", "--model", "preact_resnet34", "--rounds", "4",
+LOFT = ["--method", "loft", "--model", "preact_resnet18", "--prune-ratio", "0.5", "--rounds", "4", "--shared", "exact"]
+RESIST = ["--method", "resist", "--model", "preact_resnet34", "--rounds", "4", "--shared", "exact",
           "--option", "warmup_fraction=0.25", "--option", "min_depth=2"]
 
 
@@ -53,7 +54,7 @@ def test_loft_distributed_equals_simulated(loft_runs):
 def test_loft_workflow_pretrain_prune_finetune(loft_runs):
     (summary, model, hist), _ = loft_runs
     # 4 rounds, pretrain_fraction 0.5: 2 LOFT rounds, then the pruned model is fine-tuned
-    assert [r.get("phase") for r in hist[1:]] == [0, 0, 1, 1]
+    assert [r.get("phase") for r in hist[1:]] == [0, 0, 1, 1]  # Loft.phases: pretrain, finetune
     assert summary["pretrain_rounds"] == 2 and summary["finished"]
     # the saved model is the pruned one: partitioned convs lost half their filters (width 4 -> 32 in
     # layer4), the first block of each stage and strided blocks are untouched
@@ -64,24 +65,49 @@ def test_loft_workflow_pretrain_prune_finetune(loft_runs):
     assert summary["params_pruned"] == sum(v.numel() for k, v in model.items() if "running" not in k
                                            and "num_batches" not in k)
     assert summary["params_pruned"] < summary["params_full"]
-    # fine-tune rounds: one ring all_reduce of the pruned model per round, 2 ranks x (2 (S-1)/S) x bytes
-    assert hist[3]["bytes_sent"] == hist[4]["bytes_sent"] == 2 * floats_bytes(model)
+    # fine-tune rounds: one ring all_reduce of the pruned model per round, 2 ranks x (2 (S-1)/S) x bytes;
+    # the first one also moved the kept filters to the other rank (and the filter norms)
+    assert hist[4]["bytes_sent"] == 2 * floats_bytes(model) < hist[3]["bytes_sent"]
+    assert hist[3]["ps_bytes"] == hist[4]["ps_bytes"] == 2 * 2 * floats_bytes(model)  # up + down, 2 workers
+    by_phase, ps_by_phase = summary["bytes_by_phase"], summary["ps_bytes_by_phase"]
+    assert by_phase["finetune"] == hist[3]["bytes_sent"] + hist[4]["bytes_sent"]
+    assert ps_by_phase["pretrain"] == hist[1]["ps_bytes"] + hist[2]["ps_bytes"]
+    assert by_phase["gather"] == sum(r["gather_bytes"] for r in hist) > 0  # evaluations of the full model
     assert hist[-1]["accuracy"] is not None and summary["accuracy"] == hist[-1]["accuracy"]
 
 
 def test_loft_pretrain_bytes_are_the_plans(loft_runs, tmp_path):
-    """Pre-train bytes, independently: with replicated storage and S = 2 each rank sends the
-    partitioned slices it owns (half of every partitioned tensor) and every shared float tensor."""
-    (_, _, hist), _ = loft_runs
+    """Pre-train bytes, independently from the plans: with decentralized storage and --shared exact
+    a rank sends each of its filters (with its BN channels and next-conv input channels) to the rank
+    that owns it in the next round's plan, and every shared float tensor to the other rank; the last
+    pre-train round only averages (the filters stay with their owners). Parameter-server count:
+    each worker uploads and downloads its subnetwork."""
+    (summary, _, hist), _ = loft_runs
     from ist_kernels.models import preact_resnet18
+    from ist_kernels.train.datasets import _mix
+    from ist_kernels.train.methods.loft import PLAN
 
     full = preact_resnet18(num_classes=10, in_channels=1, width=4)
-    plan = loft_plan(full, 2, torch.Generator().manual_seed(0))
     state = full.state_dict()
-    part = {t.name for t in plan.partitioned}
-    shared = {t.name for t in plan.shared}
-    per_rank = floats_bytes(state, part) // 2 + floats_bytes(state, shared)
-    assert hist[1]["bytes_sent"] == hist[2]["bytes_sent"] == 2 * per_rank
+    plans = [loft_plan(full, 2, torch.Generator().manual_seed(_mix(0, PLAN, r))) for r in range(2)]
+    shared = floats_bytes(state, {t.name for t in plans[0].shared})
+
+    def moved(cur, nxt):  # bytes of the slices whose owner changes
+        total = 0
+        for t, u in zip(cur.partitioned, nxt.partitioned):
+            per_slice = 4 * state[t.name].numel() // state[t.name].shape[t.dim]
+            for s in range(2):
+                total += per_slice * len(set(t.owners[s].tolist()) & set(u.owners[1 - s].tolist()))
+        return total
+
+    assert hist[1]["bytes_sent"] == moved(plans[0], plans[1]) + 2 * shared
+    assert hist[2]["bytes_sent"] == 2 * shared
+    part = floats_bytes(state, {t.name for t in plans[0].partitioned})
+    assert hist[1]["ps_bytes"] == hist[2]["ps_bytes"] == 2 * (2 * shared + part)
+    # what a worker held: its half of the partitioned state and the shared state (weights, BN
+    # statistics, momentum of the weights; integer BN counters)
+    assert summary["rank_state_bytes"] <= summary["shared_state_bytes"] + summary["partitioned_state_bytes"] // 2 + 256
+    assert summary["rank_state_bytes"] < summary["full_state_bytes"]
 
 
 def test_loft_resume_equals_uninterrupted(loft_runs, tmp_path):
@@ -121,9 +147,11 @@ def test_loft_baseline_is_local_sgd_pretrain_prune_finetune(loft_and_baseline_ru
     # (the same as LOFT's fine-tuning); split by phase in summary.json and summary.md
     dense_bytes = dense_hist[1]["bytes_sent"]
     assert hist[1]["bytes_sent"] == hist[2]["bytes_sent"] == dense_bytes
-    assert hist[3]["bytes_sent"] == hist[4]["bytes_sent"] == loft_hist[3]["bytes_sent"] == 2 * floats_bytes(model)
+    assert hist[3]["bytes_sent"] == hist[4]["bytes_sent"] == loft_hist[4]["bytes_sent"] == 2 * floats_bytes(model)
     assert base["bytes_by_phase"] == {"pretrain": 2 * dense_bytes, "finetune": 4 * floats_bytes(model)}
-    assert loft["bytes_by_phase"]["finetune"] == base["bytes_by_phase"]["finetune"]
+    # LOFT's fine-tuning also moved the kept filters from their owners (decentralized storage)
+    prune = loft_hist[3]["bytes_sent"] - loft_hist[4]["bytes_sent"]
+    assert prune > 0 and loft["bytes_by_phase"]["finetune"] - prune == base["bytes_by_phase"]["finetune"]
     assert loft["bytes_by_phase"]["pretrain"] < base["bytes_by_phase"]["pretrain"]
     table = loft_and_baseline_runs["table"]
     assert "model size" in table and "bytes by phase" in table
@@ -167,7 +195,7 @@ def test_resist_distributed_equals_simulated(resist_runs):
     (s_sum, s_model, s_hist), (d_sum, d_model, d_hist) = resist_runs
     assert_equal_states(s_model, d_model)
     assert untimed(s_hist) == untimed(d_hist)
-    assert [r.get("phase") for r in s_hist[1:]] == [0, 1, 1, 1]
+    assert [r.get("phase") for r in s_hist[1:]] == [0, 1, 1, 1]  # ResIST.phases: warmup, resist
     assert s_sum["warmup_rounds"] == 1 and s_sum["min_depth"] == 2
 
 

@@ -10,13 +10,13 @@ prunes) and local SGD fine-tunes the pruned model, with fresh optimizers, for th
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import Tensor, nn
 
 from ...distributed import average_model_
-from . import ConfigError, Method, Option, RoundResult, all_reduce_wire_bytes, register_method
+from . import ConfigError, Method, Option, RoundResult, all_reduce_wire_bytes, held_bytes, register_method
 from ._subnet import count_params, phase_rounds
 
 
@@ -28,6 +28,12 @@ def averaged_tensors(model: torch.nn.Module) -> List[Tensor]:
 
 def flat_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in averaged_tensors(model))
+
+
+def ps_bytes_per_worker(model: torch.nn.Module) -> int:
+    """The papers' parameter-server count of a local-SGD round, per worker: it uploads and downloads
+    the whole model (papers 000 and 003, Table 1: 2 S models per round)."""
+    return 2 * flat_bytes(model)
 
 
 def average_models(models, num_workers: int, r: int, distributed: bool,
@@ -67,12 +73,18 @@ class LocalModels:
         """The first local worker's copy (after a round all copies are equal)."""
         return self.models[min(self.models)]
 
-    def run(self, r: int) -> Tuple[float, int]:
-        """Returns (summed training loss of the local workers, bytes this process sent)."""
+    def run(self, r: int, phase: Optional[int] = None) -> RoundResult:
+        """The round's result: the local workers' summed loss, the bytes this process sent both ways
+        (wire; parameter-server: each worker up- and downloads the whole model) and the state each
+        worker held; ``phase`` tags it (``extra["phase"]``)."""
         ctx = self.ctx
-        loss = sum(ctx.train_local(self.models[s], self.optimizers[s], s, r) for s in self.models)
-        sent = average_models([self.models[s] for s in sorted(self.models)], ctx.num_workers, r, ctx.distributed)
-        return loss, sent
+        workers = sorted(self.models)
+        loss = sum(ctx.train_local(self.models[s], self.optimizers[s], s, r) for s in workers)
+        state = {s: held_bytes(self.models[s], self.optimizers[s]) for s in workers}
+        sent = average_models([self.models[s] for s in workers], ctx.num_workers, r, ctx.distributed)
+        ps = sum(ps_bytes_per_worker(self.models[s]) for s in workers) if ctx.num_workers > 1 else 0
+        return RoundResult(loss, len(workers) * ctx.cfg.local_steps, sent, extra=None if phase is None else
+                           {"phase": phase}, ps_bytes=ps, state_bytes=state)
 
     def state_dict(self):
         return {"models": {s: m.state_dict() for s, m in self.models.items()},
@@ -117,6 +129,7 @@ class LocalSGD(Method):
         self.prunes = self.pretrain_rounds < ctx.rounds
         self.local = LocalModels(ctx, {s: ctx.build_model() for s in ctx.local_workers})
         self.full_params = count_params(self.local.model)
+        self.full_state_bytes = ctx.full_state_bytes(self.local.model)
         self.dense = None  # the pre-trained model, once pruned
 
     @property
@@ -135,10 +148,7 @@ class LocalSGD(Method):
     def run_round(self, r: int) -> RoundResult:
         if self.prunes and r >= self.pretrain_rounds and self.dense is None:
             self._prune()
-        loss, sent = self.local.run(r)
-        extra = {"phase": int(self.dense is not None)} if self.prunes else None
-        return RoundResult(loss_sum=loss, steps=len(self.local.models) * self.ctx.cfg.local_steps, bytes_sent=sent,
-                           extra=extra)
+        return self.local.run(r, phase=int(self.dense is not None) if self.prunes else None)
 
     def global_model(self):
         return self.local.model

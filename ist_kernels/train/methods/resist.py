@@ -1,16 +1,17 @@
 """ResIST (paper 003 §2.2-§2.6) with its local-SGD warm-up.
 
-1. Warm-up, the first ``warmup_fraction`` of the rounds: local SGD on the full ResNet (every worker
-   trains it, one flat all_reduce per round: ``localsgd.LocalModels``), as §2.6 does for the
-   first epochs, with the blocks ResIST will partition already scaled by the full model's
+1. Warm-up ("warmup"), the first ``warmup_fraction`` of the rounds: local SGD on the full ResNet
+   (every worker trains it, one flat all_reduce per round: ``localsgd.LocalModels``), as §2.6 does
+   for the first epochs, with the blocks ResIST will partition already scaled by the full model's
    ``residual_scale`` (§2.6, footnote 2: "to maintain consistency with ResIST"), so the full
    model computes the same function before, during and after the switch to ResIST rounds.
-2. ResIST rounds: each round a fresh ``resist_plan(model, S, min_depth, ctx.generator(PLAN, r))``;
-   the third stage's blocks (except its first) are dealt round-robin to S shallower sub-ResNets, each
-   worker trains its own for ``local_steps``, and they are aggregated (``_subnet.SubnetRounds``:
-   simulated ``plan.aggregate``; distributed one replicated ``Exchange``, bit-identical to it).
-   Aggregation sets the full model's residual scales (the expected fraction of sub-ResNets owning a
-   block, 1/S without sharing), which evaluation of the full model uses.
+2. ResIST rounds ("resist"): each round a fresh ``resist_plan(model, S, min_depth,
+   ctx.generator(PLAN, r))``; the third stage's blocks (except its first) are dealt round-robin to
+   S shallower sub-ResNets, each worker trains its own for ``local_steps``, and every block goes
+   straight to its next owners (``_subnet.SubnetRounds``; decentralized storage by default, §2.5
+   Figure 3: a rank holds only its sub-ResNet, the full model is assembled only to evaluate or
+   save). Aggregation sets the full model's residual scales (the expected fraction of sub-ResNets
+   owning a block, 1/S without sharing), which evaluation of the full model uses.
 
 ``min_depth``: partitioned blocks per sub-ResNet (default: min(5, blocks of layer3 after its first)).
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import ConfigError, Method, Option, RoundResult, register_method
-from ._subnet import MOMENTUM_OPTION, SubnetRounds, phase_rounds
+from ._subnet import MOMENTUM_OPTION, SubnetRounds, phase_rounds, state_split
 from .localsgd import LocalModels
 
 PLAN = 0x2E51  # generator tag of the round's plan
@@ -62,6 +63,7 @@ class ResIST(Method):
         if self.min_depth > blocks:
             raise ConfigError("options.min_depth", f"{self.min_depth} is more than the {blocks} partitionable "
                               f"blocks of {ctx.cfg.model}'s layer3")
+        self.full_state_bytes = ctx.full_state_bytes(self.model)
         # the scale every ResIST round's aggregation sets (it depends on S and min_depth, not on
         # the round's permutation); the warm-up trains with it already
         full_model = probe(ctx.num_workers, self.min_depth)
@@ -71,29 +73,33 @@ class ResIST(Method):
             full_model.scale_residuals(m)
         self.warmup = LocalModels(ctx, models)
 
+    def plan(self, r: int):
+        from ...partition import resist_plan
+
+        return resist_plan(self.model, self.ctx.num_workers, self.min_depth, self.ctx.generator(PLAN, r))
+
     def _start_resist(self):
         self.warmup = None  # after the warm-up's averaging every copy is self.model
-        self.rounds = SubnetRounds(self.ctx, self.model, self.momentum_state)
+        self.rounds = SubnetRounds(self.ctx, self.model, self.momentum_state, self.plan)
+        self.split = state_split(self.rounds.plan(self.warmup_rounds).slices, self.rounds.spec,
+                                 self.rounds.param_names, self.ctx.cfg.momentum > 0)
 
     def run_round(self, r: int) -> RoundResult:
         ctx = self.ctx
-        steps = len(self.workers) * ctx.cfg.local_steps
         if r < self.warmup_rounds:
-            loss, sent = self.warmup.run(r)
-            return RoundResult(loss, steps, sent, extra={"phase": 0})
+            return self.warmup.run(r, phase=0)
         if self.rounds is None:
             self._start_resist()
-        from ...partition import resist_plan
-
-        plan = resist_plan(self.model, ctx.num_workers, self.min_depth, ctx.generator(PLAN, r))
-        loss, sent = self.rounds.run(plan, r)
-        return RoundResult(loss, steps, sent, extra={"phase": 1})
+            self.rounds.start(r)
+        loss, sent, ps, state = self.rounds.run(r, last=r == ctx.rounds - 1)
+        return RoundResult(loss, len(self.workers) * ctx.cfg.local_steps, sent, extra={"phase": 1}, ps_bytes=ps,
+                           state_bytes=state)
 
     def global_model(self):
-        return self.model
+        return self.model if self.rounds is None else self.rounds.global_model()
 
     def summary(self):
-        return {"warmup_rounds": self.warmup_rounds, "min_depth": self.min_depth}
+        return {"warmup_rounds": self.warmup_rounds, "min_depth": self.min_depth, **getattr(self, "split", {})}
 
     def state_dict(self):
         if self.rounds is None:
