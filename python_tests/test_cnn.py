@@ -474,18 +474,19 @@ def test_aggregate_slices_checks_before_writing(gen):
 
     f, c = torch.randn(4, generator=gen), torch.arange(3)
     ok_f, ok_c = (torch.randn(2, generator=gen), torch.tensor([0, 3])), (torch.tensor([9]), torch.tensor([1]))
-    cases = [  # (float segment, counter segment, message)
-        ((ok_f[0], torch.tensor([0, 4])), ok_c, "out of range"),  # a float index: found by the op
-        (ok_f, (torch.tensor([9]), torch.tensor([3])), r"outside \[0, 3\)"),
-        (ok_f, (torch.tensor([9, 9]), torch.tensor([1])), r"needs torch.int64 and \[1\]"),
-        (ok_f, (torch.tensor([9.0]), torch.tensor([1])), r"updates\[1\] has dtype torch.float32"),
+    cases = [  # (float segment, counter segment, error, message); the ops' error policy
+        ((ok_f[0], torch.tensor([0, 4])), ok_c, IndexError, "out of range"),  # a float index: the op's check
+        (ok_f, (torch.tensor([9]), torch.tensor([3])), IndexError, r"indices\[1\] holds values outside \[0, 3\)"),
+        (ok_f, (torch.tensor([9, 9]), torch.tensor([1])), ValueError, r"updates\[1\] has shape \[2\].*needs \[1\]"),
+        (ok_f, (torch.tensor([9.0]), torch.tensor([1])), TypeError, r"updates\[1\] has dtype torch.float32"),
+        (ok_f, (torch.tensor([9]), torch.tensor([1.0])), TypeError, r"indices\[1\] must be int64"),
     ]
-    for (fu, fi), (cu, ci), why in cases:
+    for (fu, fi), (cu, ci), kind, why in cases:
         f0, c0 = f.clone(), c.clone()
-        with pytest.raises((ValueError, IndexError), match=why):
+        with pytest.raises(kind, match=why):
             aggregate_slices_([f, c], [0, 1], [fu, cu], [fi, ci], [0, 0])
         assert torch.equal(f, f0) and torch.equal(c, c0)  # nothing written
-    with pytest.raises((ValueError, IndexError), match=r"target_ids\[1\] = 2 is out of range"):
+    with pytest.raises(IndexError, match=r"target_ids\[1\] = 2 is out of range"):
         aggregate_slices_([f, c], [0, 2], list(ok_f[:1]) + [ok_c[0]], [ok_f[1], ok_c[1]], [0, 0])
     aggregate_slices_([f, c], [0, 1, 1], [ok_f[0], ok_c[0], torch.tensor([4])], [ok_f[1], ok_c[1], ok_c[1]], [0, 0])
     assert c.tolist() == [0, 9, 2] and torch.equal(f[[0, 3]], ok_f[0])
