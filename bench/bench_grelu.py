@@ -82,10 +82,10 @@ def _fused(use_tma, fn):
 def test_gated_linear_forward(benchmark, peaks, problem, provider):
     x, w, b, gates, mask, _ = setup(problem)
     fn = {
-        FWD[0]: lambda: F.gated_linear(x, w, b, gates),
+        FWD[0]: lambda: F.gated_linear(x, w, gates, b),
         FWD[1]: lambda: tnf.linear(x, w, b) * mask,
         FWD[2]: lambda: tnf.linear(x, w, b),
-    }.get(provider) or _fused(FUSED[provider], lambda: F.gated_linear(x, w, b, gates))
+    }.get(provider) or _fused(FUSED[provider], lambda: F.gated_linear(x, w, gates, b))
     _label(benchmark, peaks, "gated_linear fwd", provider, problem, 2)
     with torch.no_grad():
         run(benchmark, fn, rounds=ROUNDS)
@@ -96,7 +96,7 @@ def test_gated_linear_forward(benchmark, peaks, problem, provider):
 def test_gated_linear_forward_backward(benchmark, peaks, problem, provider):
     x, w, b, gates, mask, g = setup(problem, grad=True)
     fwd = {
-        FWD[0]: lambda: F.gated_linear(x, w, b, gates),
+        FWD[0]: lambda: F.gated_linear(x, w, gates, b),
         FWD[1]: lambda: tnf.linear(x, w, b) * mask,
         FWD[2]: lambda: tnf.linear(x, w, b),
     }[provider]

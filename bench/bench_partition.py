@@ -100,7 +100,7 @@ def _op_round(items):
 
     def go():
         segs = F.gather_slices(sources, ids, indices, dims, out=buffers)
-        F.slice_scatter_(sources, ids, segs, indices, dims, reduce="mean")
+        F.scatter_slices_(sources, ids, segs, indices, dims, reduce="mean")
     return go
 
 

@@ -145,7 +145,7 @@ def test_scatter(benchmark, peaks, width, reduce, provider):
         fn = device_copy(nbytes // 2)
     elif provider == "ist_kernels":
         def fn():
-            F.slice_scatter_(xs, ids, updates, indices, dims, reduce)
+            F.scatter_slices_(xs, ids, updates, indices, dims, reduce)
     else:
         dev_indices = on_device(indices)
 

@@ -10,32 +10,67 @@ from .ops import slices as _slices
 _ops = torch.ops.ist_kernels
 
 
-def pack_gates(mask: Tensor) -> Tensor:
-    """Pack a mask ``[..., F]`` (bool, or float where > 0 means on) into int32 words
-    ``[..., ceil(F/32)]``; bit j of word w is feature 32w + j."""
-    return _ops.pack_gates(mask)
+"""Functional API over ``torch.ops.ist_kernels``: the entry points the modules and users call.
+
+These names are the public API. The op schemas behind them (``torch.ops.ist_kernels.slice_gather``,
+``slice_gather_into_``, ``slice_scatter_``, ...; csrc/ops.cpp) are the registration layer and keep
+their names; call them only to reach an op directly (opcheck, custom compositions).
+
+Conventions, as in ``torch.nn.functional``: a single-tensor function takes ``input`` first (the
+multi-tensor slice functions take ``sources`` / ``targets``, the names their errors use); ``bias``
+defaults to None; ``out`` is keyword-only; a trailing ``_`` writes in place. Shapes: ``N`` out features, ``K`` in features, ``...`` any batch dims.
+
+Deprecated aliases (kept for one release; they warn with a ``FutureWarning``):
+``slice_gather`` (the flat gather: use :func:`gather_slices`, with ``out=`` for a flat buffer) and
+``slice_scatter_`` (use :func:`scatter_slices_`).
+"""
+import functools
+import warnings
+from typing import List, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from .ops import _checks
+from .ops import slices as _slices
+
+__all__ = [
+    "pack_gates",
+    "unpack_gates",
+    "gather_slices",
+    "scatter_slices_",
+    "owner_average_",
+    "relu_gates",
+    "gated_linear",
+    "subnet_linear",
+    "GatherBuffers",
+]
+
+_ops = torch.ops.ist_kernels
 
 
-def unpack_gates(words: Tensor, num_features: int) -> Tensor:
-    """Inverse of :func:`pack_gates`: int32 words ``[..., W]`` -> bool ``[..., num_features]``."""
-    return _ops.unpack_gates(words, num_features)
+def pack_gates(input: Tensor) -> Tensor:
+    """Pack a mask into 1-bit gates.
+
+    ``input``: ``[..., F]`` bool, or floating where ``> 0`` means on. Returns int32
+    ``[..., ceil(F/32)]``; bit j of word w is feature 32w + j (padding bits zero)."""
+    return _ops.pack_gates(input)
+
+
+def unpack_gates(input: Tensor, num_features: int) -> Tensor:
+    """Inverse of :func:`pack_gates`: int32 words ``[..., W]`` -> bool ``[..., num_features]``
+    (``num_features <= 32 W``)."""
+    return _ops.unpack_gates(input, num_features)
 
 
 # ---- Multi-tensor slices (partitions: IST neurons, LOFT filters, ResIST blocks; the exchange)
 
 
-def slice_gather(sources: Sequence[Tensor], source_ids: Sequence[int], indices: Sequence[Tensor],
+def _gather_flat(sources: Sequence[Tensor], source_ids: Sequence[int], indices: Sequence[Tensor],
                  dims: Sequence[int], out: Optional[Tensor] = None) -> Tensor:
-    """Segment j = ``sources[source_ids[j]].index_select(dims[source_ids[j]], indices[j])``; all
-    segments flattened (row-major) and concatenated into one 1-D buffer, in one launch.
-
-    ``dims`` has one entry per source; ``source_ids`` and ``indices`` (int64, 1-D, no duplicates
-    within a list) one per segment. All sources share one dtype and device (see
-    :func:`gather_slices` for mixed dtypes). Differentiable with respect to the sources.
-
-    ``out``: a contiguous 1-D buffer of the sources' dtype and device with exactly the gather's
-    numel, written in place and returned (no allocation; not differentiable).
-    """
+    """The gather as one flat buffer (all sources of one dtype): segment j flattened row-major,
+    concatenated. ``out``: a contiguous 1-D buffer with exactly the gather's numel, written in place
+    and returned (no allocation; not differentiable). The exchange packs its send buffer with it."""
     sources = list(sources)
     if not sources:  # the dispatcher needs a tensor; say what is wrong instead
         _slices.check_gather(sources, list(source_ids), list(indices), list(dims))
@@ -48,7 +83,7 @@ def slice_gather(sources: Sequence[Tensor], source_ids: Sequence[int], indices: 
 
 def _check_out_no_grad(sources: Sequence[Tensor]) -> None:
     if torch.is_grad_enabled() and any(s.requires_grad for s in sources):
-        raise ValueError("slice_gather: out= is not differentiable, but a source requires grad; detach the "
+        raise ValueError("gather_slices: out= is not differentiable, but a source requires grad; detach the "
                          "sources, run under torch.no_grad(), or leave out unset")
 
 
@@ -67,14 +102,25 @@ def _segment_group(ids: Sequence[int], members: Sequence[int]):
 
 
 def gather_slices(sources: Sequence[Tensor], source_ids: Sequence[int], indices: Sequence[Tensor],
-                  dims: Sequence[int], out=None) -> List[Tensor]:
-    """Like :func:`slice_gather`, but returns the compact segments
-    (``sources[source_ids[j]].index_select(dims[...], indices[j])``) as views of one flat buffer per
-    dtype: mixed dtypes are grouped, one launch per dtype.
+                  dims: Sequence[int], *, out: Union[None, Tensor, "GatherBuffers"] = None) -> List[Tensor]:
+    """Gather slices of many tensors, each along its own dim, in one launch per dtype.
 
-    ``out``: None (fresh buffers), a flat tensor (one dtype only; exactly the gather's numel), or a
-    :class:`GatherBuffers` holder whose buffers are reused across calls where no result of an
-    earlier call still views them. With ``out`` the gather is not differentiable."""
+    Args:
+        sources: any shapes and dtypes, one device.
+        source_ids: ``J`` ints, segment j reads ``sources[source_ids[j]]``.
+        indices: ``J`` int64 1-D tensors, the slices of segment j (no duplicates within a list).
+        dims: one dim per source (negative allowed).
+        out: None (fresh buffers, differentiable with respect to the sources), a contiguous 1-D
+            tensor (one dtype only; exactly the gather's numel; it then holds every segment
+            flattened row-major and concatenated: the flat wire format), or a :class:`GatherBuffers`
+            whose buffers are reused across calls where no result of an earlier call still views
+            them. With ``out`` the gather is not differentiable.
+
+    Returns:
+        ``J`` tensors, segment j = ``sources[source_ids[j]].index_select(dims[source_ids[j]], indices[j])``
+        (shape: the source's with ``len(indices[j])`` along that dim), views of one flat buffer
+        per dtype.
+    """
     sources, source_ids, indices, dims = list(sources), list(source_ids), list(indices), list(dims)
     groups = _dtype_groups(sources)
     if out is not None:
@@ -125,16 +171,24 @@ def _gather_groups(sources, source_ids, indices, dims, out, groups) -> List[Tens
     return result
 
 
-def slice_scatter_(targets: Sequence[Tensor], target_ids: Sequence[int], updates: Sequence[Tensor],
-                   indices: Sequence[Tensor], dims: Sequence[int], reduce: str = "mean") -> None:
-    """Write compact segments back into their targets, in place.
+def scatter_slices_(targets: Sequence[Tensor], target_ids: Sequence[int], updates: Sequence[Tensor],
+                    indices: Sequence[Tensor], dims: Sequence[int], reduce: str = "mean") -> None:
+    """Write compact segments back into their tensors, in place (the inverse of :func:`gather_slices`).
 
-    Segment j (``updates[j]``: ``targets[target_ids[j]]`` with ``len(indices[j])`` slices along
-    ``dims[target_ids[j]]``) owns the slices ``indices[j]`` of its target. ``reduce``: ``"copy"``
-    (the last owning segment wins), ``"sum"`` (target + the owners' sum) or ``"mean"`` (the mean
-    over the owners; owner counts come from the indices, never from the data). Slices no segment
-    owns keep their value. Deterministic: owners are reduced in segment order, no atomics. Mixed
-    dtypes are grouped, one launch per dtype, after the whole call is checked.
+    Args:
+        targets: written in place (any shapes and dtypes, one device).
+        target_ids: ``J`` ints, segment j writes ``targets[target_ids[j]]``.
+        updates: ``J`` tensors, segment j shaped as its target with ``len(indices[j])`` slices
+            along ``dims[target_ids[j]]``.
+        indices: ``J`` int64 1-D tensors: segment j owns those slices of its target.
+        dims: one dim per target.
+        reduce: ``"copy"`` (the last owning segment wins), ``"sum"`` (target + the owners' sum)
+            or ``"mean"`` (the mean over the owners; owner counts come from the indices, never
+            from the data).
+
+    Slices no segment owns keep their value. Deterministic: owners are reduced in segment order,
+    no atomics. Mixed dtypes are grouped, one launch per dtype, after the whole call is checked.
+    Not differentiable.
     """
     targets, target_ids, updates, indices, dims = (list(targets), list(target_ids), list(updates), list(indices),
                                                     list(dims))
@@ -178,44 +232,62 @@ def slice_scatter_(targets: Sequence[Tensor], target_ids: Sequence[int], updates
             raise
 
 
-def owner_average_(target: Tensor, updates: Sequence[Tensor], indices: Sequence[Tensor], dim: int = 0) -> Tensor:
+def owner_average_(input: Tensor, updates: Sequence[Tensor], indices: Sequence[Tensor], dim: int = 0) -> Tensor:
     """Owner-averaged aggregation of one tensor (IST, paper 001 Algorithm 1), in place.
 
-    ``indices[l]`` lists the slices of ``target`` along ``dim`` that the compact ``updates[l]``
-    holds, in order. Every slice owned by k >= 1 updates becomes their mean; a slice no update owns
-    keeps its value. Returns ``target``.
+    ``indices[l]`` (int64 ``[n_l]``) lists the slices of ``input`` along ``dim`` that the compact
+    ``updates[l]`` (``input``'s shape with ``n_l`` along ``dim``) holds, in order. Every slice owned
+    by k >= 1 updates becomes their mean; a slice no update owns keeps its value. Returns ``input``.
     """
     updates, indices = list(updates), list(indices)
-    _checks.check_index(-target.dim() <= dim < target.dim(), "owner_average_",
-                        f"dim = {dim} is out of range for target with {target.dim()} dimensions")
-    _ops.slice_scatter_([target], [0] * len(updates), updates, indices, [dim], "mean")
-    return target
+    _checks.check_index(-input.dim() <= dim < input.dim(), "owner_average_",
+                        f"dim = {dim} is out of range for input with {input.dim()} dimensions")
+    _ops.slice_scatter_([input], [0] * len(updates), updates, indices, [dim], "mean")
+    return input
+
+
 # ---- GReLU layers (paper 004 §2.1, §4.4)
-def relu_gates(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """The frozen gate layer of GReLU: ``out = relu(x Wᵀ + b)`` and ``gates = pack(x Wᵀ + b > 0)``
-    (int32 ``[..., ceil(N/32)]``), from one kernel. No gradient: its backward raises."""
-    return _ops.relu_gates(x, weight, bias)
+def relu_gates(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """The frozen gate layer of GReLU, from one kernel.
+
+    ``input`` ``[..., K]``, ``weight`` ``[N, K]``, ``bias`` ``[N]`` or None. Returns
+    ``out = relu(input Wᵀ + b)`` ``[..., N]`` and ``gates = pack(input Wᵀ + b > 0)`` int32
+    ``[..., ceil(N/32)]``. No gradient: its backward raises."""
+    return _ops.relu_gates(input, weight, bias)
 
 
-def gated_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], gates: Tensor) -> Tensor:
-    """A trained GReLU layer: ``y = (x Wᵀ + b) ⊙ unpack(gates)`` with 1-bit gates
-    ``[..., ceil(N/32)]`` (e.g. from :func:`relu_gates`). Differentiable in x, weight and bias."""
-    return _ops.gated_linear(x, weight, bias, gates)
-def subnet_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, rows: Optional[Tensor] = None,
+def gated_linear(input: Tensor, weight: Tensor, gates: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """A trained GReLU layer (paper 004 §2.1): ``y = (input Wᵀ + b) ⊙ unpack(gates)``.
+
+    ``input`` ``[..., K]``, ``weight`` ``[N, K]``, ``gates`` int32 ``[..., ceil(N/32)]`` (1 bit per
+    output feature, e.g. from :func:`relu_gates`), ``bias`` ``[N]`` or None. Returns ``[..., N]``.
+    Differentiable in input, weight and bias.
+
+    The order was ``(x, weight, bias, gates)`` before 0.2; that call (an int32 tensor where the
+    bias goes) still works for one release, with a ``FutureWarning``."""
+    if isinstance(bias, Tensor) and bias.dtype == torch.int32 and (gates is None or gates.dtype != torch.int32):
+        warnings.warn("gated_linear(x, weight, bias, gates) is deprecated: the order is now "
+                      "gated_linear(input, weight, gates, bias=None)", FutureWarning, stacklevel=2)
+        gates, bias = bias, gates
+    return _ops.gated_linear(input, weight, bias, gates)
+
+
+def subnet_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, rows: Optional[Tensor] = None,
                   cols: Optional[Tensor] = None) -> Tensor:
     """The linear layer of one subnetwork of neurons (IST, paper 001 §3.1):
-    ``y = x W[rows][:, cols]^T + b[rows]`` without materialising ``W[rows][:, cols]``.
+    ``y = input W[rows][:, cols]ᵀ + b[rows]`` without materialising ``W[rows][:, cols]``.
 
-    ``rows`` / ``cols`` are int64 index lists into ``weight``'s out / in features (unique, in any
-    order; None = all). ``x`` is compact, ``[..., len(cols)]``; ``y`` is ``[..., len(rows)]``.
-    Gradients: compact for ``x``; full-size for ``weight`` and ``bias``, zero outside rows x cols.
+    ``weight`` ``[N, K]``, ``bias`` ``[N]`` or None; ``rows`` / ``cols`` are int64 index lists into
+    the out / in features (unique, in any order; None = all). ``input`` is compact,
+    ``[..., len(cols)]``; the result is ``[..., len(rows)]``. Gradients: compact for ``input``;
+    full-size for ``weight`` and ``bias``, zero outside rows x cols.
     """
-    return _ops.subnet_linear(x, weight, bias, rows, cols)
+    return _ops.subnet_linear(input, weight, bias, rows, cols)
 
 
-# ---- Reusable gather buffers (slice_gather_into_): no fresh allocation, no fresh pages per round
+# ---- Reusable gather buffers (the op slice_gather_into_): no fresh allocation, no fresh pages per round
 class GatherBuffers:
-    """Flat output buffers for :func:`gather_slices` / :func:`slice_gather`, kept per dtype and
+    """Flat output buffers for :func:`gather_slices`, kept per dtype and
     device and reused across calls.
 
     A buffer is handed out again only when nothing else references its memory: no view, parameter,
@@ -265,3 +337,27 @@ class GatherBuffers:
     def nbytes(self) -> int:
         """Bytes the kept buffers hold."""
         return sum(e[0].numel() * e[0].element_size() for pool in self._pools.values() for e in pool)
+
+
+# ---- Deprecated aliases (one release)
+def _deprecated(old: str, new: str, fn):
+    @functools.wraps(fn)
+    def alias(*args, **kwargs):
+        warnings.warn(f"ist_kernels.functional.{old} is deprecated and will be removed in the next release; "
+                      f"use {new}", FutureWarning, stacklevel=2)
+        return fn(*args, **kwargs)
+
+    alias.__name__ = alias.__qualname__ = old
+    alias.__doc__ = f"Deprecated alias: use :func:`{new.split('(')[0]}`.\n\n" + (fn.__doc__ or "")
+    return alias
+
+
+def _slice_gather(sources: Sequence[Tensor], source_ids: Sequence[int], indices: Sequence[Tensor],
+                  dims: Sequence[int], out: Optional[Tensor] = None) -> Tensor:
+    """The gather as one flat 1-D buffer (one dtype): every segment flattened row-major, concatenated."""
+    return _gather_flat(sources, source_ids, indices, dims, out)
+
+
+slice_gather = _deprecated("slice_gather", "gather_slices (segments; out= a flat buffer for the flat form)",
+                           _slice_gather)
+slice_scatter_ = _deprecated("slice_scatter_", "scatter_slices_", scatter_slices_)

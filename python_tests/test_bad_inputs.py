@@ -352,7 +352,7 @@ for op, build, off in (("slice_gather", gather_args, 0), ("slice_gather_into_", 
         None,
         check=check, writes=(0,) if off else (), note="strided")
 add("slice_gather", "sources", "empty", replace(gather_args, 0, []), ValueError, r"sources is empty", DATA_FREE)
-add("F.slice_gather", "sources", "empty", lambda: [[], [], [], []], ValueError, r"sources is empty")
+add("F._gather_flat", "sources", "empty", lambda: [[], [], [], []], ValueError, r"sources is empty")
 
 g = gather_into_args
 add("slice_gather_into_", "out", "dtype", replace(g, 0, torch.zeros(9, dtype=torch.float64)), TypeError,
@@ -438,7 +438,7 @@ add("F.gather_slices(out=GatherBuffers)", "sources", "valid", gather_slices_into
 add("F.gather_slices", "indices[2]", "range",
     lambda: [[rnd(4, 3), t(5, 6, 7)], [0, 1, 1], [t(1), t(0), t(3)], [0, 0]], IndexError,
     r"indices\[2\]\[0\] = 3 is out of range for sources\[1\] along dim 0 of size 3", note="mixed dtypes")
-add("F.slice_gather(out=)", "out", "alias", lambda: (lambda b: [b, [torch.full((4, 2), 10**12)], [0], [b[:2]], [0]])(
+add("F._gather_flat(out=)", "out", "alias", lambda: (lambda b: [b, [torch.full((4, 2), 10**12)], [0], [b[:2]], [0]])(
     torch.tensor([0, 1, 0, 0])), ValueError, r"out shares memory with indices\[0\]")
 
 
@@ -546,31 +546,31 @@ def mixed(idx=None, updates=None, targets=None, reduce="copy"):
     return b
 
 
-add("F.slice_scatter_", "indices[3]", "range", mixed(idx=[t(0, 1), t(4), t(2), t(0, 7)]), IndexError,
+add("F.scatter_slices_", "indices[3]", "range", mixed(idx=[t(0, 1), t(4), t(2), t(0, 7)]), IndexError,
     r"indices\[3\]\[1\] = 7 is out of range for targets\[1\] along dim 0 of size 5", note="a later launch")
-add("F.slice_scatter_", "indices[2]", "range", mixed(idx=[t(0, 1), t(4), t(3), t(0, 1)]), IndexError,
+add("F.scatter_slices_", "indices[2]", "range", mixed(idx=[t(0, 1), t(4), t(3), t(0, 1)]), IndexError,
     r"indices\[2\]\[0\] = 3 is out of range for targets\[2\] along dim 0 of size 3", note="a later launch")
-add("F.slice_scatter_", "indices[0]", "range", lambda: mixed(
+add("F.scatter_slices_", "indices[0]", "range", lambda: mixed(
     idx=[t(0, 9, 1, 2), t(4), t(2), t(0, 1)], updates=[rnd(4, 4), torch.tensor([9]), rnd(1, dtype=torch.float64),
                                                         torch.tensor([8, 8])])(), IndexError,
     r"indices\[0\]\[1\] = 9 is out of range for targets\[0\]", note="the first launch")
-add("F.slice_scatter_", "indices[3]", "range",
+add("F.scatter_slices_", "indices[3]", "range",
     lambda: [[torch.arange(5), rnd(6, 4)], [0, 1, 0, 1], [torch.tensor([9]), rnd(1, 4), torch.tensor([8]), rnd(3, 4)],
              [t(0), t(0), t(1), t(1, 9, 2)], [0, 0], "copy"], IndexError,
     r"indices\[3\]\[1\] = 9 is out of range for targets\[1\] along dim 0 of size 6", note="the first launch, renumbered")
-add("F.slice_scatter_", "indices[3]", "repeat", mixed(idx=[t(0, 1), t(4), t(2), t(3, 3)]), ValueError,
+add("F.scatter_slices_", "indices[3]", "repeat", mixed(idx=[t(0, 1), t(4), t(2), t(3, 3)]), ValueError,
     r"indices\[3\] must not repeat an index, but indices\[3\]\[1\] = 3 repeats indices\[3\]\[0\]")
-add("F.slice_scatter_", "updates[3]", "shape",
+add("F.scatter_slices_", "updates[3]", "shape",
     mixed(updates=[rnd(2, 4), torch.tensor([9]), rnd(1, dtype=torch.float64), torch.tensor([8])]), ValueError,
     r"updates\[3\] has shape \[1\]")
-add("F.slice_scatter_", "targets[2]", "layout",
+add("F.scatter_slices_", "targets[2]", "layout",
     mixed(targets=lambda w, n, v: [w, n, torch.zeros(1, dtype=torch.float64).expand(3)]), ValueError,
     r"targets\[2\] has elements that share memory")
-add("F.slice_scatter_", "targets[1]", "alias",  # the int64 target is the index list of the float32 segment
+add("F.scatter_slices_", "targets[1]", "alias",  # the int64 target is the index list of the float32 segment
     lambda: (lambda n: [[rnd(6, 4), n], [1, 0], [torch.tensor([9, 9, 9, 9]), rnd(4, 4)], [t(0, 1, 2, 3), n[:4]],
                         [0, 0], "copy"])(torch.arange(5)),
     ValueError, r"targets\[1\] shares memory with indices\[1\]", note="an index list of another dtype's launch")
-add("F.slice_scatter_", "indices", "valid", mixed(), None, check=check_scatter, writes=(0,), note="mixed dtypes")
+add("F.scatter_slices_", "indices", "valid", mixed(), None, check=check_scatter, writes=(0,), note="mixed dtypes")
 
 
 # ----------------------------------------------------------------------------------- running them
@@ -584,8 +584,8 @@ def _entry(op, path):
         return {"relu_gates": tg.relu_gates, "gated_linear": tg.gated_linear,
                 "gated_linear_backward": tg.gated_linear_backward, "subnet_linear": triton_subnet_linear,
                 "subnet_linear_backward": triton_subnet_linear_backward}[op]
-    if op == "F.slice_gather(out=)":
-        return lambda out, *a: F.slice_gather(*a, out=out)
+    if op == "F._gather_flat(out=)":
+        return lambda out, *a: F._gather_flat(*a, out=out)
     if op == "F.gather_slices(out=GatherBuffers)":
         return lambda *a: F.gather_slices(*a, out=F.GatherBuffers())
     if op.startswith("F."):

@@ -515,7 +515,7 @@ def test_first_round_creates_optimizer_state(gen):
 
 def test_one_gather_and_one_scatter_per_round(gen, monkeypatch):
     calls = {"gather": 0, "scatter": 0}
-    gather, scatter = F.gather_slices, F.slice_scatter_
+    gather, scatter = F.gather_slices, F.scatter_slices_
 
     def counting_gather(*a, **k):
         calls["gather"] += 1
@@ -526,7 +526,7 @@ def test_one_gather_and_one_scatter_per_round(gen, monkeypatch):
         return scatter(*a, **k)
 
     monkeypatch.setattr(F, "gather_slices", counting_gather)
-    monkeypatch.setattr(F, "slice_scatter_", counting_scatter)
+    monkeypatch.setattr(F, "scatter_slices_", counting_scatter)
     for kind in ("loft", "resist"):
         model, plan = _plans(kind, gen)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

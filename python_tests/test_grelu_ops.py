@@ -86,13 +86,13 @@ def check_gated_linear(fwd, bwd, x, w, b, gates, gen, mask=(True, True, True)):
 def test_cpu_matches_reference(rows, K, N, dtype, bias, gen):
     x, w, b, gates = make(rows, K, N, dtype, gen, bias=bias)
     check_relu_gates(F.relu_gates, x, w, b)
-    check_gated_linear(F.gated_linear, ops.gated_linear_backward, x, w, b, gates, gen)
+    check_gated_linear(lambda x, w, b, g: F.gated_linear(x, w, g, b), ops.gated_linear_backward, x, w, b, gates, gen)
 
 
 @pytest.mark.parametrize("mask", list(itertools.product([False, True], repeat=3)))
 def test_cpu_backward_output_mask(mask, gen):
     x, w, b, gates = make(33, 40, 70, torch.float64, gen)
-    check_gated_linear(F.gated_linear, ops.gated_linear_backward, x, w, b, gates, gen, mask=mask)
+    check_gated_linear(lambda x, w, b, g: F.gated_linear(x, w, g, b), ops.gated_linear_backward, x, w, b, gates, gen, mask=mask)
 
 
 # ---------------------------------------------------------------------------- Triton kernels
@@ -269,13 +269,13 @@ def test_gradcheck(gen):
     x, w, b, gates = make(None, 5, 35, torch.float64, gen, lead=(2, 3))  # 35 features: 2 gate words
     args = [x.requires_grad_(), w.requires_grad_(), b.requires_grad_(), gates]
     assert torch.autograd.gradcheck(F.gated_linear, args)
-    assert torch.autograd.gradcheck(lambda x, w: F.gated_linear(x, w, None, gates), (x, w), fast_mode=True)
+    assert torch.autograd.gradcheck(lambda x, w: F.gated_linear(x, w, gates), (x, w), fast_mode=True)
 
 
 def test_autograd_matches_reference(gen):
     x, w, b, gates = make(None, 20, 33, torch.float32, gen, lead=(4, 3))
     x.requires_grad_(), w.requires_grad_()  # bias without grad: no grad_bias is computed
-    y = F.gated_linear(x, w, b, gates)
+    y = F.gated_linear(x, w, gates, b)
     g = torch.randn(y.shape, generator=gen)
     y.backward(g)
     dx, dw, _ = ref.gated_linear_backward(g, x.detach(), w.detach(), gates)
@@ -299,7 +299,7 @@ def test_compile_forward_backward(gen):
 
     def layer(x, psi, c, w, b):
         _, gates = F.relu_gates(x, psi, c)
-        return F.gated_linear(x, w, b, gates).square().sum()
+        return F.gated_linear(x, w, gates, b).square().sum()
 
     compiled = torch.compile(layer, fullgraph=True)
     grads = []

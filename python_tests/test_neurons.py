@@ -147,7 +147,7 @@ def test_masked_sparsity_and_extremes(gen):
     assert full.sparsity == 1.0 and (full.weight == 0).all()
     big = MaskedLinear(200, 100, p=0.3, generator=gen)
     assert abs(big.sparsity - 0.3) < 0.02  # 20000 entries: std 0.0032
-    assert "sparsity=" in repr(big)
+    assert "p=0.3, mask_seed=" in repr(big)
     with pytest.raises(ValueError, match="p"):
         MaskedLinear(4, 4, p=1.5)
 
@@ -207,7 +207,7 @@ CONFIGS = [  # (depth, bias, train_output)
 
 
 def _model(gen, depth, bias, train_output, width=37, d=7, out=3, device="cpu", dtype=torch.float64):
-    m = SubnetMLP(d, width, out, depth, bias=bias, train_output=train_output, kappa=0.7, generator=gen,
+    m = SubnetMLP(d, width, depth, out, bias=bias, train_output=train_output, kappa=0.7, generator=gen,
                   device=device, dtype=dtype)
     with torch.no_grad():  # non-zero biases so that a wrong bias slice shows
         for p in m.parameters():
@@ -228,7 +228,7 @@ def _ref_forward(m, x, neurons, keep=1.0):
 
 
 def test_subnet_mlp_paper_initialisation(gen):
-    m = SubnetMLP(10, 4000, 1, kappa=0.5, generator=gen)
+    m = SubnetMLP(10, 4000, 1, 1, kappa=0.5, generator=gen)
     assert set(m.output_weight.unique().tolist()) == {-1.0, 1.0}  # a_r ~ Unif{-1, 1}
     assert not m.output_weight.requires_grad and m.output_bias is None and m.hidden_biases is None
     assert abs(m.hidden_weights[0].std().item() - 0.5) < 0.01  # w_r ~ N(0, κ² I)
@@ -237,7 +237,7 @@ def test_subnet_mlp_paper_initialisation(gen):
     expected = (torch.relu(x @ m.hidden_weights[0].T) @ m.output_weight.T) / math.sqrt(4000)
     torch.testing.assert_close(m(x), expected)  # f(W, x) = 1/√m Σ a_r σ(<w_r, x>)
     g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    w1, w2 = (SubnetMLP(3, 9, 2, generator=g).hidden_weights[0] for g in (g1, g2))
+    w1, w2 = (SubnetMLP(3, 9, 1, 2, generator=g).hidden_weights[0] for g in (g1, g2))
     assert torch.equal(w1, w2)
 
 
@@ -394,7 +394,7 @@ def test_simulated_reduces_to_gradient_descent(gen, masks, S, xi):
     x = torch.randn(9, 5, generator=gen, dtype=torch.float64)
     x = x / x.norm(dim=1, keepdim=True)
     y = torch.randn(9, generator=gen, dtype=torch.float64)
-    m = SubnetMLP(5, 33, 1, generator=gen, dtype=torch.float64)
+    m = SubnetMLP(5, 33, 1, 1, generator=gen, dtype=torch.float64)
     w_ref = _gd_reference(m, x, y, 6, 0.3)
     simulated.train(m, x, y, subnetworks=S, rounds=3, local_steps=2, lr=0.3, masks=masks, xi=xi)
     torch.testing.assert_close(m.hidden_weights[0].detach(), w_ref, rtol=1e-10, atol=1e-12)
@@ -408,7 +408,7 @@ def test_simulated_trainer_decreases_error_and_is_deterministic(gen, masks, xi):
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
     runs = []
     for _ in range(2):
-        m = SubnetMLP(4, 200, 1, generator=torch.Generator().manual_seed(seed))
+        m = SubnetMLP(4, 200, 1, 1, generator=torch.Generator().manual_seed(seed))
         hist = simulated.train(m, x, y, subnetworks=3, rounds=25, local_steps=2, lr=0.2, masks=masks, xi=xi,
                                seed=seed)
         runs.append((hist, m.hidden_weights[0].detach().clone()))
@@ -423,7 +423,7 @@ def test_simulated_categorical_aggregate_is_mean_of_subnetworks(gen):
     # paper 001 Appendix F: with a categorical partition u_{k+1} = (1/p) Σ_l û^l_{k,τ}
     x = torch.randn(8, 3, generator=gen, dtype=torch.float64)
     y = torch.randn(8, generator=gen, dtype=torch.float64)
-    m = SubnetMLP(3, 40, 1, generator=gen, dtype=torch.float64)
+    m = SubnetMLP(3, 40, 1, 1, generator=gen, dtype=torch.float64)
     plan = simulated.sample_neurons(m, 4, "categorical", None, gen)
     params_list = m.extract_all(plan)
     outs = []

@@ -472,7 +472,7 @@ def test_slice_scatter(reduce, data):
     targets, ids, updates, idx, dims = scatter_case(data, gen, reduce)
     before = [t.clone() for t in targets]
     saved = [u.clone() for u in updates] + [i.clone() for i in idx]
-    F.slice_scatter_(targets, ids, updates, idx, dims, reduce)
+    F.scatter_slices_(targets, ids, updates, idx, dims, reduce)
     check_scatter(before, ids, updates, idx, dims, reduce, targets)
     for a, b in zip(list(updates) + list(idx), saved):
         assert same_bits(a, b)
@@ -481,7 +481,7 @@ def test_slice_scatter(reduce, data):
         unchanged = [t.index_select(d % t.dim(), i).clone() for t, i, d in
                      zip([targets[t] for t in ids], idx, [dims[t] for t in ids])]
         snapshot = [t.clone() for t in targets]
-        F.slice_scatter_(targets, ids, unchanged, idx, dims, reduce)
+        F.scatter_slices_(targets, ids, unchanged, idx, dims, reduce)
         for t, (a, b) in enumerate(zip(targets, snapshot)):
             assert same_bits(a, b), f"targets[{t}] changed although every owner returned its values"
 

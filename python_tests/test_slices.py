@@ -71,7 +71,7 @@ def unowned_mask(target, dim, owned):
 def test_gather_matches_reference(device, dtype, gen):
     xs, dims, sizes = model(gen, dtype, device)
     ids, indices = random_plan(gen, sizes, 3, device=device)
-    out = F.slice_gather(xs, ids, indices, dims)
+    out = F._gather_flat(xs, ids, indices, dims)
     assert out.dtype == dtype and out.dim() == 1
     assert torch.equal(out.cpu(), ref.slice_gather([x.cpu() for x in xs], ids, [i.cpu() for i in indices], dims))
     segs = F.gather_slices(xs, ids, indices, dims)
@@ -106,12 +106,12 @@ def test_gather_noncontiguous_and_empty(device, gen):
     indices = [torch.tensor([6, 0, 3]), torch.tensor([3, 1]), torch.tensor([], dtype=torch.int64),
                torch.tensor([4, 1]), torch.tensor([1])]
     indices = [i.to(device) for i in indices]
-    out = F.slice_gather(sources, ids, indices, dims)
+    out = F._gather_flat(sources, ids, indices, dims)
     assert torch.equal(out.cpu(), ref.slice_gather([s.cpu() for s in sources], ids, [i.cpu() for i in indices], dims))
     # Nothing gathered at all.
-    empty = F.slice_gather(sources, [1], [torch.tensor([], dtype=torch.int64, device=device)], dims)
+    empty = F._gather_flat(sources, [1], [torch.tensor([], dtype=torch.int64, device=device)], dims)
     assert empty.shape == (0,) and empty.dtype == base.dtype
-    assert F.slice_gather(sources, [], [], dims).shape == (0,)
+    assert F._gather_flat(sources, [], [], dims).shape == (0,)
     assert F.gather_slices(sources, [], [], dims) == []
 
 
@@ -120,10 +120,10 @@ def test_gather_gradcheck(gen):
     ids, indices = random_plan(gen, sizes, 3, p_empty=0.2)
     ids, indices = ids + [0], indices + [torch.tensor([2, 5])]  # the same slices twice across segments
     xs = [x.requires_grad_() for x in xs]
-    torch.autograd.gradcheck(lambda *s: F.slice_gather(list(s), ids, indices, dims), xs)
+    torch.autograd.gradcheck(lambda *s: F._gather_flat(list(s), ids, indices, dims), xs)
     # Only some sources need a gradient.
     xs[1].requires_grad_(False)
-    F.slice_gather(xs, ids, indices, dims).sum().backward()
+    F._gather_flat(xs, ids, indices, dims).sum().backward()
     assert xs[1].grad is None and xs[0].grad is not None
 
 
@@ -135,7 +135,7 @@ def run_scatter(gen, device, dtype, reduce, owners=4):
     before = [t.clone() for t in targets]
     expect = ref.slice_scatter([t.cpu() for t in targets], ids, [u.cpu() for u in updates],
                                [i.cpu() for i in indices], dims, reduce)
-    F.slice_scatter_(targets, ids, updates, indices, dims, reduce)
+    F.scatter_slices_(targets, ids, updates, indices, dims, reduce)
     return targets, before, expect, ids, indices, dims
 
 
@@ -180,7 +180,7 @@ def test_sum_and_copy_equal_the_index_loop_bit_for_bit(device, gen):
         for t, u, idx in zip(ids, updates, indices):
             getattr(loop[t], method)(dims[t] % loop[t].dim(), idx, u)
         ours = [t.clone() for t in targets]
-        F.slice_scatter_(ours, ids, updates, indices, dims, reduce)
+        F.scatter_slices_(ours, ids, updates, indices, dims, reduce)
         for a, b in zip(ours, loop):
             assert torch.equal(a, b)
 
@@ -220,7 +220,7 @@ def test_idempotent_when_subnetworks_return_global_values(device, dtype, gen):
     updates = [targets[t].index_select(dims[t] % targets[t].dim(), idx) for t, idx in zip(ids, indices)]
     before = [t.clone() for t in targets]
     for reduce in ("mean", "copy"):
-        F.slice_scatter_(targets, ids, updates, indices, dims, reduce)
+        F.scatter_slices_(targets, ids, updates, indices, dims, reduce)
         for a, b in zip(targets, before):
             assert torch.equal(a.view(-1).view(torch.uint8) if a.dtype.is_floating_point else a,
                                b.view(-1).view(torch.uint8) if b.dtype.is_floating_point else b)
@@ -241,13 +241,13 @@ def test_noncontiguous_targets_and_updates(device, gen):
     assert not updates[0].is_contiguous()
     # The two views of `base` overlap in memory: one call may not write both.
     with pytest.raises(BAD_INPUT, match="shares memory with targets"):
-        F.slice_scatter_(targets, ids, updates, indices, dims, "mean")
+        F.scatter_slices_(targets, ids, updates, indices, dims, "mean")
     expect = ref.slice_scatter([targets[0].cpu()], ids[:2], [u.cpu() for u in updates[:2]],
                                [i.cpu() for i in indices[:2]], dims[:1], "mean")[0]
-    F.slice_scatter_(targets[:1], ids[:2], updates[:2], indices[:2], dims[:1], "mean")
+    F.scatter_slices_(targets[:1], ids[:2], updates[:2], indices[:2], dims[:1], "mean")
     torch.testing.assert_close(base.transpose(0, 1).double().cpu(), expect, **TOL[torch.float32])
     expect = ref.slice_scatter([targets[1].cpu()], [0], [updates[2].cpu()], [indices[2].cpu()], [2], "sum")[0]
-    F.slice_scatter_([targets[1]], [0], updates[2:], indices[2:], [2], "sum")
+    F.scatter_slices_([targets[1]], [0], updates[2:], indices[2:], [2], "sum")
     torch.testing.assert_close(base[:, ::2].double().cpu(), expect, **TOL[torch.float32])
 
 
@@ -256,13 +256,13 @@ def test_scatter_empty_segments_and_untouched_targets(device, gen):
     targets, dims, sizes = model(gen, torch.float32, device)
     before = [t.clone() for t in targets]
     empty = torch.tensor([], dtype=torch.int64, device=device)
-    F.slice_scatter_(targets, [1], [torch.empty(7, 0, 3, 3, device=device)], [empty], dims, "mean")
-    F.slice_scatter_(targets, [], [], [], dims, "sum")
+    F.scatter_slices_(targets, [1], [torch.empty(7, 0, 3, 3, device=device)], [empty], dims, "mean")
+    F.scatter_slices_(targets, [], [], [], dims, "sum")
     F.owner_average_(targets[0], [torch.empty(8, 0, 3, 3, device=device)], [empty], dim=1)
     F.owner_average_(targets[0], [], [])
-    F.slice_scatter_([], [], [], [], [])
+    F.scatter_slices_([], [], [], [], [])
     with pytest.raises(ValueError, match="targets is empty"):
-        F.slice_scatter_([], [0], [targets[0]], [empty], [])
+        F.scatter_slices_([], [0], [targets[0]], [empty], [])
     for a, b in zip(targets, before):
         assert torch.equal(a, b)
 
@@ -280,7 +280,7 @@ def test_mixed_dtypes_grouped(device, gen):
     segs = [s + 1 for s in segs]
     expect = ref.slice_scatter([t.cpu() for t in targets], ids, [s.cpu() for s in segs],
                                [i.cpu() for i in indices], dims, "mean")
-    F.slice_scatter_(targets, ids, segs, indices, dims, "mean")
+    F.scatter_slices_(targets, ids, segs, indices, dims, "mean")
     for x, e in zip(targets, expect):
         torch.testing.assert_close(x.cpu().to(e.dtype), e, **(TOL[x.dtype] if x.is_floating_point() else {}))
 
@@ -293,8 +293,8 @@ def test_deterministic(device, gen):
     for reduce in ("sum", "mean"):
         a = [t.clone() for t in targets]
         b = [t.clone() for t in targets]
-        F.slice_scatter_(a, ids, updates, indices, dims, reduce)
-        F.slice_scatter_(b, ids, updates, indices, dims, reduce)
+        F.scatter_slices_(a, ids, updates, indices, dims, reduce)
+        F.scatter_slices_(b, ids, updates, indices, dims, reduce)
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
@@ -303,8 +303,8 @@ def test_index_lists_on_cpu(device, gen):
     """Plans are made on the host: index lists may stay on the CPU for tensors on a device."""
     targets, dims, sizes = model(gen, torch.float32, device)
     ids, indices = random_plan(gen, sizes, 2)
-    flat = F.slice_gather(targets, ids, indices, dims)
-    assert torch.equal(flat, F.slice_gather(targets, ids, [i.to(device) for i in indices], dims))
+    flat = F._gather_flat(targets, ids, indices, dims)
+    assert torch.equal(flat, F._gather_flat(targets, ids, [i.to(device) for i in indices], dims))
 
 
 # ---- registration: opcheck, torch.compile
@@ -327,8 +327,8 @@ def test_compile(gen):
 
     def round_trip(targets):
         segs = F.gather_slices(targets, ids, indices, dims)
-        F.slice_scatter_(targets, ids, [2 * s for s in segs], indices, dims, "mean")
-        return F.slice_gather(targets, ids, indices, dims)
+        F.scatter_slices_(targets, ids, [2 * s for s in segs], indices, dims, "mean")
+        return F._gather_flat(targets, ids, indices, dims)
 
     eager = [x.clone() for x in xs]
     compiled = [x.clone() for x in xs]
@@ -375,20 +375,20 @@ def test_scatter_bad_input_writes_nothing(device):
     for match, kw in cases:
         before = [t.clone() for t in kw["targets"]]
         with pytest.raises(BAD_INPUT, match=match):
-            F.slice_scatter_(**kw)
+            F.scatter_slices_(**kw)
         with pytest.raises(BAD_INPUT, match=match):  # the op itself, not only the wrapper
             ops.slice_scatter_(*kw.values())
         for a, b in zip(kw["targets"], before):
             assert torch.equal(a, b)
     b = torch.zeros(4, dtype=torch.bool, device=device)
     with pytest.raises(BAD_INPUT, match='reduce="sum" needs a floating or integer dtype'):
-        F.slice_scatter_([b], [0], [b[:1].clone()], [torch.tensor([0], device=device)], [0], "sum")
+        F.scatter_slices_([b], [0], [b[:1].clone()], [torch.tensor([0], device=device)], [0], "sum")
     w = torch.randn(6, 4, device=device)
     with pytest.raises(BAD_INPUT, match=r"targets\[0\] shares memory with targets\[1\]"):
-        F.slice_scatter_([w, w[2:]], [0, 1], [torch.ones(1, 4, device=device)] * 2,
+        F.scatter_slices_([w, w[2:]], [0, 1], [torch.ones(1, 4, device=device)] * 2,
                          [torch.tensor([0], device=device)] * 2, [0, 0], "copy")
     with pytest.raises(BAD_INPUT, match="expanded view"):
-        F.slice_scatter_([torch.zeros(1, 3, device=device).expand(4, 3)], [0], [torch.ones(1, 3, device=device)],
+        F.scatter_slices_([torch.zeros(1, 3, device=device).expand(4, 3)], [0], [torch.ones(1, 3, device=device)],
                          [torch.tensor([0], device=device)], [0], "copy")
 
 
@@ -403,12 +403,12 @@ def test_mixed_dtype_bad_input_writes_nothing(device):
                        (r"indices\[1\] must not repeat an index, but indices\[1\]\[1\] = 2 repeats", torch.tensor([2, 2]))):
         u = upd if idx.numel() == 1 else [upd[0], torch.ones(2, dtype=torch.int64, device=device)]
         with pytest.raises(BAD_INPUT, match=match):
-            F.slice_scatter_([w, n], [0, 1], u, [torch.tensor([0, 1], device=device), idx.to(device)], [0, 0])
+            F.scatter_slices_([w, n], [0, 1], u, [torch.tensor([0, 1], device=device), idx.to(device)], [0, 0])
     with pytest.raises(BAD_INPUT, match=r"targets\[0\] shares memory with updates\[0\]"):
-        F.slice_scatter_([w, n], [0, 1], [w[:2], upd[1]], [torch.tensor([0, 1], device=device),
+        F.scatter_slices_([w, n], [0, 1], [w[:2], upd[1]], [torch.tensor([0, 1], device=device),
                                                             torch.tensor([0], device=device)], [0, 0])
     with pytest.raises(BAD_INPUT, match=r"updates\[1\] has dtype"):
-        F.slice_scatter_([w, n], [0, 1], [upd[0], upd[0][0, :1]],
+        F.scatter_slices_([w, n], [0, 1], [upd[0], upd[0][0, :1]],
                          [torch.tensor([0, 1], device=device), torch.tensor([0], device=device)], [0, 0])
     assert torch.equal(w, before[0]) and torch.equal(n, before[1])
 
@@ -429,7 +429,7 @@ def test_gather_bad_input(device):
         (r"sources is empty", ([], [], [], [])),
     ]:
         with pytest.raises(BAD_INPUT, match=match):
-            F.slice_gather(*args)
+            F._gather_flat(*args)
 
 
 # ---- slice_gather_into_: the gather into a caller's buffer, and GatherBuffers
@@ -441,7 +441,7 @@ def test_gather_into_matches_reference(device, dtype, gen):
     xs[1] = xs[1].transpose(2, 3)  # a non-contiguous source (same shape: 3x3 kernel)
     expect = ref.slice_gather([x.cpu() for x in xs], ids, [i.cpu() for i in indices], dims)
     out = rand((expect.numel(),), dtype, gen, device)  # stale data everywhere: all of it is overwritten
-    assert F.slice_gather(xs, ids, indices, dims, out=out) is out
+    assert F._gather_flat(xs, ids, indices, dims, out=out) is out
     assert torch.equal(out.cpu(), expect)
     out.zero_()
     assert ops.slice_gather_into_(out, xs, ids, indices, dims) is None
@@ -456,29 +456,29 @@ def test_gather_into_matches_reference(device, dtype, gen):
 def test_gather_into_empty(device, gen):
     w = torch.randn(4, 3, device=device)
     out = torch.empty(0, device=device)
-    F.slice_gather([w], [0, 0], [torch.tensor([], dtype=torch.int64, device=device)] * 2, [0], out=out)
-    F.slice_gather([w], [], [], [0], out=out)
+    F._gather_flat([w], [0, 0], [torch.tensor([], dtype=torch.int64, device=device)] * 2, [0], out=out)
+    F._gather_flat([w], [], [], [0], out=out)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gather_into_opcheck(device, gen):
     xs, dims, sizes = model(gen, torch.float32, device, TENSORS[:5])
     ids, indices = random_plan(gen, sizes, 2, p_empty=0.2, device=device)
-    n = F.slice_gather(xs, ids, indices, dims).numel()
+    n = F._gather_flat(xs, ids, indices, dims).numel()
     torch.library.opcheck(ops.slice_gather_into_.default, (torch.empty(n, device=device), xs, ids, indices, dims))
 
 
 def test_gather_into_compile(gen):
     xs, dims, sizes = model(gen, torch.float32, "cpu", TENSORS[:5])
     ids, indices = random_plan(gen, sizes, 3, p_empty=0.0)
-    n = F.slice_gather(xs, ids, indices, dims).numel()
+    n = F._gather_flat(xs, ids, indices, dims).numel()
 
     def fn(out):
-        F.slice_gather(xs, ids, indices, dims, out=out)
+        F._gather_flat(xs, ids, indices, dims, out=out)
         return out * 2
 
     got = torch.compile(fn, fullgraph=True)(torch.zeros(n))
-    assert torch.equal(got, 2 * F.slice_gather(xs, ids, indices, dims))
+    assert torch.equal(got, 2 * F._gather_flat(xs, ids, indices, dims))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -500,9 +500,9 @@ def test_gather_into_bad_input_writes_nothing(device):
         assert torch.equal(out, before)
     out = torch.zeros(8, device=device)
     with pytest.raises(BAD_INPUT, match=r"indices\[0\]\[1\] = 6 is out of range"):
-        F.slice_gather([w], [0], [torch.tensor([1, 6], device=device)], [0], out=out)
+        F._gather_flat([w], [0], [torch.tensor([1, 6], device=device)], [0], out=out)
     with pytest.raises(ValueError, match="out= is not differentiable"):
-        F.slice_gather([w.requires_grad_()], [0], i, [0], out=out)
+        F._gather_flat([w.requires_grad_()], [0], i, [0], out=out)
     with pytest.raises(ValueError, match="out is one tensor but the sources have 2 dtypes"):
         F.gather_slices([w.detach(), w.detach().double()], [0, 1], i * 2, [0, 0], out=out)
     assert torch.equal(out, torch.zeros(8, device=device))
@@ -582,7 +582,7 @@ def test_mixed_dtype_bad_index_in_either_launch_writes_nothing(device):
         upd = [torch.ones(3, 4, device=device), torch.ones(1, dtype=torch.int64, device=device),
                torch.ones(1, device=device)]
         with pytest.raises(BAD_INPUT, match=match):
-            F.slice_scatter_([w, n, v], [0, 1, 2], upd, idx, [0, 0, 0], "mean")
+            F.scatter_slices_([w, n, v], [0, 1, 2], upd, idx, [0, 0, 0], "mean")
         for a, b in zip((w, n, v), before):
             assert torch.equal(a, b)
         with pytest.raises(BAD_INPUT, match=match):
@@ -600,7 +600,7 @@ def test_gather_into_out_over_an_index_list_is_refused():
     assert "ValueError: slice_gather_into_: out shares memory with indices[0]" in proc.stderr
     b = torch.tensor([0, 1, 0, 0])
     with pytest.raises(ValueError, match=r"out shares memory with indices\[0\]"):
-        F.slice_gather([torch.full((4, 2), 10**12)], [0], [b[:2]], [0], out=b)
+        F._gather_flat([torch.full((4, 2), 10**12)], [0], [b[:2]], [0], out=b)
     assert torch.equal(b, torch.tensor([0, 1, 0, 0]))
 
 
@@ -647,16 +647,16 @@ def test_mixed_dtype_scatter_writes_nothing_before_its_checks(device):
     before = (n.clone(), w.clone())
     t = lambda *v: torch.tensor(v, device=device)  # noqa: E731
     with pytest.raises(ValueError, match=r"targets\[1\] shares memory with indices\[1\]"):
-        F.slice_scatter_([w, n], [1, 0], [t(9, 9, 9, 9), torch.ones(4, 4, device=device)], [t(0, 1, 2, 3), n[:4]],
+        F.scatter_slices_([w, n], [1, 0], [t(9, 9, 9, 9), torch.ones(4, 4, device=device)], [t(0, 1, 2, 3), n[:4]],
                          [0, 0], "copy")
     # the first launch (float32, the most indices) names the caller's position 3, not its own 1
     with pytest.raises(IndexError, match=r"indices\[3\]\[1\] = 9 is out of range for targets\[1\] along dim 0"):
-        F.slice_scatter_([n, w], [0, 1, 0, 1], [t(9), torch.ones(1, 4, device=device), t(8),
+        F.scatter_slices_([n, w], [0, 1, 0, 1], [t(9), torch.ones(1, 4, device=device), t(8),
                                                 torch.ones(3, 4, device=device)],
                          [t(0), t(0), t(1), t(1, 9, 2)], [0, 0], "copy")
     # an expanded target of a later launch is named by the caller's position before anything runs
     with pytest.raises(ValueError, match=r"targets\[2\] has elements that share memory"):
-        F.slice_scatter_([w, n, torch.zeros(1, device=device).expand(3)], [0, 1, 2],
+        F.scatter_slices_([w, n, torch.zeros(1, device=device).expand(3)], [0, 1, 2],
                          [torch.ones(1, 4, device=device), t(7), torch.ones(1, device=device)], [t(0), t(1), t(2)],
                          [0, 0, 0], "copy")
     assert torch.equal(n, before[0]) and torch.equal(w, before[1])
@@ -672,13 +672,13 @@ def test_strided_sources_gather_into_a_buffer(device):
     out = torch.empty(6, device=device)
     ops.slice_gather_into_(out, [src], [0], idx, [0])
     assert torch.equal(out, want)
-    assert torch.equal(F.slice_gather([src], [0], idx, [0], out=torch.empty(6, device=device)), want)
+    assert torch.equal(F._gather_flat([src], [0], idx, [0], out=torch.empty(6, device=device)), want)
     holder = F.GatherBuffers()
     parts = F.gather_slices([src, torch.arange(3, device=device)], [0, 1], idx * 2, [0, 0], out=holder)
     assert torch.equal(parts[0].reshape(-1), want) and torch.equal(parts[1], torch.tensor([0, 2], device=device))
     # interleaved views of one buffer that share no element are fine as targets; sharing one is not
     buf = torch.zeros(24, device=device)
-    F.slice_scatter_([buf[0::2].view(3, 4), buf[1::2].view(3, 4)], [0, 1],
+    F.scatter_slices_([buf[0::2].view(3, 4), buf[1::2].view(3, 4)], [0, 1],
                      [torch.ones(1, 4, device=device), 2 * torch.ones(1, 4, device=device)],
                      [torch.tensor([1], device=device)] * 2, [0, 0], "copy")
     assert buf.view(3, 8)[1].tolist() == [1.0, 2.0] * 4 and buf.view(3, 8)[[0, 2]].abs().sum() == 0

@@ -75,12 +75,12 @@ def test_gather_widths(case, how, lists, gen):
     for t in (0, 1, 0):
         ids.append(t)
         indices += plan(gen, shape[d], 1, lists == "device")
-    got = F.slice_gather(xs, ids, indices, [dim, dim])
+    got = F._gather_flat(xs, ids, indices, [dim, dim])
     want = ref.slice_gather([x.cpu() for x in xs], ids, [i.cpu() for i in indices], [dim, dim])
     assert torch.equal(got.cpu(), want)  # a gather copies: bit for bit
     # into a buffer that starts one element off a 16-byte boundary: narrower stores
     buf = torch.full((got.numel() + 1,), 7, dtype=dtype, device="cuda")
-    F.slice_gather(xs, ids, indices, [dim, dim], out=buf[1:])
+    F._gather_flat(xs, ids, indices, [dim, dim], out=buf[1:])
     assert torch.equal(buf[1:].cpu(), want) and buf[0].item() == 7
 
 
@@ -99,7 +99,7 @@ def test_scatter_widths(case, how, reduce, owners, gen):
     for j, idx in enumerate(indices):
         u = rand([idx.numel() if a == d else s for a, s in enumerate(shape)], dtype, gen, "cuda")
         updates.append(placed(u, "misaligned") if j % 2 else u)  # owners of mixed alignment
-    F.slice_scatter_([target], [0] * owners, updates, indices, [dim], reduce)
+    F.scatter_slices_([target], [0] * owners, updates, indices, [dim], reduce)
     want = ref.slice_scatter([original.cpu()], [0] * owners, [u.cpu() for u in updates], indices, [dim], reduce)[0]
     if dtype.is_floating_point and reduce == "mean":
         torch.testing.assert_close(target.cpu().to(want.dtype), want, **TOL[dtype])
@@ -122,7 +122,7 @@ def test_many_blocks_against_torch(dtype, gen):
         assert torch.equal(g, x.index_select(dd, i.cuda()))
     before = w.clone()
     upd = [g * 2 for g in got[:2]]
-    F.slice_scatter_([w], [0, 0], upd, idx, [1], "mean")
+    F.scatter_slices_([w], [0, 0], upd, idx, [1], "mean")
     acc, cnt = torch.zeros_like(before, dtype=torch.float64), torch.zeros(192, dtype=torch.float64, device="cuda")
     for u, i in zip(upd, idx):
         acc.index_add_(1, i.cuda(), u.double())
@@ -144,11 +144,11 @@ def test_host_index_lists_never_sync(gen):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        flat = F.slice_gather(xs, ids, indices, dims)
-        F.slice_gather(xs, ids, indices, dims, out=out)
+        flat = F._gather_flat(xs, ids, indices, dims)
+        F._gather_flat(xs, ids, indices, dims, out=out)
         segs = F.gather_slices(xs, ids, indices, dims)
         for reduce in ("copy", "sum", "mean"):
-            F.slice_scatter_(xs, ids, segs, indices, dims, reduce)
+            F.scatter_slices_(xs, ids, segs, indices, dims, reduce)
         F.owner_average_(xs[0], [segs[0], segs[3]], [indices[0], indices[3]], dim=0)
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -164,10 +164,10 @@ def test_device_index_lists_sync_once_and_work(gen):
     torch.cuda.set_sync_debug_mode("error")
     try:
         with pytest.raises(RuntimeError):
-            F.slice_gather([x], [0], [idx], [1])
+            F._gather_flat([x], [0], [idx], [1])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(F.slice_gather([x], [0], [idx], [1]), x.index_select(1, idx).reshape(-1))
+    assert torch.equal(F._gather_flat([x], [0], [idx], [1]), x.index_select(1, idx).reshape(-1))
 
 
 @requires_cuda
@@ -178,10 +178,10 @@ def test_bad_host_lists_leave_targets_unchanged_without_sync(gen):
     torch.cuda.set_sync_debug_mode("error")
     try:
         with pytest.raises(IndexError, match=r"indices\[1\]\[2\] = 5 is out of range"):
-            F.slice_scatter_([x], [0, 0], [x[:, :2].contiguous(), x[:, :3].contiguous()],
+            F.scatter_slices_([x], [0, 0], [x[:, :2].contiguous(), x[:, :3].contiguous()],
                              [torch.tensor([0, 1]), torch.tensor([2, 3, 5])], [1], "mean")
         with pytest.raises(ValueError, match="must not repeat an index"):
-            F.slice_gather([x], [0], [torch.tensor([1, 4, 1])], [1])
+            F._gather_flat([x], [0], [torch.tensor([1, 4, 1])], [1])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(x, before)

@@ -40,7 +40,7 @@ def neuron_plans(method, masks, xi, rounds, S=2, width=16, depth=1, seed=0):
     from ist_kernels.train.methods.masked import PLAN
     from ist_kernels.train.simulated import sample_neurons
 
-    net = SubnetMLP(64, width, 10, depth, bias=True, train_output=True)
+    net = SubnetMLP(64, width, depth, 10, bias=True, train_output=True)
     return [sample_neurons(net, S, masks, xi, torch.Generator().manual_seed(_mix(seed, PLAN, r))) for r in range(rounds)]
 
 
@@ -138,7 +138,7 @@ def test_masked_bernoulli_distributed_equals_simulated(tmp_path):
     from ist_kernels.distributed import plan_bytes
     from ist_kernels.nn.subnet import SubnetMLP
 
-    net = SubnetMLP(64, 16, 10, 1, bias=True, train_output=True)
+    net = SubnetMLP(64, 16, 1, 10, bias=True, train_output=True)
     plans = neuron_plans("masked", "bernoulli", 0.4, 3)
     sizes = {"hidden_weights.0": 16, "hidden_biases.0": 16, "output_weight": 16}
     store = [net.slice_plan(p).with_holders(sizes) for p in plans]

@@ -4,19 +4,19 @@ After round t, rank s holds subnetwork s of plan t (decentralized storage: only 
 and the shared ones) or the whole model (replicated storage). :class:`Exchange` gives every rank its
 part of round t+1 in two collectives:
 
-1. pack, with one ``slice_gather``, the slices every other rank needs (decentralized: the slices
+1. pack, with one ``gather_slices``, the slices every other rank needs (decentralized: the slices
    that rank owns in plan t+1; replicated: everything this rank updated), peers in rank order;
 2. one ``all_to_all_single`` with per-peer split sizes (both ends know them from the plans);
 3. one flat ``all_reduce`` (sum, then / S) of the shared tensors;
-4. unpack with one ``slice_scatter_(reduce="mean")`` whose segments come in ascending source rank,
+4. unpack with one ``scatter_slices_(reduce="mean")`` whose segments come in ascending source rank,
    so a slice owned by several subnetworks is the mean of their values taken in the same order
-   as in the simulated single-process path (``slice_scatter_`` over subnetworks 0..S-1, then
-   ``slice_gather`` of the next subnetwork): the partitioned part is bit-identical to it.
+   as in the simulated single-process path (``scatter_slices_`` over subnetworks 0..S-1, then
+   ``gather_slices`` of the next subnetwork): the partitioned part is bit-identical to it.
 
 The shared part: ``shared="all_reduce"`` (default) sums in the backend's order (ring chunks), so
 it equals the simulated mean to a few ulps (|error| <= (S-1) * eps * max|x| per element), not bit
 for bit. ``shared="exact"`` moves the shared tensors through the same all-to-all (as one slice that
-every subnetwork owns) and averages them with the same ``slice_scatter_``: bit-identical to the
+every subnetwork owns) and averages them with the same ``scatter_slices_``: bit-identical to the
 simulated path, one collective per round, (S-1) times the shared bytes per rank instead of the
 ring all-reduce's 2(S-1)/S.
 
@@ -94,8 +94,8 @@ def _normalise_spec(spec: Spec) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]
 def _functional():
     from .. import functional as F
 
-    if not hasattr(F, "slice_gather") or not hasattr(F, "slice_scatter_"):
-        raise RuntimeError("ist_kernels.distributed needs ist_kernels.functional.slice_gather / slice_scatter_")
+    if not hasattr(F, "gather_slices") or not hasattr(F, "scatter_slices_"):
+        raise RuntimeError("ist_kernels.distributed needs ist_kernels.functional.gather_slices / scatter_slices_")
     return F
 
 
@@ -171,8 +171,8 @@ class _Mover:
         scratch = _scratch()
         if self.pack:  # the pack, wire and receive buffers never leave run(): reused across rounds
             send = scratch.take(sum(s.numel for s in self.pack), self.dtype, device)
-            F.slice_gather(src_list, [src_pos[s.entry] for s in self.pack], pack_idx,
-                           [self.entries[e].dim for e in self.source_entries], out=send)
+            F._gather_flat(src_list, [src_pos[s.entry] for s in self.pack], pack_idx,
+                            [self.entries[e].dim for e in self.source_entries], out=send)
         else:
             send = torch.empty(0, dtype=self.dtype, device=device)
         own = send[self.wire_numel:]

@@ -10,7 +10,7 @@ Given which ranks contribute which ids (``src``) and which ranks need which ids 
 (``dst``), rank k sends rank q the ids src[k] & dst[q], grouped per tensor in plan order, each
 group one segment of the packed buffer; rank q receives from every k in rank order, so the owners
 of a slice are visited in ascending rank in the unpack, as in the simulated single-process path
-(slice_scatter_ over subnetworks 0..S-1).
+(scatter_slices_ over subnetworks 0..S-1).
 """
 from dataclasses import dataclass, field
 from math import prod

@@ -69,7 +69,7 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> float:
     torch.set_num_threads(1)
     masks, S, xi, tau = cell
     x, y = diabetes_regression(args.n)
-    model = SubnetMLP(x.shape[1], args.width, 1, generator=torch.Generator().manual_seed(args.seed))
+    model = SubnetMLP(x.shape[1], args.width, 1, 1, generator=torch.Generator().manual_seed(args.seed))
     hist = simulated.train(model, x, y, subnetworks=S, rounds=args.rounds, local_steps=tau, lr=args.lr,
                            masks=masks, xi=xi if masks == "bernoulli" else None, seed=args.seed)
     return hist.errors[-1]

@@ -13,6 +13,9 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional
+from ._init import draw_, linear_init_
+
+__all__ = ["GatedLinear", "GReLUMLP"]
 
 
 def _words(num_features: int) -> int:
@@ -39,15 +42,13 @@ class GatedLinear(nn.Module):
             self.register_parameter("bias", None)
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        # Same as nn.Linear.
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
-            nn.init.uniform_(self.bias, -bound, bound)
+    def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
+        """As ``nn.Linear`` (the same draws), on the parameters' device, from ``generator``
+        (default: the global one)."""
+        linear_init_(self.weight, self.bias, generator)
 
     def forward(self, x: Tensor, gates: Tensor) -> Tensor:
-        return functional.gated_linear(x, self.weight, self.bias, gates)
+        return functional.gated_linear(x, self.weight, gates, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -96,10 +97,13 @@ class GReLUMLP(nn.Module):
     # ---- initialisation (§2.1)
     @torch.no_grad()
     def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
+        """§2.1's initialisation, drawn on the module's device from ``generator`` (default: the
+        global one; a generator on another device draws there and the values are copied); the
+        gate cache is dropped."""
         m, d_x, d_y = self.width, self.in_features, self.out_features
 
         def normal_(t: Tensor, var: float) -> None:
-            t.copy_(torch.randn(t.shape, generator=generator, dtype=torch.float64) * math.sqrt(var))
+            draw_(t, lambda u, g: u.normal_(0.0, math.sqrt(var), generator=g), generator)
 
         for layer in self.layers:
             normal_(layer.weight, 2.0 / m)
@@ -160,7 +164,7 @@ class GReLUMLP(nn.Module):
         read from the cache made by :meth:`cache_gates`."""
         h, g0 = functional.relu_gates(x, self.C, self.C_bias)  # h_0 = z_0 = D_0 C x
         if x.requires_grad:  # relu_gates has no gradient; D_0 (C x) is the same h_0, differentiable in x
-            h = functional.gated_linear(x, self.C, self.C_bias, g0)
+            h = functional.gated_linear(x, self.C, g0, self.C_bias)
         if index is None:
             z = h
             for k, layer in enumerate(self.layers):
@@ -231,7 +235,7 @@ class GReLUMLP(nn.Module):
         h, _ = functional.relu_gates(x.to(dtype), cast(self.C), cast(self.C_bias))
         feats = [h]
         for k, layer in enumerate(self.layers):
-            h = functional.gated_linear(h, cast(layer.weight), cast(layer.bias), gates[..., k, :].contiguous())
+            h = functional.gated_linear(h, cast(layer.weight), gates[..., k, :].contiguous(), cast(layer.bias))
             feats.append(h)
         return feats
 

@@ -15,7 +15,7 @@ second layer on, the columns of the previous layer's neurons), bias entries of i
 when the output layer trains, output columns of its last layer's neurons plus the shared output
 bias. :meth:`SubnetMLP.extract_all` gathers every subnetwork's tensors in one
 :func:`~ist_kernels.functional.gather_slices` call; :meth:`SubnetMLP.aggregate_` writes them back
-in one :func:`~ist_kernels.functional.slice_scatter_` with ``reduce="mean"``: every entry becomes
+in one :func:`~ist_kernels.functional.scatter_slices_` with ``reduce="mean"``: every entry becomes
 the mean over the subnetworks that own it, entries that no subnetwork owns keep their value —
 Algorithm 1 line 12 with η_r = N⊥_r / N_r.
 """
@@ -27,46 +27,74 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import functional as IF
+from ._init import draw_
+
+__all__ = ["SubnetMLP"]
 
 Neurons = Union[None, Tensor, Sequence[Optional[Tensor]]]
 
 
 class SubnetMLP(nn.Module):
     """Full model of independent subnetwork training: ``depth`` hidden layers of ``width`` ReLU
-    neurons and an output layer (fixed ±1 weights unless ``train_output``).
+    neurons and an output layer of ``out_features`` (fixed ±1 weights unless ``train_output``).
+
+    The constructor order is ``(in_features, width, depth, out_features)``, as :class:`GReLUMLP`
+    (before 0.2 it was ``(in_features, width, out_features, depth=1)``; a call that leaves
+    ``out_features`` out raises a TypeError that says so).
 
     Args:
         bias: hidden layers have biases (zero at init); with ``train_output`` the output layer has
             a bias too, shared by every subnetwork. Paper 001 has none.
         train_output: train the output weights (and bias); paper 001 keeps a fixed.
         kappa: standard deviation of the first layer's weights (paper 001: w_r ~ N(0, κ² I)).
-        generator: for the initialisation (CPU generator; the same seed gives the same model on
-            every rank).
+        generator: for the initialisation (see :meth:`reset_parameters`).
+        device, dtype: factory kwargs, as torch.nn's (``device="meta"`` allocates nothing; then
+            ``to_empty(device=...)`` and ``reset_parameters(generator)``).
     """
 
-    def __init__(self, in_features: int, width: int, out_features: int, depth: int = 1, *,
-                 bias: bool = False, train_output: bool = False, kappa: float = 1.0,
+    def __init__(self, in_features: int, width: int, depth: Optional[int] = None, out_features: Optional[int] = None,
+                 *, bias: bool = False, train_output: bool = False, kappa: float = 1.0,
                  generator: Optional[torch.Generator] = None, device=None, dtype=None):
         super().__init__()
+        if depth is None or out_features is None:
+            raise TypeError("SubnetMLP: depth and out_features are required; the order is "
+                            "SubnetMLP(in_features, width, depth, out_features) (it was (in_features, width, "
+                            "out_features, depth=1) before 0.2)")
         if depth < 1 or width < 1 or in_features < 1 or out_features < 1:
-            raise ValueError("SubnetMLP: in_features, width, out_features and depth must be >= 1")
-        self.in_features, self.width, self.out_features, self.depth = in_features, width, out_features, depth
+            raise ValueError("SubnetMLP: in_features, width, depth and out_features must be >= 1, got "
+                             f"{in_features}, {width}, {depth}, {out_features}")
+        factory = {"device": device, "dtype": dtype}
+        self.in_features, self.width, self.depth, self.out_features = in_features, width, depth, out_features
         self.train_output = train_output
+        self.kappa = kappa
         self.scale = 1.0 / math.sqrt(width)
-        kw = dict(dtype=dtype or torch.get_default_dtype())
         fan_in = [in_features] + [width] * (depth - 1)
-        self.hidden_weights = nn.ParameterList(
-            nn.Parameter((torch.randn(width, f, generator=generator, **kw) * (kappa if l == 0 else 1.0)).to(device))
-            for l, f in enumerate(fan_in))
-        self.hidden_biases = (nn.ParameterList(nn.Parameter(torch.zeros(width, device=device, **kw)) for _ in fan_in)
+        self.hidden_weights = nn.ParameterList(nn.Parameter(torch.empty(width, f, **factory)) for f in fan_in)
+        self.hidden_biases = (nn.ParameterList(nn.Parameter(torch.empty(width, **factory)) for _ in fan_in)
                               if bias else None)
-        a = (torch.randint(0, 2, (out_features, width), generator=generator) * 2 - 1).to(device=device, **kw)
+        a = torch.empty(out_features, width, **factory)
         if train_output:
             self.output_weight = nn.Parameter(a)
-            self.output_bias = nn.Parameter(torch.zeros(out_features, device=device, **kw)) if bias else None
+            self.output_bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         else:
             self.register_buffer("output_weight", a)
             self.output_bias = None
+        self.reset_parameters(generator)
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
+        """Paper 001's initialisation: first-layer weights N(0, κ²), later hidden layers N(0, 1),
+        biases zero, output weights Unif{-1, +1}.
+
+        Drawn in place on the parameters' device from ``generator`` (default: that device's global
+        generator). A generator on another device (e.g. a CPU one for a CUDA model: the same model
+        on every machine) draws there and the values are copied. Nothing is drawn on ``meta``."""
+        for l, w in enumerate(self.hidden_weights):
+            draw_(w, lambda t, g: t.normal_(0.0, self.kappa if l == 0 else 1.0, generator=g), generator)
+        draw_(self.output_weight, lambda t, g: t.copy_(t.bernoulli_(0.5, generator=g) * 2 - 1), generator)
+        for b in list(self.hidden_biases or []) + [self.output_bias]:
+            if b is not None:
+                b.zero_()
 
     # ---- neurons
     def _neurons(self, neurons: Neurons, device=None) -> List[Optional[Tensor]]:
@@ -243,8 +271,8 @@ class SubnetMLP(nn.Module):
                 raise ValueError(f"SubnetMLP.aggregate_: compact parameter of shape {tuple(u.shape)}, expected {shape}")
         updates = [u.reshape(-1) if len(shape) == 2 and targets[t].dim() == 1 else u.contiguous()
                    for u, shape, t in zip(updates, shapes, ids)]
-        IF.slice_scatter_(targets, ids, updates, indices, dims, reduce="mean")
+        IF.scatter_slices_(targets, ids, updates, indices, dims, reduce="mean")
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, width={self.width}, out_features={self.out_features}, "
-                f"depth={self.depth}, bias={self.hidden_biases is not None}, train_output={self.train_output}")
+        return (f"in_features={self.in_features}, width={self.width}, depth={self.depth}, "
+                f"out_features={self.out_features}, bias={self.hidden_biases is not None}, train_output={self.train_output}")

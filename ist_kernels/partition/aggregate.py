@@ -16,11 +16,11 @@ WHO = "aggregate_slices_"
 def aggregate_slices_(targets: Sequence[Tensor], target_ids: Sequence[int], updates: Sequence[Tensor],
                       indices: Sequence[Tensor], dims: Sequence[int]) -> None:
     """Write compact segments back into their targets, in place (segments as in
-    :func:`ist_kernels.functional.slice_scatter_`: ``updates[j]`` holds the slices ``indices[j]``
+    :func:`ist_kernels.functional.scatter_slices_`: ``updates[j]`` holds the slices ``indices[j]``
     along ``dims[target_ids[j]]`` of ``targets[target_ids[j]]``, one segment per owner).
 
     - Floating targets: the mean over the segments owning a slice, taken in segment order (paper
-      001 §3.1, eta = N_perp / N), one ``slice_scatter_(reduce="mean")`` launch per dtype.
+      001 §3.1, eta = N_perp / N), one ``scatter_slices_(reduce="mean")`` launch per dtype.
     - Integer targets (counters, e.g. BN ``num_batches_tracked`` of a block several ResIST
       sub-ResNets own): the owners' maximum. A mean of counters would be truncated toward zero
       (10 and 11 give 10), so a counter could go back; the maximum is the count of the owner that
@@ -35,7 +35,7 @@ def aggregate_slices_(targets: Sequence[Tensor], target_ids: Sequence[int], upda
     indices, dims = list(indices), list(dims)
     counters = [t for t, x in enumerate(targets) if not (x.is_floating_point() or x.is_complex())]
     if not counters:
-        F.slice_scatter_(targets, target_ids, updates, indices, dims, reduce="mean")
+        F.scatter_slices_(targets, target_ids, updates, indices, dims, reduce="mean")
         return
     check(len(dims) == len(targets) and len(target_ids) == len(updates) == len(indices), WHO,
           f"expected one dim per target and one target id, update and index list per segment, got "
@@ -56,7 +56,7 @@ def aggregate_slices_(targets: Sequence[Tensor], target_ids: Sequence[int], upda
             maxima[t] = _owner_max(t, targets[t], dims[t], [updates[j] for j in segs],
                                    [indices[j] for j in segs], segs)
     if floating:
-        F.slice_scatter_([targets[t] for t in floating], [renumber[target_ids[j]] for j in float_segs],
+        F.scatter_slices_([targets[t] for t in floating], [renumber[target_ids[j]] for j in float_segs],
                          [updates[j] for j in float_segs], [indices[j] for j in float_segs],
                          [dims[t] for t in floating], reduce="mean")
     for t, new in maxima.items():

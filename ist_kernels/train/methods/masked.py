@@ -138,7 +138,7 @@ class Masked(Method):
         self.xi = o.get("xi") if self.masks == "bernoulli" else None
         cfg = ctx.cfg
         self.net = ctx.build_model(lambda: SubnetMLP(
-            ctx.in_features, cfg.width or 128, ctx.num_outputs, cfg.depth, bias=o["bias"],
+            ctx.in_features, cfg.width or 128, cfg.depth, ctx.num_outputs, bias=o["bias"],
             train_output=o["train_output"], kappa=o["kappa"]))
         self.full_state_bytes = ctx.full_state_bytes(self.net)
         self.keep = selection_probability(self.masks, ctx.num_workers, self.xi)
