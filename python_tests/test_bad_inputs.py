@@ -532,7 +532,7 @@ add("F.owner_average_", "updates", "shape", lambda: [rnd(5, 3), [rnd(2, 3), rnd(
 add("F.owner_average_", "indices", "range", lambda: [rnd(5, 3), [rnd(2, 3), rnd(1, 3)], [t(0, 1), t(5)], 0],
     IndexError, r"indices\[1\]\[0\] = 5 is out of range")
 add("F.owner_average_", "dim", "range", lambda: [rnd(5, 3), [rnd(2, 3)], [t(0, 1)], 2], IndexError,
-    r"dim = 2 is out of range for target with 2 dimensions")
+    r"dim = 2 is out of range for input with 2 dimensions")
 
 
 # Mixed dtypes: one launch per dtype, checked as a whole first; messages name the caller's positions

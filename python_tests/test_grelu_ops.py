@@ -42,7 +42,7 @@ def make(rows, K, N, dtype, gen, device="cpu", lead=None, bias=True):
 
 # A backend: (relu_gates, gated_linear, gated_linear_backward, device).
 def _cpp():
-    return F.relu_gates, F.gated_linear, ops.gated_linear_backward, "cpu"
+    return F.relu_gates, lambda x, w, b, g: F.gated_linear(x, w, g, b), ops.gated_linear_backward, "cpu"
 
 
 def _triton():
@@ -267,7 +267,7 @@ def test_opcheck(device, gen):
 
 def test_gradcheck(gen):
     x, w, b, gates = make(None, 5, 35, torch.float64, gen, lead=(2, 3))  # 35 features: 2 gate words
-    args = [x.requires_grad_(), w.requires_grad_(), b.requires_grad_(), gates]
+    args = [x.requires_grad_(), w.requires_grad_(), gates, b.requires_grad_()]
     assert torch.autograd.gradcheck(F.gated_linear, args)
     assert torch.autograd.gradcheck(lambda x, w: F.gated_linear(x, w, gates), (x, w), fast_mode=True)
 
