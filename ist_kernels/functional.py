@@ -1,15 +1,3 @@
-"""Functional API over ``torch.ops.ist_kernels``: the entry points the modules and users call."""
-from typing import List, Optional, Sequence
-
-import torch
-from torch import Tensor
-
-from .ops import _checks
-from .ops import slices as _slices
-
-_ops = torch.ops.ist_kernels
-
-
 """Functional API over ``torch.ops.ist_kernels``: the entry points the modules and users call.
 
 These names are the public API. The op schemas behind them (``torch.ops.ist_kernels.slice_gather``,
@@ -18,7 +6,8 @@ their names; call them only to reach an op directly (opcheck, custom composition
 
 Conventions, as in ``torch.nn.functional``: a single-tensor function takes ``input`` first (the
 multi-tensor slice functions take ``sources`` / ``targets``, the names their errors use); ``bias``
-defaults to None; ``out`` is keyword-only; a trailing ``_`` writes in place. Shapes: ``N`` out features, ``K`` in features, ``...`` any batch dims.
+defaults to None; ``out`` is keyword-only; a trailing ``_`` writes in place. Shapes: ``N`` out
+features, ``K`` in features, ``...`` any batch dims.
 
 Deprecated aliases (kept for one release; they warn with a ``FutureWarning``):
 ``slice_gather`` (the flat gather: use :func:`gather_slices`, with ``out=`` for a flat buffer) and
