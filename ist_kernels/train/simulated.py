@@ -7,13 +7,14 @@ The pieces are separate so that a distributed trainer can reuse them: :func:`sam
 write-back into the full model).
 """
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Sequence
 
 import torch
 from torch import Tensor
 
 from ..nn.subnet import SubnetMLP
-from ..partition.neurons import bernoulli_masks, categorical_partition, masks_to_indices, round_generator
+from ..partition.neurons import (bernoulli_masks, categorical_partition, categorical_probabilities,
+                                 masks_to_indices, round_generator)
 
 MASKS = ("bernoulli", "categorical")
 
@@ -23,28 +24,33 @@ def regression_loss(pred: Tensor, y: Tensor) -> Tensor:
     return 0.5 * (pred - y.reshape(pred.shape)).square().sum()
 
 
-def selection_probability(masks: str, S: int, xi: Optional[float]) -> float:
-    """ξ: the probability that a subnetwork selects a neuron (categorical: 1/S)."""
+def selection_probability(masks: str, S: int, xi) -> float:
+    """ξ: the probability that a subnetwork selects a neuron, the full model's output scale
+    (paper 001 §4). Categorical: 1/S for any ξ vector (``xi``: None for the uniform 1/S · 1_S,
+    or S probabilities): every neuron has exactly one owner, so u = (1/S) Σ_l û^l (Appendix F)."""
     if masks == "bernoulli":
         if xi is None:
             raise ValueError("bernoulli masks need xi (the selection probability)")
         return float(xi)
     if masks == "categorical":
+        if xi is not None:
+            categorical_probabilities(xi, S, "selection_probability")
         return 1.0 / S
     raise ValueError(f"masks must be one of {MASKS}, got {masks!r}")
 
 
-def sample_neurons(model: SubnetMLP, S: int, masks: str, xi: Optional[float],
+def sample_neurons(model: SubnetMLP, S: int, masks: str, xi,
                    generator: torch.Generator) -> List[List[Tensor]]:
     """Algorithm 1 line 3: the neurons of each of the S subnetworks, one sorted index list per
-    hidden layer (layers drawn independently, in order), from ``generator``."""
+    hidden layer (layers drawn independently, in order), from ``generator``. ``xi``: Bernoulli,
+    the selection probability; categorical, None (uniform) or the vector of S probabilities."""
     plan: List[List[Tensor]] = [[] for _ in range(S)]
     for _ in range(model.depth):
         if masks == "bernoulli":
             selection_probability(masks, S, xi)
             per_subnet = masks_to_indices(bernoulli_masks(model.width, S, xi, generator))
         elif masks == "categorical":
-            per_subnet = categorical_partition(model.width, S, generator)
+            per_subnet = categorical_partition(model.width, S, generator, probs=xi)
         else:
             raise ValueError(f"masks must be one of {MASKS}, got {masks!r}")
         for s in range(S):
@@ -112,10 +118,11 @@ def train_round(model: SubnetMLP, x: Tensor, y: Tensor, neurons_list, local_step
 
 
 def train(model: SubnetMLP, x: Tensor, y: Tensor, *, subnetworks: int, rounds: int, local_steps: int,
-          lr: float, masks: str = "bernoulli", xi: Optional[float] = None, seed: int = 0,
+          lr: float, masks: str = "bernoulli", xi=None, seed: int = 0,
           loss_fn: Callable[[Tensor, Tensor], Tensor] = regression_loss, progress=None) -> History:
     """Algorithm 1: K = ``rounds`` global iterations of S = ``subnetworks`` subnetworks with
-    ``masks`` ("bernoulli" with selection probability ``xi``, or "categorical"), τ =
+    ``masks`` ("bernoulli" with selection probability ``xi``, or "categorical" with ``xi`` None
+    for ξ = 1/S · 1_S or a vector of S probabilities), τ =
     ``local_steps`` GD steps of size ``lr`` each. Round k's masks come from
     ``round_generator(seed, k)``. The training error is measured on the full model scaled by ξ."""
     keep = selection_probability(masks, subnetworks, xi)
