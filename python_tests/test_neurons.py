@@ -2,7 +2,6 @@
 trainer (papers 001 §3.1 and 002 §2.1). References: python_tests/reference.py."""
 import copy
 import math
-import os
 
 import pytest
 import torch
@@ -432,18 +431,6 @@ def test_simulated_categorical_aggregate_is_mean_of_subnetworks(gen):
         outs.append(m.subnet_forward(x, params, neurons).detach())
     simulated.aggregate(m, params_list, plan)
     torch.testing.assert_close(m(x, keep=0.25), torch.stack(outs).mean(0), rtol=1e-12, atol=1e-12)
-
-
-# ---------------------------------------------------------------- experiments
-@pytest.mark.parametrize("name,files", [("masked", ["masked.png", "masked.md"]),
-                                        ("pruning", ["pruning.png", "pruning.md"])])
-def test_experiment_quick(tmp_path, capsys, name, files):
-    from ist_kernels.experiments.__main__ import main
-
-    assert main([name, "--quick", "--out", str(tmp_path)]) == 0
-    for f in files:
-        assert os.path.getsize(tmp_path / f) > 0
-    assert "|" in capsys.readouterr().out  # the table was printed
 
 
 def test_slice_plan_names_and_owners(gen):

@@ -1,7 +1,9 @@
-"""python -m ist_kernels.experiments EXPERIMENT [options]: small-scale reproductions of the papers'
-experiments. Each writes EXPERIMENT.json (raw results), EXPERIMENT.md (tables, mean ± std over
-seeds) and EXPERIMENT.png into --out; --quick is a tiny run for CI. Each experiment is the module
-ist_kernels/experiments/EXPERIMENT.py with a DOC string, a parser() and a main(argv)."""
+"""python -m ist_kernels.experiments EXPERIMENT [options]
+
+Small-scale reproductions of the papers' experiments. Each writes EXPERIMENT.json (raw results),
+EXPERIMENT.md (tables, mean ± std over seeds) and EXPERIMENT.png into --out; --quick is a tiny run
+for CI. Each experiment is the module ist_kernels/experiments/EXPERIMENT.py with a docstring (its
+first line is the summary below), a parser() and a main(argv)."""
 import importlib
 import pkgutil
 import sys
@@ -23,12 +25,13 @@ def overview() -> str:
     from ._common import summary_line
 
     lines = [f"usage: python -m ist_kernels.experiments {{{','.join(available())}}} [options]", "",
-             textwrap.fill(" ".join(__doc__.split("\n", 1)[1].split()), 100), "", "experiments:"]
+             textwrap.fill(" ".join(__doc__.split("\n\n", 1)[1].split()), 100), "", "experiments:"]
     for name in available():
         mod = _module(name)
         lines.append(f"  {name:8s} {summary_line(mod.__doc__)}")
-        usage = mod.parser().format_usage().replace("usage: ", "", 1)
-        lines += textwrap.wrap(" ".join(usage.split()), 100, initial_indent=" " * 11, subsequent_indent=" " * 13)
+        options = mod.parser().format_usage().split(f" {name} ", 1)[1]
+        lines += textwrap.wrap("options: " + " ".join(options.split()), 100, initial_indent=" " * 11,
+                               subsequent_indent=" " * 13, break_on_hyphens=False)
     lines += ["", "python -m ist_kernels.experiments EXPERIMENT --help describes one experiment and its options."]
     return "\n".join(lines)
 

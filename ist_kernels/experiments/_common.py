@@ -174,7 +174,8 @@ def significant(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
 
 def trend(grid: Sequence[Sequence[Dict[str, Any]]], axis: int, sign: int) -> Dict[str, int]:
     """Adjacent pairs of a grid of :func:`stats` along ``axis`` (0 rows, 1 columns) whose mean moves
-    in direction ``sign``; ``significant``: those of them where the move exceeds 2 standard errors."""
+    in direction ``sign``; ``significant``: those of them where the move exceeds 2 standard errors;
+    ``pairs``: the pairs compared (ties and diverged cells are left out)."""
     hits = sig = total = 0
     R, C = len(grid), len(grid[0]) if grid else 0
     for i in range(R):
@@ -182,7 +183,7 @@ def trend(grid: Sequence[Sequence[Dict[str, Any]]], axis: int, sign: int) -> Dic
             i2, j2 = (i + 1, j) if axis == 0 else (i, j + 1)
             if i2 < R and j2 < C:
                 m = moves(grid[i][j], grid[i2][j2], sign)
-                if m is None:
+                if m is None or grid[i][j]["mean"] == grid[i2][j2]["mean"]:  # diverged, or a tie (both 0)
                     continue
                 total += 1
                 hits += m
@@ -245,16 +246,18 @@ def write_outputs(args, name: str, results: Dict[str, Any], markdown: str, fig, 
     paths = {ext: os.path.join(args.out, f"{name}.{ext}") for ext in ("json", "md", "png")}
     wall = time.time() - started
     options = {k: v for k, v in vars(args).items() if k not in ("out",)}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     payload = {"experiment": name, "options": options, "seeds": list(args.seeds), "wall_time_s": wall,
                "environment": {"torch": torch.__version__, "python": platform.python_version(),
                                "machine": platform.machine(), "cpus": os.cpu_count(),
-                               "torch_threads": torch.get_num_threads()},
+                               "torch_threads": torch.get_num_threads(), "load_average_1min_at_end": load},
                **results}
     with open(paths["json"], "w") as f:
         json.dump(jsonable(payload), f, indent=1, allow_nan=False)
         f.write("\n")
     md = markdown.rstrip() + f"\n\n({len(args.seeds)} seed(s): {', '.join(map(str, args.seeds))}; " \
-                             f"wall time {wall:.0f} s; raw results in {name}.json)\n"
+                             f"wall time {wall:.0f} s on {os.cpu_count()} CPUs" + \
+        ("" if load is None else f", load average {load:.1f} at the end") + f"; raw results in {name}.json)\n"
     with open(paths["md"], "w") as f:
         f.write(md)
     fig.tight_layout()

@@ -1,4 +1,4 @@
-"""GReLU vs ReLU on paper 004 §6.1's synthetic Ackley regression: training loss over seeds, and time per iteration.
+"""Paper 004 §6.1: GReLU vs ReLU on the Ackley regression, training loss over seeds and time per iteration.
 
     python -m ist_kernels.experiments grelu [--width 512] [--steps 500] [--lr ...] [--seeds 0,1,2]
 
@@ -25,15 +25,13 @@ import random
 import statistics
 import sys
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..train.data import ackley_data  # noqa: F401  (§6.1 data: defined once, in train/data.py)
 from . import _common as C
-
-DOC = __doc__
 
 
 def parser() -> argparse.ArgumentParser:
@@ -96,9 +94,9 @@ def loss_fn(pred, y):
     return 0.5 * (pred - y).pow(2).sum()  # eq. (2)
 
 
-def train(step_fn, params, lr: float, steps: int) -> Tuple[List[float], int]:
+def train(step_fn, params, lr: float, steps: int) -> Tuple[List[float], int, Optional[float]]:
     """Full-batch gradient descent with a constant learning rate. Returns the loss at steps
-    0..steps (NaN after a divergence) and the step it diverged at (-1: it did not)."""
+    0..steps (NaN from the step it diverged at), that step (-1: it did not) and the loss there."""
     opt = torch.optim.SGD(params, lr=lr)
     losses: List[float] = []
     for t in range(steps + 1):
@@ -106,12 +104,12 @@ def train(step_fn, params, lr: float, steps: int) -> Tuple[List[float], int]:
         loss = step_fn()
         losses.append(loss.item())
         if C.diverged_at(losses) is not None:
-            return losses + [float("nan")] * (steps - t), t
+            return losses[:t] + [float("nan")] * (steps + 1 - t), t, losses[t]
         if t == steps:
             break
         loss.backward()
         opt.step()
-    return losses, -1
+    return losses, -1, None
 
 
 def build(args, seed: int):
@@ -147,8 +145,8 @@ def run_cell(args, cell) -> Dict:
     v = variants(x, y, grelu, relu)
     out = {}
     for name, key in (("GReLU", "grelu_cached"), ("ReLU", "relu")):
-        losses, at = train(*v[key], lr, args.steps)
-        out[name] = {"losses": losses, "diverged_at": at}
+        losses, at, value = train(*v[key], lr, args.steps)
+        out[name] = {"losses": losses, "diverged_at": at, "value": value}
     return out
 
 
@@ -204,7 +202,7 @@ def main(argv: Sequence[str] = ()) -> int:
         for net in ("GReLU", "ReLU"):
             at = r[net]["diverged_at"]
             if at >= 0:
-                divergences.append(C.divergence(net, seed, lr, at, r[net]["losses"][at]))
+                divergences.append(C.divergence(net, seed, lr, at, r[net]["value"]))
             runs.setdefault((net, lr), []).append(r[net]["losses"])
     steps = table_steps(args.steps)
     lines = ["# GReLU vs ReLU, synthetic Ackley regression (paper 004 §6.1)", "",

@@ -1,4 +1,4 @@
-"""Paper 000 §3.1-3.2 (Figure 1) and §6 (Figure 4): filter distance of the pruned-filter sets per layer over rounds, LOFT vs dense (local SGD) pre-training.
+"""Paper 000 Figures 1 and 4: filter distance of the pruned-filter sets over rounds, LOFT vs dense.
 
     python -m ist_kernels.experiments loft [--datasets digits,synthetic_cifar10] [--data-path CIFAR_DIR]
 
@@ -23,7 +23,6 @@ harder; ``--dataset-size`` training images); with ``--data-path`` (a CIFAR-10 py
 folder) ``synthetic_cifar10`` is replaced by the real ``cifar10``.
 """
 import argparse
-import math
 import sys
 import time
 from typing import Dict, List, Sequence

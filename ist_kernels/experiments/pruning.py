@@ -1,4 +1,4 @@
-"""Paper 002 §5.1 (Figure 2a/2b): random pruning at initialisation, training and test error against the pruning rate p, and where over-pruning starts.
+"""Paper 002 §5.1, Figure 2a/2b: random pruning at initialisation, error against the pruning rate p.
 
     python -m ist_kernels.experiments pruning [--init-std 0.1] [--sigma-n 0.5,1] [--quick]
 
