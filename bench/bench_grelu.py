@@ -59,9 +59,25 @@ def _label(benchmark, peaks, group, provider, problem, flops):
 
 
 FWD = ["ist_kernels gated_linear", "torch linear * mask", "torch linear"]
+# The two fused Triton GEMMs side by side, whatever the dispatch would pick (GPU only).
+FUSED = {"ist_kernels fused TMA GEMM": True, "ist_kernels fused pointer GEMM": False}
 
 
-@pytest.mark.parametrize("provider", FWD)
+def _fused(use_tma, fn):
+    """fn with the forward forced onto one fused Triton kernel (no cuBLAS + pass)."""
+    from ist_kernels.triton import grelu as tg
+
+    def call():
+        saved = tg.USE_TMA, tg.CUBLAS_EPILOGUE_MIN_K
+        tg.USE_TMA, tg.CUBLAS_EPILOGUE_MIN_K = use_tma, float("inf")
+        try:
+            return fn()
+        finally:
+            tg.USE_TMA, tg.CUBLAS_EPILOGUE_MIN_K = saved
+    return call
+
+
+@pytest.mark.parametrize("provider", FWD + (list(FUSED) if DEVICE == "cuda" else []))
 @pytest.mark.parametrize("problem", PROBLEMS, ids=_id)
 def test_gated_linear_forward(benchmark, peaks, problem, provider):
     x, w, b, gates, mask, _ = setup(problem)
@@ -69,7 +85,7 @@ def test_gated_linear_forward(benchmark, peaks, problem, provider):
         FWD[0]: lambda: F.gated_linear(x, w, b, gates),
         FWD[1]: lambda: tnf.linear(x, w, b) * mask,
         FWD[2]: lambda: tnf.linear(x, w, b),
-    }[provider]
+    }.get(provider) or _fused(FUSED[provider], lambda: F.gated_linear(x, w, b, gates))
     _label(benchmark, peaks, "gated_linear fwd", provider, problem, 2)
     with torch.no_grad():
         run(benchmark, fn, rounds=ROUNDS)

@@ -7,7 +7,8 @@ the next conv's input channels along dim 1, BN vectors along dim 0), ~60 tensors
 subnetworks owns a random half of every tensor's slices (IST Bernoulli masks with xi = 1/2, so
 slices have 0-4 owners). Bytes counted: what the op must read and write (segment bytes in and out
 for the gather; updates read and owned target elements written for the scatter, plus the target
-read for sum).
+read for sum). Index lists live on the host, as the Exchange keeps them: the ops then never wait
+for the device (the loops get device copies).
 """
 import pytest
 import torch
@@ -44,7 +45,7 @@ def plan(tensors, owners=S, keep=0.5):
             n = x.shape[d]
             k = max(1, int(round(keep * n)))
             ids.append(t)
-            indices.append(torch.randperm(n, generator=g)[:k].sort().values.to(x.device))
+            indices.append(torch.randperm(n, generator=g)[:k].sort().values)  # host lists: no sync
     return ids, indices
 
 
@@ -65,6 +66,11 @@ def setup(width):
         owned += int(mask.sum()) * (x.numel() // x.shape[d]) * x.element_size()
     numel = sum(x.numel() for x in xs)
     return xs, dims, ids, indices, updates, seg_bytes, owned, numel
+
+
+def on_device(indices):
+    """The loops' index lists: torch's index ops want them on the data's device."""
+    return [i.to(DEVICE) for i in indices]
 
 
 WIDTHS = [pytest.param(60, id="resnet18-width60")] if DEVICE == "cpu" else [
@@ -115,9 +121,10 @@ def loop_owner_average(xs, ids, updates, indices, dims):
 def test_gather(benchmark, peaks, width, provider):
     xs, dims, ids, indices, _, seg_bytes, _, numel = setup(width)
     buffers = F.GatherBuffers()
+    dev_indices = on_device(indices)
     fn = {"ist_kernels": lambda: F.gather_slices(xs, ids, indices, dims),
           "ist_kernels into a reused buffer": lambda: F.gather_slices(xs, ids, indices, dims, out=buffers),
-          "loop_index_select": lambda: loop_gather(xs, ids, indices, dims),
+          "loop_index_select": lambda: loop_gather(xs, ids, dev_indices, dims),
           "device copy": device_copy(seg_bytes)}[provider]
     record(benchmark, group=f"slice gather S={S} xi=1/2 {len(xs)} tensors {numel / 1e6:.1f}M el", provider=provider,
            bytes=2 * seg_bytes, dtype=torch.float32, peaks=peaks, segments=len(ids))
@@ -140,8 +147,10 @@ def test_scatter(benchmark, peaks, width, reduce, provider):
         def fn():
             F.slice_scatter_(xs, ids, updates, indices, dims, reduce)
     else:
+        dev_indices = on_device(indices)
+
         def fn():
-            loops[reduce](xs, ids, updates, indices, dims)
+            loops[reduce](xs, ids, updates, dev_indices, dims)
     record(benchmark, group=f"slice scatter {reduce} S={S} xi=1/2 {len(xs)} tensors {numel / 1e6:.1f}M el",
            provider=provider, bytes=nbytes, dtype=torch.float32, peaks=peaks, segments=len(ids))
     run(benchmark, fn)

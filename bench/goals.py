@@ -7,10 +7,8 @@ run): ``baseline time / our time`` for the GEMM-shaped ops (>= 1: ours is as fas
 fraction of the measured device copy bandwidth for the memory-bound slice ops. The worst problem
 decides the goal; every problem's ratio is listed.
 """
-import argparse
-import sys
-
-from report import load, rows_of
+import report
+from report import rows_of
 
 # (goal, group prefix, our provider, baseline provider or "copy peak", threshold)
 GOALS = [
@@ -54,15 +52,7 @@ def evaluate(data):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("json", nargs="+", help="pytest-benchmark JSON files (merged)")
-    p.add_argument("--out")
-    args = p.parse_args(argv)
-    text = evaluate(load(args.json))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    sys.stdout.write(text)
+    report.main(argv, make=evaluate, doc=__doc__)
 
 
 if __name__ == "__main__":

@@ -67,12 +67,13 @@ def render(data) -> str:
     return "\n".join(head + out) + "\n"
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, make=render, doc=__doc__):
+    """Command line shared with bench/goals.py: JSON files in, markdown ``make(data)`` out."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("json", nargs="+", help="pytest-benchmark JSON files (merged)")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    text = render(load(args.json))
+    text = make(load(args.json))
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)

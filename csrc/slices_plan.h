@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "checks.h"
 #include "common/indices.h"
 #include "common/slices.h"
 
@@ -37,10 +38,11 @@ struct HostIndices {
     std::vector<at::Tensor> remote;
     for (int64_t j = 0; j < J; ++j) {
       const auto& t = indices[j];
-      TORCH_CHECK(t.scalar_type() == at::kLong, op, ": indices[", j, "] must be int64, got ", t.scalar_type());
-      TORCH_CHECK(t.dim() == 1, op, ": indices[", j, "] must be 1-D, got ", t.dim(), " dimensions");
-      TORCH_CHECK(t.device().is_cpu() || t.device() == device, op, ": indices[", j, "] is on ", t.device(),
-                  " but the tensors are on ", device, "; index lists must be on the CPU or on ", device);
+      TORCH_CHECK_TYPE(t.scalar_type() == at::kLong, op, ": indices[", j, "] must be int64, got ", t.scalar_type());
+      TORCH_CHECK_VALUE(t.dim() == 1, op, ": indices[", j, "] must be 1-D, got ", t.dim(), " dimensions");
+      TORCH_CHECK_VALUE(t.device().is_cpu() || t.device() == device, op, ": indices[", j, "] is on ", t.device(),
+                        " but the tensors are on ", device, "; index lists must be on the CPU",
+                        device.is_cpu() ? "" : " or on the tensors' device");
       if (!t.device().is_cpu()) remote.push_back(t);
     }
     at::Tensor fetched;
@@ -69,10 +71,11 @@ struct HostIndices {
     bitmap.assign(static_cast<size_t>(index_bitmap_words(size)), 0u);
     const IndexCheck r = check_indices(ptr[j], len[j], size, bitmap.data());
     const std::string name = "indices[" + std::to_string(j) + "]";
-    TORCH_CHECK(r.status != IndexStatus::kOutOfRange, op, ": ", name, "[", r.position, "] = ", r.value,
-                " is out of range for ", what, " of size ", size);
-    TORCH_CHECK(r.status != IndexStatus::kDuplicate, op, ": ", name, " must not repeat an index, but ", name, "[",
-                r.position, "] = ", r.value, " repeats ", name, "[", r.first, "]; a segment holds each slice at most once");
+    TORCH_CHECK_INDEX(r.status != IndexStatus::kOutOfRange, op, ": ", name, "[", r.position, "] = ", r.value,
+                      " is out of range for ", what, " of size ", size);
+    TORCH_CHECK_VALUE(r.status != IndexStatus::kDuplicate, op, ": ", name, " must not repeat an index, but ", name,
+                      "[", r.position, "] = ", r.value, " repeats ", name, "[", r.first,
+                      "]; a segment holds each slice at most once");
   }
 };
 
@@ -85,30 +88,30 @@ inline std::string shape_str(at::IntArrayRef s) {
 // Tensors sliced along one dim each: one dtype, one device, at least 1-D, dims wrapped.
 inline std::vector<int64_t> check_sliced_tensors(at::TensorList ts, at::IntArrayRef dims, const char* op,
                                                  const char* name) {
-  TORCH_CHECK(dims.size() == ts.size(), op, ": dims must have one entry per ", name, " (", ts.size(), "), got ",
-              dims.size());
+  TORCH_CHECK_VALUE(dims.size() == ts.size(), op, ": dims must have one entry per ", name, " (", ts.size(), "), got ",
+                    dims.size());
   std::vector<int64_t> wrapped(ts.size());
   for (size_t t = 0; t < ts.size(); ++t) {
-    TORCH_CHECK(ts[t].scalar_type() == ts[0].scalar_type(), op, ": ", name, "[", t, "] has dtype ",
-                ts[t].scalar_type(), " but ", name, "[0] has ", ts[0].scalar_type(),
-                "; all ", name, " must share one dtype (the functional wrappers group mixed dtypes)");
-    TORCH_CHECK(ts[t].device() == ts[0].device(), op, ": ", name, "[", t, "] is on ", ts[t].device(), " but ", name,
-                "[0] is on ", ts[0].device(), "; all tensors must be on one device");
+    TORCH_CHECK_TYPE(ts[t].scalar_type() == ts[0].scalar_type(), op, ": ", name, "[", t, "] has dtype ",
+                     ts[t].scalar_type(), " but ", name, "[0] has ", ts[0].scalar_type(),
+                     "; all ", name, " must share one dtype (the functional wrappers group mixed dtypes)");
+    TORCH_CHECK_VALUE(ts[t].device() == ts[0].device(), op, ": ", name, "[", t, "] is on ", ts[t].device(),
+                      " but ", name, "[0] is on ", ts[0].device(), "; all tensors must be on one device");
     const int64_t nd = ts[t].dim();
-    TORCH_CHECK(nd >= 1, op, ": ", name, "[", t, "] is 0-d; a sliced tensor needs at least 1 dimension");
-    TORCH_CHECK(dims[t] >= -nd && dims[t] < nd, op, ": dims[", t, "] = ", dims[t], " is out of range for ", name, "[",
-                t, "] with ", nd, " dimensions");
+    TORCH_CHECK_VALUE(nd >= 1, op, ": ", name, "[", t, "] is 0-d; a sliced tensor needs at least 1 dimension");
+    TORCH_CHECK_INDEX(dims[t] >= -nd && dims[t] < nd, op, ": dims[", t, "] = ", dims[t], " is out of range for ",
+                      name, "[", t, "] with ", nd, " dimensions");
     wrapped[t] = dims[t] < 0 ? dims[t] + nd : dims[t];
-    TORCH_CHECK(ts[t].size(wrapped[t]) <= kFastDivMax, op, ": ", name, "[", t, "] has ", ts[t].size(wrapped[t]),
-                " slices along dim ", wrapped[t], "; at most 2^31 - 1 are supported");
+    TORCH_CHECK_VALUE(ts[t].size(wrapped[t]) <= kFastDivMax, op, ": ", name, "[", t, "] has ", ts[t].size(wrapped[t]),
+                      " slices along dim ", wrapped[t], "; at most 2^31 - 1 are supported");
   }
   return wrapped;
 }
 
 inline void check_ids(at::IntArrayRef ids, int64_t count, const char* op, const char* ids_name, const char* name) {
   for (size_t j = 0; j < ids.size(); ++j)
-    TORCH_CHECK(ids[j] >= 0 && ids[j] < count, op, ": ", ids_name, "[", j, "] = ", ids[j], " is out of range: there are ",
-                count, " ", name);
+    TORCH_CHECK_INDEX(ids[j] >= 0 && ids[j] < count, op, ": ", ids_name, "[", j, "] = ", ids[j],
+                      " is out of range: there are ", count, " ", name);
 }
 
 inline SliceView view_of(const at::Tensor& t, int64_t dim) {
@@ -126,9 +129,10 @@ struct GatherPlan {
   GatherPlan(at::TensorList srcs, at::IntArrayRef source_ids, at::TensorList indices, at::IntArrayRef dims,
              const char* op)
   {
-    TORCH_CHECK(!srcs.empty(), op, ": sources is empty; give at least one tensor");
-    TORCH_CHECK(source_ids.size() == indices.size(), op, ": source_ids and indices must have one entry per segment, got ",
-                source_ids.size(), " and ", indices.size());
+    TORCH_CHECK_VALUE(!srcs.empty(), op, ": sources is empty; give at least one tensor");
+    TORCH_CHECK_VALUE(source_ids.size() == indices.size(), op,
+                      ": source_ids and indices must have one entry per segment, got ", source_ids.size(), " and ",
+                      indices.size());
     const auto d = check_sliced_tensors(srcs, dims, op, "sources");
     check_ids(source_ids, static_cast<int64_t>(srcs.size()), op, "source_ids", "sources");
     const int64_t J = static_cast<int64_t>(source_ids.size());
@@ -150,22 +154,28 @@ struct GatherPlan {
   int64_t total() const { return offset.back(); }
 
   // A caller's output buffer (slice_gather_into_): contiguous, 1-D, the sources' dtype and device,
-  // exactly total() elements, and no memory shared with a source (the kernel would read what it
-  // writes).
-  void check_out(const at::Tensor& out, at::TensorList srcs, const char* op) const {
+  // exactly total() elements, and no memory shared with a source or an index list (the kernel
+  // would read what it writes).
+  void check_out(const at::Tensor& out, at::TensorList srcs, at::TensorList indices, const char* op) const {
     const auto& s0 = srcs[0];
-    TORCH_CHECK(out.scalar_type() == s0.scalar_type(), op, ": out has dtype ", out.scalar_type(),
-                " but the sources have ", s0.scalar_type());
-    TORCH_CHECK(out.device() == s0.device(), op, ": out is on ", out.device(), " but the sources are on ",
-                s0.device());
-    TORCH_CHECK(out.dim() == 1 && out.numel() == total(), op, ": out must be 1-D with ", total(),
-                " elements (every segment, flattened), got shape ", shape_str(out.sizes()));
-    TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous (a flat buffer), got strides ",
-                shape_str(out.strides()));
-    if (out.numel() == 0) return;
-    for (size_t t = 0; t < srcs.size(); ++t)
-      TORCH_CHECK(srcs[t].numel() == 0 || at::get_overlap_status(out, srcs[t]) == at::MemOverlapStatus::No, op,
-                  ": out shares memory with sources[", t, "]; the gather cannot write where it reads");
+    TORCH_CHECK_TYPE(out.scalar_type() == s0.scalar_type(), op, ": out has dtype ", out.scalar_type(),
+                     " but the sources have ", s0.scalar_type());
+    TORCH_CHECK_VALUE(out.device() == s0.device(), op, ": out is on ", out.device(), " but the sources are on ",
+                      s0.device());
+    TORCH_CHECK_VALUE(out.dim() == 1 && out.numel() == total(), op, ": out must be 1-D with ", total(),
+                      " elements (every segment, flattened), got shape ", shape_str(out.sizes()));
+    TORCH_CHECK_VALUE(out.is_contiguous(), op, ": out must be contiguous (a flat buffer), got strides ",
+                      shape_str(out.strides()));
+    for (size_t t = 0; t < srcs.size(); ++t) {
+      const Overlap o = memory_overlap(out, srcs[t]);
+      TORCH_CHECK_VALUE(o == Overlap::kNo, op, ": out", overlap_words(o), "sources[", t,
+                        "]; the gather cannot write where it reads");
+    }
+    for (size_t j = 0; j < indices.size(); ++j) {
+      const Overlap o = memory_overlap(out, indices[j]);
+      TORCH_CHECK_VALUE(o == Overlap::kNo, op, ": out", overlap_words(o), "indices[", j,
+                        "]; the gather cannot write where it reads");
+    }
   }
 };
 
@@ -174,7 +184,7 @@ inline SliceReduce parse_reduce(c10::string_view reduce, const char* op) {
   if (reduce == "copy") return SliceReduce::Copy;
   if (reduce == "sum") return SliceReduce::Sum;
   if (reduce == "mean") return SliceReduce::Mean;
-  TORCH_CHECK(false, op, ": reduce must be \"copy\", \"sum\" or \"mean\", got \"", std::string(reduce), "\"");
+  TORCH_CHECK_VALUE(false, op, ": reduce must be \"copy\", \"sum\" or \"mean\", got \"", std::string(reduce), "\"");
 }
 
 // Dtypes the sum / mean reductions support (copy moves any dtype).
@@ -206,16 +216,16 @@ struct ScatterPlan {
 
   ScatterPlan(at::TensorList targets, at::IntArrayRef target_ids, at::TensorList upds, at::TensorList indices,
               at::IntArrayRef dims, c10::string_view reduce_name, const char* op) {
-    TORCH_CHECK(!targets.empty(), op, ": targets is empty; give at least one tensor");
-    TORCH_CHECK(target_ids.size() == upds.size() && upds.size() == indices.size(), op,
-                ": target_ids, updates and indices must have one entry per segment, got ", target_ids.size(), ", ",
-                upds.size(), " and ", indices.size());
+    TORCH_CHECK_VALUE(!targets.empty(), op, ": targets is empty; give at least one tensor");
+    TORCH_CHECK_VALUE(target_ids.size() == upds.size() && upds.size() == indices.size(), op,
+                      ": target_ids, updates and indices must have one entry per segment, got ", target_ids.size(),
+                      ", ", upds.size(), " and ", indices.size());
     reduce = parse_reduce(reduce_name, op);
     const auto d = check_sliced_tensors(targets, dims, op, "targets");
     const auto dtype = targets[0].scalar_type();
     const auto device = targets[0].device();
-    TORCH_CHECK(reduce == SliceReduce::Copy || reducible_dtype(dtype), op, ": reduce=\"", std::string(reduce_name),
-                "\" needs a floating or integer dtype, got ", dtype, "; use reduce=\"copy\"");
+    TORCH_CHECK_TYPE(reduce == SliceReduce::Copy || reducible_dtype(dtype), op, ": reduce=\"", std::string(reduce_name),
+                     "\" needs a floating or integer dtype, got ", dtype, "; use reduce=\"copy\"");
     check_ids(target_ids, static_cast<int64_t>(targets.size()), op, "target_ids", "targets");
     const int64_t J = static_cast<int64_t>(target_ids.size());
     HostIndices idx(indices, device, op);
@@ -223,14 +233,15 @@ struct ScatterPlan {
     for (int64_t j = 0; j < J; ++j) {
       const int64_t t = target_ids[j];
       const auto& u = upds[j];
-      TORCH_CHECK(u.scalar_type() == dtype, op, ": updates[", j, "] has dtype ", u.scalar_type(), " but targets[", t,
-                  "] has ", dtype);
-      TORCH_CHECK(u.device() == device, op, ": updates[", j, "] is on ", u.device(), " but targets are on ", device);
+      TORCH_CHECK_TYPE(u.scalar_type() == dtype, op, ": updates[", j, "] has dtype ", u.scalar_type(),
+                       " but targets[", t, "] has ", dtype);
+      TORCH_CHECK_VALUE(u.device() == device, op, ": updates[", j, "] is on ", u.device(), " but targets are on ",
+                        device);
       auto expect = targets[t].sizes().vec();
       expect[d[t]] = idx.len[j];
-      TORCH_CHECK(u.sizes().vec() == expect, op, ": updates[", j, "] has shape ", shape_str(u.sizes()), " but targets[",
-                  t, "] ", shape_str(targets[t].sizes()), " sliced along dim ", d[t], " by indices[", j, "] (",
-                  idx.len[j], " slices) needs ", shape_str(expect));
+      TORCH_CHECK_VALUE(u.sizes().vec() == expect, op, ": updates[", j, "] has shape ", shape_str(u.sizes()),
+                        " but targets[", t, "] ", shape_str(targets[t].sizes()), " sliced along dim ", d[t],
+                        " by indices[", j, "] (", idx.len[j], " slices) needs ", shape_str(expect));
       idx.check_values(j, targets[t].size(d[t]), "targets[" + std::to_string(t) + "] along dim " + std::to_string(d[t]),
                        op, seen);
     }
@@ -239,7 +250,7 @@ struct ScatterPlan {
     for (int64_t j = 0; j < J; ++j) segs_of[target_ids[j]].push_back(j);
     for (size_t t = 0; t < targets.size(); ++t)
       if (!segs_of[t].empty()) target.push_back(static_cast<int64_t>(t));
-    check_no_overlap(targets, upds, op);
+    check_no_overlap(targets, upds, indices, op);
 
     // Inverse maps and owned slices (nothing written to any target yet).
     n.resize(J);
@@ -276,42 +287,53 @@ struct ScatterPlan {
   }
 
  private:
-  // A target must not share memory with another target, nor with an update (the kernel would read
-  // what it writes). Spans are sorted, so the usual case (nothing overlaps) costs O(T log T).
-  void check_no_overlap(at::TensorList targets, at::TensorList upds, const char* op) const {
+  // A written target must not share memory with another target, an update or an index list (the
+  // kernel would read what it writes; with mixed dtypes a later launch would read a list an
+  // earlier one wrote). Spans are sorted by start, so the usual case (nothing overlaps) costs
+  // O(T log T); spans that meet are compared precisely (memory_overlap).
+  void check_no_overlap(at::TensorList targets, at::TensorList upds, at::TensorList indices, const char* op) const {
+    enum Kind { kTarget, kUpdate, kIndices };
     struct Span {
       uintptr_t begin, end;
-      bool is_target;
+      Kind kind;
       int64_t index;
     };
-    auto span_of = [](const at::Tensor& t, bool is_target, int64_t index) {
-      int64_t last = 0;
-      for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-      const auto b = reinterpret_cast<uintptr_t>(t.const_data_ptr()) ;
-      return Span{b, b + static_cast<uintptr_t>((last + 1) * t.element_size()), is_target, index};
+    static const char* const kNames[] = {"targets[", "updates[", "indices["};
+    auto tensor_of = [&](const Span& s) -> const at::Tensor& {
+      return s.kind == kTarget ? targets[s.index] : s.kind == kUpdate ? upds[s.index] : indices[s.index];
     };
     std::vector<Span> spans;
+    auto add = [&](const at::Tensor& t, Kind kind, int64_t index) {
+      if (t.numel() == 0) return;
+      int64_t lo = 0, hi = 0;
+      for (int64_t d = 0; d < t.dim(); ++d) {
+        const int64_t ext = (t.size(d) - 1) * t.stride(d);
+        (ext < 0 ? lo : hi) += ext;
+      }
+      const auto b = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+      const auto es = static_cast<uintptr_t>(t.element_size());
+      spans.push_back(Span{b + static_cast<uintptr_t>(lo) * es, b + static_cast<uintptr_t>(hi + 1) * es, kind, index});
+    };
     for (const int64_t t : target) {
-      const auto& x = targets[t];
-      if (x.numel() == 0) continue;
-      TORCH_CHECK(at::has_internal_overlap(x) != at::MemOverlap::Yes, op, ": targets[", t,
-                  "] has elements that share memory (an expanded view?); it cannot be written in place");
-      spans.push_back(span_of(x, true, t));
+      TORCH_CHECK_VALUE(targets[t].numel() == 0 || at::has_internal_overlap(targets[t]) != at::MemOverlap::Yes, op,
+                        ": targets[", t, "] has elements that share memory (an expanded view?); it cannot be written "
+                        "in place");
+      add(targets[t], kTarget, t);
     }
-    for (size_t j = 0; j < upds.size(); ++j)
-      if (upds[j].numel() > 0) spans.push_back(span_of(upds[j], false, static_cast<int64_t>(j)));
+    for (size_t j = 0; j < upds.size(); ++j) add(upds[j], kUpdate, static_cast<int64_t>(j));
+    for (size_t j = 0; j < indices.size(); ++j) add(indices[j], kIndices, static_cast<int64_t>(j));
     std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
     for (size_t a = 0; a < spans.size(); ++a) {
       for (size_t b = a + 1; b < spans.size() && spans[b].begin < spans[a].end; ++b) {
         const Span &x = spans[a], &y = spans[b];
-        if (!x.is_target && !y.is_target) continue;
-        const auto& tx = x.is_target ? targets[x.index] : upds[x.index];
-        const auto& ty = y.is_target ? targets[y.index] : upds[y.index];
-        if (at::get_overlap_status(tx, ty) == at::MemOverlapStatus::No) continue;
-        const Span& t = x.is_target ? x : y;
-        const Span& o = x.is_target ? y : x;
-        TORCH_CHECK(false, op, ": targets[", t.index, "] shares memory with ", o.is_target ? "targets[" : "updates[",
-                    o.index, "]; targets are written in place and must not alias another target or an update");
+        if (x.kind != kTarget && y.kind != kTarget) continue;
+        const Overlap o = memory_overlap(tensor_of(x), tensor_of(y));
+        if (o == Overlap::kNo) continue;
+        const Span& t = x.kind == kTarget ? x : y;
+        const Span& other = x.kind == kTarget ? y : x;
+        TORCH_CHECK_VALUE(false, op, ": targets[", t.index, "]", overlap_words(o), kNames[other.kind], other.index,
+                          "]; targets are written in place and must not alias another target, an update or an "
+                          "index list");
       }
     }
   }

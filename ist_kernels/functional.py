@@ -4,6 +4,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .ops import _checks
 from .ops import slices as _slices
 
 _ops = torch.ops.ist_kernels
@@ -90,9 +91,10 @@ def gather_slices(sources: Sequence[Tensor], source_ids: Sequence[int], indices:
     # the caller's positions.
     try:
         return _gather_groups(sources, source_ids, indices, dims, out, groups)
-    except RuntimeError:
-        if len(groups) > 1:
-            _slices.check_index_values("slice_gather", indices, [sources[s].shape[d[s]] for s in source_ids])
+    except (ValueError, IndexError, TypeError):
+        if len(groups) > 1 or isinstance(out, GatherBuffers):
+            _slices.check_index_values("slice_gather", indices, [sources[s].shape[d[s]] for s in source_ids],
+                                       what=[f"sources[{s}] along dim {d[s]}" for s in source_ids])
         raise
 
 
@@ -144,33 +146,35 @@ def slice_scatter_(targets: Sequence[Tensor], target_ids: Sequence[int], updates
     if len(groups) <= 1:
         _ops.slice_scatter_(targets, target_ids, updates, indices, dims, reduce)
         return
-    # Several launches: nothing may be written unless the whole call is valid. Shapes, dtypes and
-    # aliasing are checked here for all segments; index values (the costly part) here only for the
-    # groups launched after the first, which is the group with the most indices: its launch checks
-    # its own in C++ before writing anything, and if it fails nothing has been written yet.
+    # Several launches: nothing may be written unless the whole call is valid, and errors name the
+    # caller's positions. Everything but the index values of the first launch is checked here, for
+    # all segments, before any launch: shapes, dtypes, devices, ids, dims, aliasing (index lists
+    # included, so no launch writes a list a later one reads) and the index values of the later
+    # launches. The first launch is the group with the most indices (the costly part): its kernel
+    # checks its own values before writing anything, and if that fails, the values of the whole call
+    # are checked here to name the caller's position.
     d = _slices.check_scatter(targets, target_ids, updates, indices, dims, reduce, same_dtype=False)
-    _slices.check_no_alias("slice_scatter_", targets, target_ids, updates)
+    _slices.check_no_alias("slice_scatter_", targets, target_ids, updates, indices)
     launches = []
     for members in groups.values():
         segs, ids = _segment_group(target_ids, members)
         if segs:
             launches.append((members, segs, ids))
     launches.sort(key=lambda g: -sum(indices[j].numel() for j in g[1]))
-    rest = [j for _, segs, _ in launches[1:] for j in segs]
-    _slices.check_index_values("slice_scatter_", [indices[j] for j in rest],
-                               [targets[target_ids[j]].shape[d[target_ids[j]]] for j in rest], positions=rest)
-    for members, _, _ in launches[1:]:
-        for t in members:
-            if torch._debug_has_internal_overlap(targets[t]) == 1:
-                raise ValueError(f"slice_scatter_: targets[{t}] has elements that share memory (an expanded "
-                                 "view?); it cannot be written in place")
+
+    def check_values(segs):
+        _slices.check_index_values("slice_scatter_", [indices[j] for j in segs],
+                                   [targets[target_ids[j]].shape[d[target_ids[j]]] for j in segs], positions=segs,
+                                   what=[f"targets[{target_ids[j]}] along dim {d[target_ids[j]]}" for j in segs])
+
+    check_values([j for _, segs, _ in launches[1:] for j in segs])
     for k, (members, segs, ids) in enumerate(launches):
         try:
             _ops.slice_scatter_([targets[t] for t in members], ids, [updates[j] for j in segs],
                                 [indices[j] for j in segs], [dims[t] for t in members], reduce)
-        except RuntimeError:
-            if k == 0:  # nothing written: name the caller's positions if an index list is at fault
-                _slices.check_index_values("slice_scatter_", indices, [targets[t].shape[d[t]] for t in target_ids])
+        except (ValueError, IndexError, TypeError):
+            if k == 0:  # nothing written yet
+                check_values(segs)
             raise
 
 
@@ -182,6 +186,8 @@ def owner_average_(target: Tensor, updates: Sequence[Tensor], indices: Sequence[
     keeps its value. Returns ``target``.
     """
     updates, indices = list(updates), list(indices)
+    _checks.check_index(-target.dim() <= dim < target.dim(), "owner_average_",
+                        f"dim = {dim} is out of range for target with {target.dim()} dimensions")
     _ops.slice_scatter_([target], [0] * len(updates), updates, indices, [dim], "mean")
     return target
 # ---- GReLU layers (paper 004 §2.1, §4.4)

@@ -12,6 +12,19 @@ os.environ.setdefault("IST_KERNELS_AUTOTUNE", "0")
 
 import ist_kernels  # noqa: E402,F401
 
+try:  # property tests (test_properties.py); the profile is picked by HYPOTHESIS_PROFILE (default "ci")
+    from hypothesis import HealthCheck, settings
+
+    # "ci": 200 examples per property, fresh random ones each run (derandomize=False), no deadline
+    # (the Triton interpreter is slow), a failure printed with its reproduction blob.
+    settings.register_profile("ci", max_examples=200, deadline=None, derandomize=False, print_blob=True,
+                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    settings.register_profile("dev", settings.get_profile("ci"), max_examples=25)  # a quick look
+    settings.register_profile("long", settings.get_profile("ci"), max_examples=2000)  # a hunt
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # pragma: no cover (test_properties.py skips)
+    pass
+
 HAS_CUDA = torch.cuda.is_available()
 _skip_without_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
@@ -32,6 +45,10 @@ try:
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+
+#: the exception types bad input may raise (ist_kernels/ops/_checks.py: TypeError for a dtype,
+#: IndexError for an index out of range, ValueError for the rest); test_bad_inputs.py checks which.
+BAD_INPUT = (ValueError, TypeError, IndexError)
 
 # Devices every op is tested on: the CPU always, CUDA where present.
 DEVICES = ["cpu", CUDA_PARAM]

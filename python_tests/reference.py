@@ -139,13 +139,14 @@ def slice_gather(sources, source_ids, indices, dims):
 
 
 def slice_scatter(targets, target_ids, updates, indices, dims, reduce):
-    """New tensors (float64 for floating targets, int64 for integer ones; inputs untouched): for every
+    """New tensors (float64 for floating targets, complex128 for complex ones, int64 for integer and
+    bool ones; inputs untouched): for every
     slice i of every target, its owners are the segments j with target_ids[j] == t listing i, in
     segment order; copy = the last owner, sum = target + sum of owners, mean = sum / number of owners
     (toward zero for integers). Unowned slices keep their value."""
     out = []
     for t, x in enumerate(targets):
-        wide = torch.float64 if x.is_floating_point() else torch.int64
+        wide = torch.complex128 if x.is_complex() else torch.float64 if x.is_floating_point() else torch.int64
         y = x.detach().to(wide).clone()
         d = dims[t] % x.dim()
         for i in range(x.shape[d]):

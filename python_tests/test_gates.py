@@ -3,7 +3,7 @@ import torch
 
 import ist_kernels.functional as F
 import reference as ref
-from conftest import DEVICES
+from conftest import BAD_INPUT, DEVICES
 
 
 SHAPES = [(1, 1), (7, 31), (33, 32), (5, 33), (129, 70), (2, 3, 100), (0, 40), (4, 0)]
@@ -58,11 +58,22 @@ def test_compile():
 
 
 def test_bad_input():
-    with pytest.raises((RuntimeError, ValueError), match="mask must be bool or floating"):
+    with pytest.raises(BAD_INPUT, match="mask must be bool or floating"):
         F.pack_gates(torch.ones(3, 4, dtype=torch.int64))
-    with pytest.raises((RuntimeError, ValueError), match="at least 1 dimension"):
+    with pytest.raises(BAD_INPUT, match="at least 1 dimension"):
         F.pack_gates(torch.tensor(1.0))
-    with pytest.raises((RuntimeError, ValueError), match="words must be int32"):
+    with pytest.raises(BAD_INPUT, match="words must be int32"):
         F.unpack_gates(torch.ones(3, 2, dtype=torch.int64), 40)
-    with pytest.raises((RuntimeError, ValueError), match="num_features=70 needs 3 words"):
+    with pytest.raises(BAD_INPUT, match="num_features=70 needs 3 words"):
         F.unpack_gates(torch.ones(3, 2, dtype=torch.int32), 70)
+
+
+def test_unpack_gates_num_features_out_of_range():
+    """Issue 10, item 8: unpack_gates(w, 2**63 - 1) reported a negative word count."""
+    w = torch.zeros(2, 1, dtype=torch.int32)
+    for words in (w, w.to("meta")):  # the C++ kernel and the fake kernel say the same
+        with pytest.raises(ValueError, match=r"num_features=9223372036854775807 needs 288230376151711744 words per "
+                                             r"row, but words has 1"):
+            F.unpack_gates(words, 2**63 - 1)
+        with pytest.raises(ValueError, match=r"num_features must be >= 0, got -1"):
+            F.unpack_gates(words, -1)

@@ -8,7 +8,7 @@ import torch
 
 import ist_kernels.functional as F
 import reference as ref
-from conftest import DEVICES, HAS_CUDA, HAS_TRITON, requires_cuda, requires_triton
+from conftest import BAD_INPUT, DEVICES, HAS_CUDA, HAS_TRITON, requires_cuda, requires_triton
 
 ops = torch.ops.ist_kernels
 
@@ -121,6 +121,30 @@ def test_triton_backward_output_mask_and_tiles(mask, tile, gen, monkeypatch):
     monkeypatch.setattr(tg, "INTERPRET_GATE_GRAD_TILE" if not HAS_CUDA else "GATE_GRAD_TILE", tile)
     x, w, b, gates = make(70, 24, 45, torch.float32, gen, device=TRITON_DEVICE)
     check_gated_linear(tg.gated_linear, tg.gated_linear_backward, x, w, b, gates, gen, mask=mask)
+
+
+@requires_triton
+@pytest.mark.parametrize("use_tma", [True, False])
+def test_triton_fused_kernels_tma_and_pointer(use_tma, gen, monkeypatch):
+    """Both fused forward GEMMs: the persistent TMA kernel (aligned, unit-stride operands) and the
+    pointer kernel, on shapes with partial tiles; a K whose rows are not 16-byte aligned and a
+    transposed x always take the pointer kernel."""
+    monkeypatch.setattr(tg, "USE_TMA", use_tma)
+    launched = []
+    real = tg._launch_tma
+    monkeypatch.setattr(tg, "_launch_tma", lambda *a: launched.append(1) or real(*a))
+    dtype = torch.float32 if not HAS_CUDA else torch.float16
+    for rows, K, N in [(45, 40, 100), (70, 24, 45), (5, 36, 200)]:
+        x, w, b, gates = make(rows, K, N, dtype, gen, device=TRITON_DEVICE)
+        check_relu_gates(tg.relu_gates, x, w, b)
+        check_gated_linear(tg.gated_linear, tg.gated_linear_backward, x, w, None, gates, gen)
+    assert bool(launched) == use_tma
+    launched.clear()
+    x, w, b, gates = make(9, 13, 40, dtype, gen, device=TRITON_DEVICE)  # 13 * 4 B rows: not 16-byte aligned
+    check_relu_gates(tg.relu_gates, x, w, b)
+    xt = torch.randn(40, 6, generator=gen).to(TRITON_DEVICE, dtype).t()
+    check_relu_gates(tg.relu_gates, xt, torch.randn(33, 40, generator=gen).to(TRITON_DEVICE, dtype), None)
+    assert not launched
 
 
 @requires_triton
@@ -331,8 +355,24 @@ def test_bad_input(name, case):
             match = match.replace("on cpu", "on cuda:0")
         fn = getattr(tg, op)
     before = [a.clone() for a in args if isinstance(a, torch.Tensor) and a.device.type != "meta"]
-    with pytest.raises((RuntimeError, ValueError), match=match):
+    with pytest.raises(BAD_INPUT, match=match):
         fn(*args)
     after = [a for a in args if isinstance(a, torch.Tensor) and a.device.type != "meta"]
     for u, v in zip(before, after):  # nothing written
         torch.testing.assert_close(u, v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", BACKENDS + ["fake"])
+def test_output_mask_of_the_wrong_length(name, gen):
+    """Issue 10, item 8: output_mask of the wrong length got the dispatcher's "Tried to convert a
+    List with 2 elements to a fixed-size array"; every path names output_mask."""
+    x, w, _, gates = make(3, 5, 7, torch.float32, gen)
+    g = torch.randn(3, 7, generator=gen)
+    if name == "fake":
+        fn, (g, x, w, gates) = ops.gated_linear_backward, (t.to("meta") for t in (g, x, w, gates))
+    else:
+        fn = backend(name)[2]
+    for mask in ([True, True], [True] * 4, []):
+        with pytest.raises(ValueError, match=rf"output_mask must have 3 entries \(grad_x, grad_weight, grad_bias\), "
+                                             rf"got {len(mask)}"):
+            fn(g, x, w, gates, mask)

@@ -1,9 +1,13 @@
+import math
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import ist_kernels.functional as F
 import reference as ref
-from conftest import DEVICES
+from conftest import BAD_INPUT, DEVICES
 
 ops = torch.ops.ist_kernels
 
@@ -236,7 +240,7 @@ def test_noncontiguous_targets_and_updates(device, gen):
                torch.randn(9, 7, 2, generator=gen).to(device)]
     assert not updates[0].is_contiguous()
     # The two views of `base` overlap in memory: one call may not write both.
-    with pytest.raises((RuntimeError, ValueError), match="shares memory with targets"):
+    with pytest.raises(BAD_INPUT, match="shares memory with targets"):
         F.slice_scatter_(targets, ids, updates, indices, dims, "mean")
     expect = ref.slice_scatter([targets[0].cpu()], ids[:2], [u.cpu() for u in updates[:2]],
                                [i.cpu() for i in indices[:2]], dims[:1], "mean")[0]
@@ -370,20 +374,20 @@ def test_scatter_bad_input_writes_nothing(device):
     good, cases = bad_cases(device)
     for match, kw in cases:
         before = [t.clone() for t in kw["targets"]]
-        with pytest.raises((RuntimeError, ValueError), match=match):
+        with pytest.raises(BAD_INPUT, match=match):
             F.slice_scatter_(**kw)
-        with pytest.raises((RuntimeError, ValueError), match=match):  # the op itself, not only the wrapper
+        with pytest.raises(BAD_INPUT, match=match):  # the op itself, not only the wrapper
             ops.slice_scatter_(*kw.values())
         for a, b in zip(kw["targets"], before):
             assert torch.equal(a, b)
     b = torch.zeros(4, dtype=torch.bool, device=device)
-    with pytest.raises((RuntimeError, ValueError), match='reduce="sum" needs a floating or integer dtype'):
+    with pytest.raises(BAD_INPUT, match='reduce="sum" needs a floating or integer dtype'):
         F.slice_scatter_([b], [0], [b[:1].clone()], [torch.tensor([0], device=device)], [0], "sum")
     w = torch.randn(6, 4, device=device)
-    with pytest.raises((RuntimeError, ValueError), match=r"targets\[0\] shares memory with targets\[1\]"):
+    with pytest.raises(BAD_INPUT, match=r"targets\[0\] shares memory with targets\[1\]"):
         F.slice_scatter_([w, w[2:]], [0, 1], [torch.ones(1, 4, device=device)] * 2,
                          [torch.tensor([0], device=device)] * 2, [0, 0], "copy")
-    with pytest.raises((RuntimeError, ValueError), match="expanded view"):
+    with pytest.raises(BAD_INPUT, match="expanded view"):
         F.slice_scatter_([torch.zeros(1, 3, device=device).expand(4, 3)], [0], [torch.ones(1, 3, device=device)],
                          [torch.tensor([0], device=device)], [0], "copy")
 
@@ -398,12 +402,12 @@ def test_mixed_dtype_bad_input_writes_nothing(device):
     for match, idx in ((r"indices\[1\]\[0\] = 7 is out of range", torch.tensor([7])),
                        (r"indices\[1\] must not repeat an index, but indices\[1\]\[1\] = 2 repeats", torch.tensor([2, 2]))):
         u = upd if idx.numel() == 1 else [upd[0], torch.ones(2, dtype=torch.int64, device=device)]
-        with pytest.raises((RuntimeError, ValueError), match=match):
+        with pytest.raises(BAD_INPUT, match=match):
             F.slice_scatter_([w, n], [0, 1], u, [torch.tensor([0, 1], device=device), idx.to(device)], [0, 0])
-    with pytest.raises((RuntimeError, ValueError), match=r"targets\[0\] shares memory with updates\[0\]"):
+    with pytest.raises(BAD_INPUT, match=r"targets\[0\] shares memory with updates\[0\]"):
         F.slice_scatter_([w, n], [0, 1], [w[:2], upd[1]], [torch.tensor([0, 1], device=device),
                                                             torch.tensor([0], device=device)], [0, 0])
-    with pytest.raises((RuntimeError, ValueError), match=r"updates\[1\] has dtype"):
+    with pytest.raises(BAD_INPUT, match=r"updates\[1\] has dtype"):
         F.slice_scatter_([w, n], [0, 1], [upd[0], upd[0][0, :1]],
                          [torch.tensor([0, 1], device=device), torch.tensor([0], device=device)], [0, 0])
     assert torch.equal(w, before[0]) and torch.equal(n, before[1])
@@ -424,7 +428,7 @@ def test_gather_bad_input(device):
         (r"sources\[0\] is 0-d", ([torch.tensor(1.0, device=device)], [0], [i], [0])),
         (r"sources is empty", ([], [], [], [])),
     ]:
-        with pytest.raises((RuntimeError, ValueError), match=match):
+        with pytest.raises(BAD_INPUT, match=match):
             F.slice_gather(*args)
 
 
@@ -491,11 +495,11 @@ def test_gather_into_bad_input_writes_nothing(device):
         (r"out shares memory with sources\[0\]", big[4:12], [big[:24].view(6, 4)]),
     ]:
         before = out.clone()
-        with pytest.raises((RuntimeError, ValueError), match=match):
+        with pytest.raises(BAD_INPUT, match=match):
             ops.slice_gather_into_(out, srcs, [0], i, [0])
         assert torch.equal(out, before)
     out = torch.zeros(8, device=device)
-    with pytest.raises((RuntimeError, ValueError), match=r"indices\[0\]\[1\] = 6 is out of range"):
+    with pytest.raises(BAD_INPUT, match=r"indices\[0\]\[1\] = 6 is out of range"):
         F.slice_gather([w], [0], [torch.tensor([1, 6], device=device)], [0], out=out)
     with pytest.raises(ValueError, match="out= is not differentiable"):
         F.slice_gather([w.requires_grad_()], [0], i, [0], out=out)
@@ -503,7 +507,7 @@ def test_gather_into_bad_input_writes_nothing(device):
         F.gather_slices([w.detach(), w.detach().double()], [0, 1], i * 2, [0, 0], out=out)
     assert torch.equal(out, torch.zeros(8, device=device))
     if device != "cpu":
-        with pytest.raises(RuntimeError, match="out is on cpu"):
+        with pytest.raises(ValueError, match="out is on cpu"):
             ops.slice_gather_into_(torch.zeros(8), [w.detach()], [0], i, [0])
 
 
@@ -577,9 +581,113 @@ def test_mixed_dtype_bad_index_in_either_launch_writes_nothing(device):
             (r"indices\[1\]\[0\] = 5 is out of range", [t(0, 1, 2), t(5), t(0)])):     # later launch (int64)
         upd = [torch.ones(3, 4, device=device), torch.ones(1, dtype=torch.int64, device=device),
                torch.ones(1, device=device)]
-        with pytest.raises((RuntimeError, ValueError), match=match):
+        with pytest.raises(BAD_INPUT, match=match):
             F.slice_scatter_([w, n, v], [0, 1, 2], upd, idx, [0, 0, 0], "mean")
         for a, b in zip((w, n, v), before):
             assert torch.equal(a, b)
-        with pytest.raises((RuntimeError, ValueError), match=match):
+        with pytest.raises(BAD_INPUT, match=match):
             F.gather_slices([w, n, v], [0, 1, 2], idx, [0, 0, 0])
+
+
+# ---- regressions (issue 10): each reproduction gives the right result or a clean, named error
+def test_gather_into_out_over_an_index_list_is_refused():
+    """Item 1: out sharing memory with an int64 index list overwrote the indices while reading them
+    (a segfault). Run as the issue did, in a fresh process, so that a crash fails this test."""
+    code = ("import torch, ist_kernels; b = torch.tensor([0, 1, 0, 0]); "
+            "torch.ops.ist_kernels.slice_gather_into_(b, [torch.full((4, 2), 10**12)], [0], [b[:2]], [0])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "ValueError: slice_gather_into_: out shares memory with indices[0]" in proc.stderr
+    b = torch.tensor([0, 1, 0, 0])
+    with pytest.raises(ValueError, match=r"out shares memory with indices\[0\]"):
+        F.slice_gather([torch.full((4, 2), 10**12)], [0], [b[:2]], [0], out=b)
+    assert torch.equal(b, torch.tensor([0, 1, 0, 0]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_mean_is_overflow_safe(device, dtype):
+    """Item 4: owners [inf, 3e38] and [inf, -3e38] gave [nan, -inf]; the mean is [inf, 0]. Near the
+    largest finite value, opposite owners average to 0 and equal ones to themselves; nan and
+    inf/-inf owners give nan, as the exact mean does."""
+    big = torch.finfo(dtype).max * 0.9 if dtype != torch.float64 else 3e38
+    inf, nan = math.inf, math.nan
+    cases = [  # owners of each element -> mean
+        ([inf, big], [inf, -big], [inf, 0.0]),
+        ([big, -big], [big, big], [big, 0.0]),
+        ([-big, inf], [-big, -inf], [-big, nan]),
+        ([nan, 1.0], [2.0, 1.0], [nan, 1.0]),
+    ]
+    for first, second, want in cases:
+        target = torch.zeros(2, dtype=dtype, device=device)
+        upd = [torch.tensor(first, dtype=dtype, device=device), torch.tensor(second, dtype=dtype, device=device)]
+        idx = [torch.tensor([0, 1], device=device)] * 2
+        F.owner_average_(target, upd, idx)
+        torch.testing.assert_close(target.cpu(), torch.tensor(want, dtype=dtype), equal_nan=True, rtol=0, atol=0)
+    # three owners near the top of the range: (big + big - big) / 3 without overflow
+    target = torch.zeros(1, dtype=dtype, device=device)
+    F.owner_average_(target, [torch.tensor([v], dtype=dtype, device=device) for v in (big, big, -big)],
+                     [torch.tensor([0], device=device)] * 3)
+    torch.testing.assert_close(target.double().cpu(), torch.tensor([float(torch.tensor(big, dtype=dtype)) / 3],
+                                                                  dtype=torch.float64), rtol=1e-2, atol=0)
+    # owners that all return the target's values, inf and -0.0 included, leave it unchanged bit for bit
+    target = torch.tensor([inf, -0.0, -inf, big, 1.5], dtype=dtype, device=device)
+    before = target.clone()
+    F.owner_average_(target, [target.clone()] * 3, [torch.arange(5, device=device)] * 3)
+    assert torch.equal(target.view(torch.uint8 if dtype != torch.float64 else torch.int64),
+                       before.view(torch.uint8 if dtype != torch.float64 else torch.int64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_dtype_scatter_writes_nothing_before_its_checks(device):
+    """Item 5: an int64 target that is the index list of another dtype's launch was written before
+    that launch's check failed, and errors named per-group positions."""
+    n = torch.arange(5, device=device)
+    w = torch.randn(6, 4, device=device)
+    before = (n.clone(), w.clone())
+    t = lambda *v: torch.tensor(v, device=device)  # noqa: E731
+    with pytest.raises(ValueError, match=r"targets\[1\] shares memory with indices\[1\]"):
+        F.slice_scatter_([w, n], [1, 0], [t(9, 9, 9, 9), torch.ones(4, 4, device=device)], [t(0, 1, 2, 3), n[:4]],
+                         [0, 0], "copy")
+    # the first launch (float32, the most indices) names the caller's position 3, not its own 1
+    with pytest.raises(IndexError, match=r"indices\[3\]\[1\] = 9 is out of range for targets\[1\] along dim 0"):
+        F.slice_scatter_([n, w], [0, 1, 0, 1], [t(9), torch.ones(1, 4, device=device), t(8),
+                                                torch.ones(3, 4, device=device)],
+                         [t(0), t(0), t(1), t(1, 9, 2)], [0, 0], "copy")
+    # an expanded target of a later launch is named by the caller's position before anything runs
+    with pytest.raises(ValueError, match=r"targets\[2\] has elements that share memory"):
+        F.slice_scatter_([w, n, torch.zeros(1, device=device).expand(3)], [0, 1, 2],
+                         [torch.ones(1, 4, device=device), t(7), torch.ones(1, device=device)], [t(0), t(1), t(2)],
+                         [0, 0, 0], "copy")
+    assert torch.equal(n, before[0]) and torch.equal(w, before[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_sources_gather_into_a_buffer(device):
+    """Item 6: a strided source made slice_gather_into_ / slice_gather(out=) /
+    gather_slices(out=GatherBuffers) fail with "out shares memory" although nothing was shared."""
+    src = torch.tensor([[5.0, 1, 0, 2, 3, 4]] * 4, device=device).cumsum(0)[:, ::2]
+    idx = [torch.tensor([0, 2], device=device)]
+    want = src.index_select(0, idx[0]).reshape(-1)
+    out = torch.empty(6, device=device)
+    ops.slice_gather_into_(out, [src], [0], idx, [0])
+    assert torch.equal(out, want)
+    assert torch.equal(F.slice_gather([src], [0], idx, [0], out=torch.empty(6, device=device)), want)
+    holder = F.GatherBuffers()
+    parts = F.gather_slices([src, torch.arange(3, device=device)], [0, 1], idx * 2, [0, 0], out=holder)
+    assert torch.equal(parts[0].reshape(-1), want) and torch.equal(parts[1], torch.tensor([0, 2], device=device))
+    # interleaved views of one buffer that share no element are fine as targets; sharing one is not
+    buf = torch.zeros(24, device=device)
+    F.slice_scatter_([buf[0::2].view(3, 4), buf[1::2].view(3, 4)], [0, 1],
+                     [torch.ones(1, 4, device=device), 2 * torch.ones(1, 4, device=device)],
+                     [torch.tensor([1], device=device)] * 2, [0, 0], "copy")
+    assert buf.view(3, 8)[1].tolist() == [1.0, 2.0] * 4 and buf.view(3, 8)[[0, 2]].abs().sum() == 0
+    with pytest.raises(ValueError, match=r"out shares memory with sources\[0\]"):
+        ops.slice_gather_into_(buf[4:5], [buf[0::2]], [0], [torch.tensor([2], device=device)], [0])
+
+
+def test_meta_index_list_is_named():
+    """Item 8: a meta index list got "must be on the CPU or on cpu"."""
+    with pytest.raises(ValueError, match=r"indices\[0\] is on meta but the tensors are on cpu; index lists must be "
+                                         r"on the CPU$"):
+        ops.slice_gather([torch.randn(3, 3)], [0], [torch.tensor([0], device="meta")], [0])

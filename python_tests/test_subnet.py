@@ -9,11 +9,10 @@ import torch.nn.functional as TF
 
 import ist_kernels.functional as F
 import reference as ref
-from conftest import DEVICES, HAS_CUDA, requires_cuda, requires_triton
+from conftest import BAD_INPUT, DEVICES, HAS_CUDA, HAS_TRITON, requires_cuda, requires_triton
 
 op = torch.ops.ist_kernels.subnet_linear
 op_backward = torch.ops.ist_kernels.subnet_linear_backward
-ERRORS = (RuntimeError, ValueError)
 
 # (leading dims of x, out_features N, in_features K, len(rows) or None, len(cols) or None)
 CASES = [
@@ -216,7 +215,7 @@ def bad_inputs(device):
 def test_bad_input(device, gen):
     for pattern, (x, w, b, rows, cols) in bad_inputs(device):
         before = [t.clone() for t in (x, w, b) if t is not None]
-        with pytest.raises(ERRORS, match=pattern):
+        with pytest.raises(BAD_INPUT, match=pattern):
             F.subnet_linear(x, w, b, rows, cols)
         for t, saved in zip([t for t in (x, w, b) if t is not None], before):
             assert torch.equal(t, saved)  # nothing written
@@ -224,12 +223,12 @@ def test_bad_input(device, gen):
     w = torch.randn(10, 8, device=device)
     x = torch.randn(4, 3, device=device)
     cols = torch.tensor([0, 7, 2], device=device)
-    with pytest.raises(ERRORS, match="rows must not repeat an index"):
+    with pytest.raises(BAD_INPUT, match="rows must not repeat an index"):
         op_backward(torch.randn(4, 2, device=device), x, w, torch.tensor([3, 3], device=device), cols, [True] * 3)
-    with pytest.raises(ERRORS, match=r"grad_out must have shape \[4, 2\]"):
+    with pytest.raises(BAD_INPUT, match=r"grad_out must have shape \[4, 2\]"):
         op_backward(torch.randn(4, 3, device=device), x, w, torch.tensor([3, 4], device=device), cols, [True] * 3)
     if device == "cpu":
-        with pytest.raises(ERRORS, match="weight must be float32, float64 or bfloat16 on the CPU"):
+        with pytest.raises(BAD_INPUT, match="weight must be float32, float64 or bfloat16 on the CPU"):
             F.subnet_linear(x.half(), w.half())
 
 
@@ -237,9 +236,9 @@ def test_bad_input(device, gen):
 def test_devices_must_match(gen):
     w = torch.randn(10, 8, device="cuda")
     x = torch.randn(4, 8, device="cuda")
-    with pytest.raises(ERRORS, match="rows is on cpu"):
+    with pytest.raises(BAD_INPUT, match="rows is on cpu"):
         F.subnet_linear(x, w, None, torch.tensor([1, 2]))
-    with pytest.raises(ERRORS, match="x is on cpu"):
+    with pytest.raises(BAD_INPUT, match="x is on cpu"):
         F.subnet_linear(x.cpu(), w)
 
 
@@ -284,11 +283,11 @@ def test_triton_bad_input():
     from ist_kernels.triton import subnet as T
 
     for pattern, (x, w, b, rows, cols) in bad_inputs(TRITON_DEVICE):
-        with pytest.raises(ValueError, match=pattern):
+        with pytest.raises(BAD_INPUT, match=pattern):
             T.subnet_linear(x, w, b, rows, cols)
     w = torch.randn(10, 8, device=TRITON_DEVICE)
     x = torch.randn(4, 3, device=TRITON_DEVICE)
-    with pytest.raises(ValueError, match="rows must not repeat"):
+    with pytest.raises(BAD_INPUT, match="rows must not repeat"):
         T.subnet_linear_backward(torch.randn(4, 2, device=TRITON_DEVICE), x, w,
                                  torch.tensor([3, 3], device=TRITON_DEVICE),
                                  torch.tensor([0, 7, 2], device=TRITON_DEVICE), [True] * 3)
@@ -327,3 +326,77 @@ def test_gather_gemm_backend_strided_indices_and_views(gen):
     x = torch.randn(len(cols), 6, generator=gen).to(TRITON_DEVICE).t()
     assert not rows.is_contiguous() and not cols.is_contiguous()
     check_against_reference(C.subnet_linear, C.subnet_linear_backward, x, w, b, rows, cols, gen, torch.float32)
+
+
+# ---- regressions (issue 10): each reproduction gives the right result or a clean, named error
+def backends():
+    """(forward, backward) of every backend that runs here: the op (C++ on CPU tensors), the CUDA
+    backend's gather + GEMM code (torch ops: runs on CPU tensors too), and the Triton variant's
+    launchers (on CPU tensors under the interpreter)."""
+    from ist_kernels.cuda import subnet as C
+
+    out = [(op, op_backward), (C.subnet_linear, C.subnet_linear_backward)]
+    if HAS_CUDA or HAS_TRITON:
+        from ist_kernels.ops.subnet import triton_subnet_linear, triton_subnet_linear_backward
+        out.append((triton_subnet_linear, triton_subnet_linear_backward))
+    return out
+
+
+@pytest.mark.parametrize("backend", range(len(backends())))
+def test_empty_index_lists_give_zero_gradients(backend, gen):
+    """Item 2: an empty cols list was taken for "all columns" and grad_weight came back
+    uninitialised (garbage such as 1784.9); an empty rows list deserves the same test."""
+    fwd, bwd = backends()[backend]
+    device = TRITON_DEVICE if backend else "cpu"
+    w = torch.randn(6, 5, generator=gen).to(device)
+    empty = torch.tensor([], dtype=torch.int64, device=device)
+    for _ in range(3):  # fresh allocations each time: reused garbage would show
+        junk = torch.full((64, 64), 1784.9, device=device)
+        del junk
+        for rows, cols, x, g in ((None, empty, torch.randn(3, 0), torch.randn(3, 6)),
+                                 (empty, None, torch.randn(3, 5), torch.randn(3, 0)),
+                                 (empty, empty, torch.randn(3, 0), torch.randn(3, 0))):
+            x, g = x.to(device), g.to(device)
+            y = fwd(x, w, None, rows, cols)
+            assert y.shape == g.shape and (y == 0).all()
+            got = bwd(g, x, w, rows, cols, [True, True, True])
+            for t, want in zip(got, ref.subnet_linear_backward(g, x, w, rows, cols)):
+                assert t.shape == want.shape
+                torch.testing.assert_close(t.double(), want, **tol(torch.float32, 3))
+            assert (got[1] == 0).all()  # grad_weight: no (row, column) pair is selected
+    x = torch.randn(3, 0, device=device)
+    wr = w.clone().requires_grad_(True)
+    if backend == 0:  # autograd through the op
+        F.subnet_linear(x, wr, None, None, empty).sum().backward()
+        assert (wr.grad == 0).all()
+
+
+@pytest.mark.parametrize("backend", range(len(backends())))
+def test_strided_index_lists(backend, gen):
+    """Item 3: the Triton kernels read rows / cols with unit stride, so a strided view
+    (torch.tensor([5, 1, 0, 2, 3, 4])[::2]) gave wrong values, and junk between the entries was
+    read as indices. Junk here is in range, so a stride bug gives wrong values, not a crash."""
+    fwd, bwd = backends()[backend]
+    device = TRITON_DEVICE if backend else "cpu"
+    w = torch.randn(7, 7, generator=gen).to(device)
+    b = torch.randn(7, generator=gen).to(device)
+    rows = torch.tensor([5, 1, 0, 2, 3, 4], device=device)[::2]
+    cols = torch.tensor([5, 6, 1, 6, 0, 6, 2], device=device)[::2]
+    assert rows.stride(0) == 2 and cols.stride(0) == 2
+    x = torch.randn(3, 4, generator=gen).to(device)
+    torch.testing.assert_close(fwd(x, w, b, rows, cols).double(), ref.subnet_linear(x, w, b, rows, cols), **tol(
+        torch.float32, 4))
+    g = torch.randn(3, 3, generator=gen).to(device)
+    for got, want in zip(bwd(g, x, w, rows, cols, [True, True, True]), ref.subnet_linear_backward(g, x, w, rows, cols)):
+        torch.testing.assert_close(got.double(), want, **tol(torch.float32, 3))
+
+
+@pytest.mark.parametrize("backend", range(len(backends())))
+def test_output_mask_of_the_wrong_length(backend):
+    """Item 8: output_mask of the wrong length got the dispatcher's "Tried to convert a List"."""
+    _, bwd = backends()[backend]
+    device = TRITON_DEVICE if backend else "cpu"
+    w, x, g = torch.randn(6, 5, device=device), torch.randn(3, 5, device=device), torch.randn(3, 6, device=device)
+    for mask in ([True, True], [True] * 4, []):
+        with pytest.raises(ValueError, match=rf"output_mask must have 3 entries .*got {len(mask)}"):
+            bwd(g, x, w, None, None, mask)

@@ -11,10 +11,9 @@ import torch
 from ist_kernels.train import cli
 from ist_kernels.train.config import ConfigError, TrainConfig
 from ist_kernels.train.datasets import ShardedData, _mix, load_dataset
-from train_helpers import assert_equal_states, run as _run, untimed
+from train_helpers import TINY_MLP, assert_equal_states, run as _run, untimed
 
-TINY = ["--dataset", "digits", "--model", "mlp", "--width", "16", "--batch-size", "8", "--local-steps", "2",
-        "--no-progress", "--no-plots", "--eval-interval", "2", "--threads", "1"]
+TINY = TINY_MLP
 run = functools.partial(_run, base=TINY)
 
 

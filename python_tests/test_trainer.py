@@ -15,12 +15,9 @@ from ist_kernels.train import checkpoint, cli, datasets, methods
 from ist_kernels.train.config import ConfigError, TrainConfig
 from ist_kernels.train.output import read_metrics
 from ist_kernels.train.runner import lr_at
-from train_helpers import outputs, run as _run, untimed
+from train_helpers import TINY_MLP, outputs, run as _run, untimed
 
-# One thread per process: the spawned workers and the simulated run then compute bit-identical steps
-# on any machine (and small runs do not fight over a shared box's cores).
-TINY = ["--dataset", "digits", "--model", "mlp", "--width", "16", "--batch-size", "8", "--local-steps", "2",
-        "--no-progress", "--no-plots", "--eval-interval", "2", "--threads", "1"]
+TINY = TINY_MLP
 run = functools.partial(_run, base=TINY)
 
 

@@ -10,7 +10,10 @@ namespace ist {
 
 constexpr int kGateBits = 32;
 
-IST_HD int64_t gate_words(int64_t num_features) { return (num_features + kGateBits - 1) / kGateBits; }
+// ceil(num_features / 32) for num_features >= 0, without overflow up to INT64_MAX.
+IST_HD int64_t gate_words(int64_t num_features) {
+  return num_features / kGateBits + (num_features % kGateBits != 0 ? 1 : 0);
+}
 IST_HD int64_t gate_word(int64_t feature) { return feature / kGateBits; }
 IST_HD int gate_bit(int64_t feature) { return static_cast<int>(feature % kGateBits); }
 

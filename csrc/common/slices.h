@@ -84,29 +84,54 @@ IST_HD void fill_inverse_map(const int64_t* idx, int64_t n, int32_t* pos) {
 // ---- Reduction over the owners of one element, in segment order.
 //   copy: the last owner's value.
 //   sum:  ((target + u_1) + u_2) + ... + u_k, accumulated in acc_t.
-//   mean (floating): u_1 + (sum_{l>=2} (u_l - u_1)) / k, and exactly u_1 when that sum is 0, so
-//         owners that all return the same value give that value bit for bit (aggregating
-//         unchanged subnetworks is the identity); the accumulation runs in acc_t (float for
-//         half/bfloat16) and is rounded once.
-//   mean (integral): (u_1 + ... + u_k) / k, rounded toward zero.
+//   mean: OwnerMean below.
 // Owner counts k come from the index lists (the number of owners visited), never from the data.
 enum class SliceReduce : int { Copy = 0, Sum = 1, Mean = 2 };
 
-template <bool Integral, typename acc_t>
-IST_HD acc_t mean_begin(acc_t u1) {
-  if constexpr (Integral) return u1; else return acc_t(0);
-}
-template <bool Integral, typename acc_t>
-IST_HD acc_t mean_step(acc_t acc, acc_t u1, acc_t u) {
-  if constexpr (Integral) return acc + u; else return acc + (u - u1);
-}
-template <bool Integral, typename acc_t>
-IST_HD acc_t mean_finish(acc_t acc, acc_t u1, int64_t k) {
-  if constexpr (Integral) {
-    return acc / static_cast<acc_t>(k);
-  } else {
-    return acc == acc_t(0) ? u1 : u1 + acc / static_cast<acc_t>(k);
+// Mean of the k owners u_1..u_k of one element, fed in segment order, accumulated in acc_t (float
+// for half/bfloat16, int64 for integers) and rounded once by the caller.
+//   floating: u_1 + (sum_{l>=2} (u_l - u_1)) / k, and exactly u_1 when that sum is 0, so owners
+//     that all return the same value give that value bit for bit (aggregating unchanged
+//     subnetworks is the identity). Where that form overflows (owners of opposite sign near the
+//     largest finite value, or an infinite owner, whose deviations are inf/nan), the mean is
+//     (sum_l u_l * 2^-64) / k * 2^64 instead, which cannot overflow: [inf, 3e38] -> inf,
+//     [3e38, -3e38] -> 0, [inf, -inf] -> nan, as the exact mean.
+//   integral: (u_1 + ... + u_k) / k, rounded toward zero.
+template <typename acc_t, bool Integral>
+struct OwnerMean {
+  acc_t first, dev, scaled;  // set by begin()
+
+  static IST_HD acc_t down() { return acc_t(5.42101086242752217e-20); }  // 2^-64, exact in float
+  static IST_HD acc_t up() { return acc_t(1.8446744073709551616e19); }   // 2^64
+  static IST_HD bool finite(acc_t v) { return v - v == acc_t(0); }       // false for inf and nan
+
+  IST_HD void begin(acc_t u1) {
+    first = u1;
+    if constexpr (Integral) {
+      dev = u1;
+      scaled = acc_t(0);
+    } else {
+      dev = acc_t(0);
+      scaled = u1 * down();
+    }
   }
-}
+  IST_HD void step(acc_t u) {
+    if constexpr (Integral) {
+      dev += u;
+    } else {
+      dev += u - first;
+      scaled += u * down();
+    }
+  }
+  IST_HD acc_t finish(int64_t k) const {
+    if constexpr (Integral) {
+      return dev / static_cast<acc_t>(k);
+    } else {
+      if (dev == acc_t(0)) return first;
+      const acc_t m = first + dev / static_cast<acc_t>(k);
+      return finite(dev) && finite(m) ? m : scaled / static_cast<acc_t>(k) * up();
+    }
+  }
+};
 
 }  // namespace ist

@@ -210,16 +210,17 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& weight, const std
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_linear_backward(const at::Tensor& grad_out, const at::Tensor& x,
                                                                      const at::Tensor& weight, const at::Tensor& gates,
-                                                                     std::array<bool, 3> output_mask) {
+                                                                     const c10::List<bool>& mask) {
   const char* op = "gated_linear_backward";
   check_grelu_linear(op, x, weight, std::nullopt);
+  const std::array<bool, 3> output_mask = check_output_mask(mask, op);
   const int64_t N = weight.size(0);
-  TORCH_CHECK(grad_out.device() == x.device(), op, ": grad_out is on ", grad_out.device(), " but x is on ",
-              x.device(), "; all tensors must be on one device");
-  TORCH_CHECK(grad_out.scalar_type() == x.scalar_type(), op, ": grad_out must have x's dtype ", x.scalar_type(),
-              ", got ", grad_out.scalar_type());
-  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(with_last(x, N)), op, ": grad_out must be ",
-              at::IntArrayRef(with_last(x, N)), " (x's leading dims, out_features), got ", grad_out.sizes());
+  TORCH_CHECK_VALUE(grad_out.device() == x.device(), op, ": grad_out is on ", grad_out.device(), " but x is on ",
+                    x.device(), "; all tensors must be on one device");
+  TORCH_CHECK_TYPE(grad_out.scalar_type() == x.scalar_type(), op, ": grad_out must have x's dtype ", x.scalar_type(),
+                   ", got ", grad_out.scalar_type());
+  TORCH_CHECK_VALUE(grad_out.sizes() == at::IntArrayRef(with_last(x, N)), op, ": grad_out must be ",
+                    at::IntArrayRef(with_last(x, N)), " (x's leading dims, out_features), got ", grad_out.sizes());
   check_grelu_gates(op, gates, x, N);
 
   // Outputs not asked for are distinct empty tensors (outputs must not alias each other).

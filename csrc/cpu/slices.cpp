@@ -52,7 +52,7 @@ void with_word(int64_t element_size, Fn&& fn) {
     case 4: return fn(Word<4>{});
     case 8: return fn(Word<8>{});
     case 16: return fn(Word<16>{});
-    default: TORCH_CHECK(false, "slice ops: unsupported element size ", element_size);
+    default: TORCH_CHECK_TYPE(false, "slice ops: unsupported element size ", element_size);
   }
 }
 
@@ -112,7 +112,7 @@ at::Tensor slice_gather(at::TensorList sources, at::IntArrayRef source_ids, at::
 void slice_gather_into_(at::Tensor& out, at::TensorList sources, at::IntArrayRef source_ids, at::TensorList indices,
                         at::IntArrayRef dims) {
   const GatherPlan plan(sources, source_ids, indices, dims, "slice_gather_into_");
-  plan.check_out(out, sources, "slice_gather_into_");
+  plan.check_out(out, sources, indices, "slice_gather_into_");
   gather_into(plan, out);
 }
 
@@ -135,14 +135,14 @@ void reduce_row(scalar_t* out, const scalar_t* const* owners, int64_t k, int64_t
         for (int64_t c = 0; c < m; ++c) acc[c] += static_cast<acc_t>(u[c]);
       }
     } else {
+      OwnerMean<acc_t, kIntegral> mean[kChunk];
       const scalar_t* u1 = owners[0] + c0;
-      for (int64_t c = 0; c < m; ++c) acc[c] = mean_begin<kIntegral>(static_cast<acc_t>(u1[c]));
+      for (int64_t c = 0; c < m; ++c) mean[c].begin(static_cast<acc_t>(u1[c]));
       for (int64_t l = 1; l < k; ++l) {
         const scalar_t* u = owners[l] + c0;
-        for (int64_t c = 0; c < m; ++c)
-          acc[c] = mean_step<kIntegral>(acc[c], static_cast<acc_t>(u1[c]), static_cast<acc_t>(u[c]));
+        for (int64_t c = 0; c < m; ++c) mean[c].step(static_cast<acc_t>(u[c]));
       }
-      for (int64_t c = 0; c < m; ++c) acc[c] = mean_finish<kIntegral>(acc[c], static_cast<acc_t>(u1[c]), k);
+      for (int64_t c = 0; c < m; ++c) acc[c] = mean[c].finish(k);
     }
     for (int64_t c = 0; c < m; ++c) o[c] = static_cast<scalar_t>(acc[c]);
   }

@@ -27,41 +27,46 @@ namespace {
 struct Subnet {
   int64_t N = 0, K = 0;                        // full weight [N, K]
   int64_t Nr = 0, Kc = 0;                      // selected output rows, input columns
-  const int64_t* rows = nullptr;               // nullptr: all rows
-  const int64_t* cols = nullptr;               // nullptr: all columns
+  // rows / cols: the index lists, or nullptr for all rows / columns (index_at). An empty list may
+  // also have a null data pointer, so "all" is told by all_rows / all_cols, never by the pointer.
+  const int64_t* rows = nullptr;
+  const int64_t* cols = nullptr;
+  bool all_rows = true, all_cols = true;
   at::Tensor rows_c, cols_c;                   // contiguous index lists that rows/cols point into
   std::vector<uint32_t> row_selected;          // bitmap over the N rows
 };
 
 void check_dtype(const at::Tensor& t, const char* op, const char* name) {
   const auto d = t.scalar_type();
-  TORCH_CHECK(d == at::kFloat || d == at::kDouble || d == at::kBFloat16, op, ": ", name,
-              " must be float32, float64 or bfloat16 on the CPU, got ", d);
+  TORCH_CHECK_TYPE(d == at::kFloat || d == at::kDouble || d == at::kBFloat16, op, ": ", name,
+                   " must be float32, float64 or bfloat16 on the CPU, got ", d);
 }
 
 Subnet check_subnet(const char* op, const at::Tensor& x, const at::Tensor& weight,
                     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& rows,
                     const std::optional<at::Tensor>& cols) {
-  TORCH_CHECK(weight.dim() == 2, op, ": weight must be 2-D [out_features, in_features], got ", weight.dim(),
-              " dimensions");
+  TORCH_CHECK_VALUE(weight.dim() == 2, op, ": weight must be 2-D [out_features, in_features], got ", weight.dim(),
+                    " dimensions");
   check_dtype(weight, op, "weight");
-  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least 1 dimension (features last), got a 0-d tensor");
-  TORCH_CHECK(x.device() == weight.device(), op, ": x is on ", x.device(), " but weight is on ", weight.device());
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), op, ": x has dtype ", x.scalar_type(),
-              " but weight has dtype ", weight.scalar_type(), "; they must match");
+  TORCH_CHECK_VALUE(x.dim() >= 1, op, ": x must have at least 1 dimension (features last), got a 0-d tensor");
+  TORCH_CHECK_VALUE(x.device() == weight.device(), op, ": x is on ", x.device(), " but weight is on ", weight.device());
+  TORCH_CHECK_TYPE(x.scalar_type() == weight.scalar_type(), op, ": x has dtype ", x.scalar_type(),
+                   " but weight has dtype ", weight.scalar_type(), "; they must match");
   Subnet s;
   s.N = weight.size(0);
   s.K = weight.size(1);
   if (bias.has_value()) {
-    TORCH_CHECK(bias->device() == weight.device(), op, ": bias is on ", bias->device(), " but weight is on ",
-                weight.device());
-    TORCH_CHECK(bias->scalar_type() == weight.scalar_type(), op, ": bias has dtype ", bias->scalar_type(),
-                " but weight has dtype ", weight.scalar_type(), "; they must match");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == s.N, op, ": bias must have shape [", s.N,
-                "] (weight's out_features), got ", bias->sizes());
+    TORCH_CHECK_VALUE(bias->device() == weight.device(), op, ": bias is on ", bias->device(), " but weight is on ",
+                      weight.device());
+    TORCH_CHECK_TYPE(bias->scalar_type() == weight.scalar_type(), op, ": bias has dtype ", bias->scalar_type(),
+                     " but weight has dtype ", weight.scalar_type(), "; they must match");
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == s.N, op, ": bias must have shape [", s.N,
+                      "] (weight's out_features), got ", bias->sizes());
   }
   s.row_selected = check_index_list(rows, s.N, op, "rows", "weight dim 0 (out_features)", weight.device());
   check_index_list(cols, s.K, op, "cols", "weight dim 1 (in_features)", weight.device());
+  s.all_rows = !rows.has_value();
+  s.all_cols = !cols.has_value();
   if (rows.has_value()) {
     s.rows_c = rows->contiguous();
     s.rows = s.rows_c.const_data_ptr<int64_t>();
@@ -76,8 +81,8 @@ Subnet check_subnet(const char* op, const at::Tensor& x, const at::Tensor& weigh
   } else {
     s.Kc = s.K;
   }
-  TORCH_CHECK(x.size(-1) == s.Kc, op, ": x has ", x.size(-1), " features but the subnetwork has ", s.Kc,
-              cols.has_value() ? " (len(cols))" : " (weight's in_features; cols is None)");
+  TORCH_CHECK_VALUE(x.size(-1) == s.Kc, op, ": x has ", x.size(-1), " features but the subnetwork has ", s.Kc,
+                    cols.has_value() ? " (len(cols))" : " (weight's in_features; cols is None)");
   return s;
 }
 
@@ -167,16 +172,17 @@ at::Tensor subnet_linear(const at::Tensor& x, const at::Tensor& weight, const st
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> subnet_linear_backward(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& rows,
-    const std::optional<at::Tensor>& cols, std::array<bool, 3> output_mask) {
+    const std::optional<at::Tensor>& cols, const c10::List<bool>& mask) {
   constexpr const char* op = "subnet_linear_backward";
   const Subnet s = check_subnet(op, x, weight, std::nullopt, rows, cols);
-  TORCH_CHECK(grad_out.device() == weight.device(), op, ": grad_out is on ", grad_out.device(), " but weight is on ",
-              weight.device());
-  TORCH_CHECK(grad_out.scalar_type() == weight.scalar_type(), op, ": grad_out has dtype ", grad_out.scalar_type(),
-              " but weight has dtype ", weight.scalar_type(), "; they must match");
-  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(with_last(x.sizes(), s.Nr)), op, ": grad_out must have shape ",
-              at::IntArrayRef(with_last(x.sizes(), s.Nr)), " (x's leading dims, len(rows) outputs), got ",
-              grad_out.sizes());
+  const std::array<bool, 3> output_mask = check_output_mask(mask, op);
+  TORCH_CHECK_VALUE(grad_out.device() == weight.device(), op, ": grad_out is on ", grad_out.device(),
+                    " but weight is on ", weight.device());
+  TORCH_CHECK_TYPE(grad_out.scalar_type() == weight.scalar_type(), op, ": grad_out has dtype ", grad_out.scalar_type(),
+                   " but weight has dtype ", weight.scalar_type(), "; they must match");
+  TORCH_CHECK_VALUE(grad_out.sizes() == at::IntArrayRef(with_last(x.sizes(), s.Nr)), op, ": grad_out must have shape ",
+                    at::IntArrayRef(with_last(x.sizes(), s.Nr)), " (x's leading dims, len(rows) outputs), got ",
+                    grad_out.sizes());
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // as in the forward
   const int64_t M = leading(x);
   const auto x2 = x.detach().reshape({M, s.Kc}).contiguous();
@@ -214,7 +220,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> subnet_linear_backward(
 
     if (output_mask[1]) {  // grad_weight[rows, cols] = g^T x, by blocks of output features
       // With all columns selected, the selected rows are written whole: zero only the others.
-      const bool all_cols = s.cols == nullptr;
+      const bool all_cols = s.all_cols;
       grad_weight = all_cols && M > 0 ? at::empty({s.N, s.K}, opts) : at::zeros({s.N, s.K}, opts);
       scalar_t* gw = grad_weight.data_ptr<scalar_t>();
       if (all_cols && M > 0) {

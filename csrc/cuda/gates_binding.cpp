@@ -17,7 +17,7 @@ MaskType mask_type(at::ScalarType t) {
     case at::kDouble: return MaskType::Float64;
     case at::kHalf: return MaskType::Float16;
     case at::kBFloat16: return MaskType::BFloat16;
-    default: TORCH_CHECK(false, "pack_gates: unsupported mask dtype ", t);
+    default: TORCH_CHECK_TYPE(false, "pack_gates: unsupported mask dtype ", t);
   }
 }
 

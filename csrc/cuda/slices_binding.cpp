@@ -1,7 +1,14 @@
 // torch bindings of the CUDA slice kernels (csrc/cuda/slices.cu). Checks and the host plan come from
 // csrc/slices_plan.h (shared with the CPU kernels); here the plan is written into one pinned host
-// buffer (records, then index lists or inverse maps), copied to the device in one transfer on the
-// current stream, and one kernel runs for all tensors.
+// buffer (records, then index lists or inverse maps), copied to the device in one asynchronous
+// transfer on the current stream, and one kernel runs for all tensors.
+//
+// Index lists: give them on the CPU (int64 CPU tensors with CUDA data tensors). Then a call never
+// waits for the device: the lists are validated (range, duplicates) and the plan is built on the
+// host while earlier work still runs, and the only transfer is the stream-ordered upload from
+// pinned memory. Lists on the CUDA device are accepted too but cost one device->host copy, i.e. a
+// synchronisation with the stream, per call (the Exchange and the partition code keep their lists
+// on the host).
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/all.h>
@@ -34,7 +41,7 @@ struct PlanBuffer {
 int64_t align16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
 
 // Largest power of two <= max_bytes dividing `bytes` and aligning every address in `ptrs`.
-int64_t common_unit(int64_t bytes, std::initializer_list<uintptr_t> ptrs, int64_t max_bytes = 16) {
+int64_t common_unit(int64_t bytes, const std::vector<uintptr_t>& ptrs, int64_t max_bytes = 16) {
   int64_t unit = max_bytes;
   while (unit > 1) {
     bool ok = bytes % unit == 0;
@@ -72,23 +79,27 @@ void gather_into(const GatherPlan& plan, const at::Tensor& out) {
     GatherSegment& s = seg[l];
     s.src = static_cast<const char*>(plan.sources[plan.source[j]].const_data_ptr());
     s.dst = dst + plan.offset[j] * esize;
-    s.unit = static_cast<int32_t>(common_unit(v.inner * esize, {reinterpret_cast<uintptr_t>(s.src),
-                                                               reinterpret_cast<uintptr_t>(s.dst)}));
+    const auto dst_addr = reinterpret_cast<uintptr_t>(s.dst);
+    s.unit = static_cast<int32_t>(common_unit(v.inner * esize, {reinterpret_cast<uintptr_t>(s.src), dst_addr}));
+    const int64_t bytes = (plan.offset[j + 1] - plan.offset[j]) * esize;
+    s.store = s.unit < 16 && bytes % 16 == 0 && dst_addr % 16 == 0 ? 16 : s.unit;
     s.row_units = v.inner * esize / s.unit;
     s.n = plan.idx.len[j];
     s.size = v.size;
     s.units = v.outer * s.n * s.row_units;
+    s.items = bytes / s.store;
     s.wide = s.units > kFastDivMax ? 1 : 0;
     s.row_div = make_fast_div(static_cast<uint32_t>(s.wide ? 1 : s.row_units));
     s.n_div = make_fast_div(static_cast<uint32_t>(s.wide ? 1 : s.n));
     s.block_start = blocks;
-    blocks += (s.units + kSliceThreads * kGatherUnroll - 1) / (kSliceThreads * kGatherUnroll);
+    const int64_t per_block = kSliceThreads * gather_items_per_thread(s.store / s.unit);
+    blocks += (s.items + per_block - 1) / per_block;
     std::memcpy(buf.host_at<int64_t>(idx_at), plan.idx.ptr[j], s.n * sizeof(int64_t));
     s.idx = buf.device_at<const int64_t>(idx_at);
     idx_at += s.n * static_cast<int64_t>(sizeof(int64_t));
   }
-  TORCH_CHECK(blocks <= kMaxBlocks, "slice_gather: ", plan.total(), " elements need ", blocks,
-              " blocks, more than one launch allows");
+  TORCH_CHECK_VALUE(blocks <= kMaxBlocks, "slice_gather: ", plan.total(), " elements need ", blocks,
+                    " blocks, more than one launch allows");
   buf.upload();
   C10_CUDA_CHECK(ist::cuda::slice_gather(buf.device_at<const GatherSegment>(0), L, blocks,
                                          c10::cuda::getCurrentCUDAStream()));
@@ -109,7 +120,7 @@ void slice_gather_into_cuda(at::Tensor& out, at::TensorList sources, at::IntArra
   c10::cuda::OptionalCUDAGuard guard;
   if (out.is_cuda()) guard.set_device(out.device());
   const GatherPlan plan(sources, source_ids, indices, dims, "slice_gather_into_");
-  plan.check_out(out, sources, "slice_gather_into_");
+  plan.check_out(out, sources, indices, "slice_gather_into_");
   gather_into(plan, out);
 }
 
@@ -149,30 +160,37 @@ void slice_scatter_cuda(at::TensorList targets, at::IntArrayRef target_ids, at::
     const SliceView& v = plan.view[a];
     ScatterTarget& t = tgt[a];
     t.data = static_cast<char*>(plan.work[a].data_ptr());
-    // Vectors of 16 bytes where the row length and every address allow it, else single elements.
-    bool vec_ok = esize < 16 && common_unit(v.inner * esize, {reinterpret_cast<uintptr_t>(t.data)}) == 16;
+    // Loads as wide as the row length and every address allow (up to scatter_max_unit), stored
+    // as such, or element loads stored as scatter_max_unit vectors where the target allows.
+    std::vector<uintptr_t> addrs{reinterpret_cast<uintptr_t>(t.data)};
     for (int64_t s = plan.seg_begin[a]; s < plan.seg_begin[a + 1]; ++s) {
       const int64_t j = plan.seg[s];
       seg[s].update = static_cast<const char*>(plan.updates[j].const_data_ptr());
       seg[s].pos = pos + plan.pos_offset[j];
       seg[s].n = plan.n[j];
-      vec_ok = vec_ok && (seg[s].n == 0 || reinterpret_cast<uintptr_t>(seg[s].update) % 16 == 0);
+      if (seg[s].n > 0) addrs.push_back(reinterpret_cast<uintptr_t>(seg[s].update));
     }
-    t.vec = vec_ok ? static_cast<int32_t>(16 / esize) : 1;
-    t.vecs = v.outer * v.size * v.inner / t.vec;
+    const int64_t max_unit = scatter_max_unit(static_cast<int>(esize));
+    const int64_t bytes = v.outer * v.size * v.inner * esize;
+    t.unit = static_cast<int32_t>(common_unit(v.inner * esize, addrs, max_unit));
+    t.store = t.unit == esize && esize < max_unit && bytes % max_unit == 0 && addrs[0] % max_unit == 0 ? max_unit : t.unit;
+    t.units = bytes / t.unit;
+    t.items = bytes / t.store;
     t.size = v.size;
-    t.inner_vecs = v.inner / t.vec;
+    t.row_units = v.inner * esize / t.unit;
     t.seg_begin = plan.seg_begin[a];
     t.seg_end = plan.seg_begin[a + 1];
-    t.wide = t.vecs > kFastDivMax ? 1 : 0;
-    t.inner_div = make_fast_div(static_cast<uint32_t>(t.wide || t.vecs == 0 ? 1 : t.inner_vecs));
-    t.size_div = make_fast_div(static_cast<uint32_t>(t.wide || t.vecs == 0 ? 1 : t.size));
+    t.wide = t.units > kFastDivMax ? 1 : 0;
+    t.row_div = make_fast_div(static_cast<uint32_t>(t.wide || t.units == 0 ? 1 : t.row_units));
+    t.size_div = make_fast_div(static_cast<uint32_t>(t.wide || t.units == 0 ? 1 : t.size));
     t.block_start = blocks;
     // Targets whose slices no segment owns need no blocks.
     const bool owned = plan.owned_begin[a + 1] > plan.owned_begin[a];
-    if (owned) blocks += (t.vecs + kSliceThreads * kScatterUnroll - 1) / (kSliceThreads * kScatterUnroll);
+    const int64_t per_block = kSliceThreads * scatter_items_per_thread(t.store / t.unit);
+    if (owned) blocks += (t.items + per_block - 1) / per_block;
   }
-  TORCH_CHECK(blocks <= kMaxBlocks, "slice_scatter_: the targets need ", blocks, " blocks, more than one launch allows");
+  TORCH_CHECK_VALUE(blocks <= kMaxBlocks, "slice_scatter_: the targets need ", blocks,
+                    " blocks, more than one launch allows");
   buf.upload();
   C10_CUDA_CHECK(ist::cuda::slice_scatter(buf.device_at<const ScatterTarget>(0), A,
                                           buf.device_at<const ScatterSegment>(t_bytes), blocks, plan.reduce,

@@ -13,6 +13,7 @@ costs 2·|rows|·|cols| element moves, O(1/M) of the GEMM's work.
 """
 import torch
 
+from ..ops._checks import check_output_mask
 from ..ops.subnet import TRITON_DTYPES, check_grad_out, check_subnet
 
 
@@ -56,6 +57,7 @@ def subnet_linear_backward(grad_out, x, weight, rows=None, cols=None, output_mas
     op = "subnet_linear_backward"
     Nr, Kc = check_subnet(op, x, weight, None, rows, cols, values=True, dtypes=TRITON_DTYPES)
     check_grad_out(op, grad_out, x, weight, Nr)
+    check_output_mask(op, output_mask)
     M = x.shape[:-1].numel()
     x2 = x.reshape(M, Kc)
     g2 = grad_out.reshape(M, Nr)

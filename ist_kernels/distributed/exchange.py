@@ -141,7 +141,6 @@ class _Mover:
         self.target_entries = sorted({s.entry for segs in routing.recv for s in segs})
         self.q_send = [self._qlayout(routing.send[q]) if q != r else (0, 0, 0, 0, 0) for q in range(S)]
         self.q_recv = [self._qlayout(routing.recv[k]) if k != r else (0, 0, 0, 0, 0) for k in range(S)]
-        self._dev: Dict[torch.device, tuple] = {}
 
     def _qlayout(self, segs):
         """(bytes, scales, raw integer part offset, codes offset, floating elements) of one chunk."""
@@ -154,12 +153,9 @@ class _Mover:
         return pad(codes + f_el), n_f, raw, codes, f_el
 
     def _indices(self, device):
-        if device not in self._dev:
-            move = (lambda i: i) if device.type == "cpu" else (lambda i: i.to(device, non_blocking=True))
-            pack_idx = [move(s.index) for s in self.pack]
-            recv_idx = [[move(s.index) for s in segs] for segs in self.routing.recv]
-            self._dev[device] = (pack_idx, recv_idx)
-        return self._dev[device]
+        """The index lists of the pack and unpack, kept on the host whatever ``device`` is: the slice
+        ops read CPU index lists without waiting for the device (no device->host sync in a round)."""
+        return [s.index.cpu() for s in self.pack], [[s.index.cpu() for s in segs] for segs in self.routing.recv]
 
     def run(self, sources: Dict[int, Tensor], targets: Dict[int, Tensor], *, quantize: bool, device,
             name: str, round: Optional[int], group, timeout: timedelta, stats: CommStats) -> None:

@@ -1,13 +1,40 @@
 """Argument checks shared by fake kernels and Python-registered (Triton) kernels.
 
-The C++ kernels check the same things in csrc/checks.h. Messages name the op and the argument.
+The C++ kernels check the same things in csrc/checks.h and csrc/slices_plan.h.
+
+Error policy: one exception type per kind of mistake, the same whichever path runs the op (the C++
+kernels through ``TORCH_CHECK_TYPE`` / ``TORCH_CHECK_INDEX`` / ``TORCH_CHECK_VALUE``, the fake
+kernels, the Triton launchers and the functional wrappers):
+
+* ``TypeError``: a tensor of the wrong dtype (or an argument of the wrong Python type);
+* ``IndexError``: an index out of range: an index-list entry, a source / target id, a dim;
+* ``ValueError``: everything else: shapes and sizes, devices, list lengths (``output_mask``
+  included), repeated indices, an output or written tensor sharing memory with an input (index
+  lists included), an unknown ``reduce``.
+
+Every message starts with the op's name, names the argument as the caller passed it
+(``indices[3]``, ``targets[5]``, ``output_mask``) and says what was expected. Every check runs
+before anything is written, so a failed call leaves every tensor unchanged.
 """
+from typing import Optional
+
 import torch
 
 
-def check(cond: bool, op: str, msg: str) -> None:
+def check(cond: bool, op: str, msg: str, kind: type = ValueError) -> None:
+    """Raise ``kind`` (ValueError unless told otherwise; see the policy above) with "op: msg"."""
     if not cond:
-        raise ValueError(f"{op}: {msg}")
+        raise kind(f"{op}: {msg}")
+
+
+def check_type(cond: bool, op: str, msg: str) -> None:
+    """A dtype mistake: TypeError (TORCH_CHECK_TYPE in C++)."""
+    check(cond, op, msg, TypeError)
+
+
+def check_index(cond: bool, op: str, msg: str) -> None:
+    """An index out of range: IndexError (TORCH_CHECK_INDEX in C++)."""
+    check(cond, op, msg, IndexError)
 
 
 def gate_words(num_features: int) -> int:
@@ -32,7 +59,7 @@ def check_index_list(idx, size: int, op: str, name: str, what: str, device, valu
     csrc/checks.h (index math in csrc/common/indices.h)."""
     if idx is None:
         return
-    check(idx.dtype == torch.int64, op, f"{name} must be an int64 index list, got {idx.dtype}")
+    check_type(idx.dtype == torch.int64, op, f"{name} must be an int64 index list, got {idx.dtype}")
     check(idx.dim() == 1, op, f"{name} must be 1-D, got {idx.dim()} dimensions")
     check(idx.device == torch.device(device), op,
           f"{name} is on {idx.device} but the other tensors are on {device}")
@@ -48,7 +75,7 @@ def check_index_list(idx, size: int, op: str, name: str, what: str, device, valu
         return
     if bool(out_of_range.any()):
         p = int(out_of_range.nonzero()[0, 0])
-        check(False, op, f"{name}[{p}] = {int(idx[p])} is out of range for {what} of size {size}")
+        check_index(False, op, f"{name}[{p}] = {int(idx[p])} is out of range for {what} of size {size}")
     # First position (in list order) whose value appeared earlier, and where it first appeared.
     later = order[1:][repeats]
     p = int(later.min())
@@ -65,14 +92,14 @@ def check_grelu_linear(op: str, x, weight, bias) -> None:
     """x [..., K], weight [N, K], bias [N] or None: one device, one supported dtype, matching sizes."""
     check(x.dim() >= 1, op, "x must have at least 1 dimension (features last), got a 0-d tensor")
     check(weight.dim() == 2, op, f"weight must be 2-D [out_features, in_features], got {weight.dim()}-D")
-    check(x.dtype in GRELU_DTYPES, op, f"x must be float32, float64, bfloat16 or float16, got {x.dtype}")
-    check(weight.dtype == x.dtype, op, f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    check_type(x.dtype in GRELU_DTYPES, op, f"x must be float32, float64, bfloat16 or float16, got {x.dtype}")
+    check_type(weight.dtype == x.dtype, op, f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
     check_same_device(op, x=x, weight=weight, bias=bias)
     check(x.shape[-1] == weight.shape[1], op,
           f"x has {x.shape[-1]} features (last dim) but weight expects {weight.shape[1]} "
           f"(weight is {list(weight.shape)})")
     if bias is not None:
-        check(bias.dtype == x.dtype, op, f"bias must have x's dtype {x.dtype}, got {bias.dtype}")
+        check_type(bias.dtype == x.dtype, op, f"bias must have x's dtype {x.dtype}, got {bias.dtype}")
         check(bias.dim() == 1 and bias.shape[0] == weight.shape[0], op,
               f"bias must be [{weight.shape[0]}] (out_features), got {list(bias.shape)}")
 
@@ -80,7 +107,7 @@ def check_grelu_linear(op: str, x, weight, bias) -> None:
 def check_grelu_gates(op: str, gates, x, num_features: int) -> None:
     """gates: int32 [*x.shape[:-1], ceil(num_features / 32)] on x's device."""
     check_same_device(op, x=x, gates=gates)
-    check(gates.dtype == torch.int32, op, f"gates must be int32 (packed with pack_gates), got {gates.dtype}")
+    check_type(gates.dtype == torch.int32, op, f"gates must be int32 (packed with pack_gates), got {gates.dtype}")
     expected = [*x.shape[:-1], gate_words(num_features)]
     check(list(gates.shape) == expected, op,
           f"gates must be {expected} (x's leading dims, ceil({num_features}/32) words), got {list(gates.shape)}")
@@ -88,7 +115,7 @@ def check_grelu_gates(op: str, gates, x, num_features: int) -> None:
 
 def check_grelu_grad_out(op: str, grad_out, x, num_features: int) -> None:
     check_same_device(op, x=x, grad_out=grad_out)
-    check(grad_out.dtype == x.dtype, op, f"grad_out must have x's dtype {x.dtype}, got {grad_out.dtype}")
+    check_type(grad_out.dtype == x.dtype, op, f"grad_out must have x's dtype {x.dtype}, got {grad_out.dtype}")
     expected = [*x.shape[:-1], num_features]
     check(list(grad_out.shape) == expected, op,
           f"grad_out must be {expected} (x's leading dims, out_features), got {list(grad_out.shape)}")
@@ -101,5 +128,61 @@ def check_gated_linear_backward(grad_out, x, weight, gates, output_mask) -> int:
     N = weight.shape[0]
     check_grelu_grad_out(op, grad_out, x, N)
     check_grelu_gates(op, gates, x, N)
-    check(len(output_mask) == 3, op, f"output_mask must have 3 entries, got {len(output_mask)}")
+    check_output_mask(op, output_mask)
     return N
+
+
+def check_output_mask(op: str, output_mask) -> None:
+    """(grad_x, grad_weight, grad_bias) flags: exactly 3 (the schema's bool[3]; the dispatcher does
+    not check the length)."""
+    check(len(output_mask) == 3, op,
+          f"output_mask must have 3 entries (grad_x, grad_weight, grad_bias), got {len(output_mask)}")
+
+
+# ---- memory overlap (out= / in-place arguments against every input); mirrors ist::memory_overlap
+# in csrc/checks.h.
+EXACT_OVERLAP_MAX = 1 << 20  # elements compared one by one at most (interleaved strided views)
+
+
+def byte_range(t: torch.Tensor):
+    """[begin, end) addresses of the bytes t's elements occupy (t not empty)."""
+    lo = sum(min(0, (n - 1) * s) for n, s in zip(t.shape, t.stride()))
+    hi = sum(max(0, (n - 1) * s) for n, s in zip(t.shape, t.stride()))
+    p, es = t.data_ptr(), t.element_size()
+    return p + lo * es, p + (hi + 1) * es
+
+
+def _element_starts(t: torch.Tensor) -> torch.Tensor:
+    off = torch.zeros((), dtype=torch.int64)
+    for n, s in zip(t.shape, t.stride()):
+        off = off[..., None] + torch.arange(n, dtype=torch.int64) * s
+    return (t.data_ptr() + off.reshape(-1) * t.element_size()).sort().values
+
+
+def memory_overlap(a: torch.Tensor, b: torch.Tensor) -> Optional[bool]:
+    """Whether a and b share a byte: False when either is empty (or has no data: meta), their
+    storages differ or their byte ranges are disjoint; True / False exactly when the ranges meet
+    (both contiguous: True; else element by element up to EXACT_OVERLAP_MAX elements); None
+    (unknown, to be treated as shared) beyond that."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a0, a1), (b0, b1) = byte_range(a), byte_range(b)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    if a.numel() + b.numel() > EXACT_OVERLAP_MAX:
+        return None
+    sa, sb = _element_starts(a), _element_starts(b)
+    # an element of b at [s, s + esb) meets one of a at [r, r + esa) iff s - esa < r < s + esb
+    k = torch.searchsorted(sa, sb - a.element_size(), right=True)
+    hit = k < sa.numel()
+    return bool((sa[k[hit]] < sb[hit] + b.element_size()).any())
+
+
+def overlap_words(shared: Optional[bool]) -> str:
+    """" shares memory with " / " may share memory with ... " for a failed overlap check."""
+    return (" shares memory with " if shared
+            else " may share memory with (interleaved strided views too large to compare) ")

@@ -10,9 +10,10 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ._checks import check
+from ._checks import byte_range, check, check_index, check_type, memory_overlap, overlap_words
 
 REDUCES = ("copy", "sum", "mean")
+MAX_SLICES = (1 << 31) - 1  # slices along one dim the kernels support (csrc/common/slices.h kFastDivMax)
 # dtypes the sum / mean reductions support (copy moves any dtype)
 REDUCIBLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
              torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -25,29 +26,32 @@ def wrap_dims(op: str, tensors: Sequence[torch.Tensor], dims: Sequence[int], nam
     check(len(dims) == len(tensors), op, f"dims must have one entry per {name} ({len(tensors)}), got {len(dims)}")
     out = []
     for t, (x, d) in enumerate(zip(tensors, dims)):
-        check(not same_dtype or x.dtype == tensors[0].dtype, op,
+        check_type(not same_dtype or x.dtype == tensors[0].dtype, op,
               f"{name}[{t}] has dtype {x.dtype} but {name}[0] has {tensors[0].dtype}; all {name} must share one "
               "dtype (the functional wrappers group mixed dtypes)")
         check(x.device == tensors[0].device, op,
               f"{name}[{t}] is on {x.device} but {name}[0] is on {tensors[0].device}; all tensors must be on one device")
         check(x.dim() >= 1, op, f"{name}[{t}] is 0-d; a sliced tensor needs at least 1 dimension")
-        check(-x.dim() <= d < x.dim(), op, f"dims[{t}] = {d} is out of range for {name}[{t}] with {x.dim()} dimensions")
+        check_index(-x.dim() <= d < x.dim(), op,
+                    f"dims[{t}] = {d} is out of range for {name}[{t}] with {x.dim()} dimensions")
         out.append(d % x.dim())
+        check(x.shape[out[-1]] <= MAX_SLICES, op, f"{name}[{t}] has {x.shape[out[-1]]} slices along dim {out[-1]}; "
+              "at most 2^31 - 1 are supported")
     return out
 
 
 def check_ids(op: str, ids: Sequence[int], count: int, ids_name: str, name: str) -> None:
     for j, i in enumerate(ids):
-        check(0 <= i < count, op, f"{ids_name}[{j}] = {i} is out of range: there are {count} {name}")
+        check_index(0 <= i < count, op, f"{ids_name}[{j}] = {i} is out of range: there are {count} {name}")
 
 
 def check_index_lists(op: str, indices: Sequence[torch.Tensor], device: torch.device) -> None:
     for j, idx in enumerate(indices):
-        check(idx.dtype == torch.int64, op, f"indices[{j}] must be int64, got {idx.dtype}")
+        check_type(idx.dtype == torch.int64, op, f"indices[{j}] must be int64, got {idx.dtype}")
         check(idx.dim() == 1, op, f"indices[{j}] must be 1-D, got {idx.dim()} dimensions")
         check(idx.device.type == "cpu" or idx.device == device, op,
-              f"indices[{j}] is on {idx.device} but the tensors are on {device}; index lists must be on the CPU "
-              f"or on {device}")
+              f"indices[{j}] is on {idx.device} but the tensors are on {device}; index lists must be on the CPU"
+              + ("" if torch.device(device).type == "cpu" else " or on the tensors' device"))
 
 
 def segment_shape(shape: Sequence[int], dim: int, n: int) -> List[int]:
@@ -75,12 +79,12 @@ def check_scatter(targets, target_ids, updates, indices, dims, reduce, same_dtyp
     d = wrap_dims(op, targets, dims, "targets", same_dtype)
     device = targets[0].device
     for x in targets:
-        check(reduce == "copy" or x.dtype in REDUCIBLE, op,
+        check_type(reduce == "copy" or x.dtype in REDUCIBLE, op,
               f'reduce="{reduce}" needs a floating or integer dtype, got {x.dtype}; use reduce="copy"')
     check_ids(op, target_ids, len(targets), "target_ids", "targets")
     check_index_lists(op, indices, device)
     for j, (t, u, idx) in enumerate(zip(target_ids, updates, indices)):
-        check(u.dtype == targets[t].dtype, op, f"updates[{j}] has dtype {u.dtype} but targets[{t}] has {targets[t].dtype}")
+        check_type(u.dtype == targets[t].dtype, op, f"updates[{j}] has dtype {u.dtype} but targets[{t}] has {targets[t].dtype}")
         check(u.device == device, op, f"updates[{j}] is on {u.device} but targets are on {device}")
         want = segment_shape(targets[t].shape, d[t], idx.shape[0])
         check(list(u.shape) == want, op,
@@ -117,10 +121,11 @@ def gather_numel(sources, source_ids, indices, dims) -> int:
 
 def check_gather_out(out, sources, source_ids, indices, dims) -> None:
     """The caller's buffer of slice_gather_into_: contiguous, 1-D, the sources' dtype and device,
-    exactly the gather's numel (the kernel also checks that it shares no memory with a source)."""
+    exactly the gather's numel (the kernel also checks that it shares no memory with a source or an
+    index list)."""
     op = "slice_gather_into_"
     d = check_gather(sources, source_ids, indices, dims)
-    check(out.dtype == sources[0].dtype, op, f"out has dtype {out.dtype} but the sources have {sources[0].dtype}")
+    check_type(out.dtype == sources[0].dtype, op, f"out has dtype {out.dtype} but the sources have {sources[0].dtype}")
     check(out.device == sources[0].device, op, f"out is on {out.device} but the sources are on {sources[0].device}")
     total = gather_numel(sources, source_ids, indices, d)
     check(out.dim() == 1 and out.shape[0] == total, op,
@@ -179,34 +184,37 @@ torch.library.register_autograd("ist_kernels::slice_gather", _gather_backward, s
 
 
 def check_index_values(op: str, indices: Sequence[torch.Tensor], sizes: Sequence[int],
-                       positions: Optional[Sequence[int]] = None) -> None:
-    """Range and duplicate checks of all index lists at once (a few vectorised ops, one sync).
+                       positions: Optional[Sequence[int]] = None, what: Optional[Sequence[str]] = None) -> None:
+    """Range and duplicate checks of index lists at once (a few vectorised ops, one sync): IndexError
+    for an entry out of range, ValueError for a repeat, as the kernels (csrc/slices_plan.h).
 
     Used where one call is split into several kernel launches (mixed dtypes), so that bad input is
     rejected before the first launch writes anything; a single launch checks in C++.
-    ``positions``: the caller's segment number of each list (messages name those).
+    ``positions``: the caller's segment number of each list (messages name those); ``what``: the
+    sliced dimension of each list, as in the kernels' messages ("targets[2] along dim 1").
     """
     if not indices:
         return
-    if positions is not None:
-        try:
-            check_index_values(op, indices, sizes)
-        except ValueError as e:  # renumber "indices[j]" to the caller's positions
-            import re
-            raise ValueError(re.sub(r"indices\[(\d+)\]", lambda m: f"indices[{positions[int(m.group(1))]}]",
-                                    str(e))) from None
-        return
+    pos = list(positions) if positions is not None else list(range(len(indices)))
+    what = list(what) if what is not None else ["a dimension"] * len(indices)
+
+    def out_of_range(j, k, v, size):
+        check_index(False, op, f"indices[{pos[j]}][{k}] = {v} is out of range for {what[j]} of size {size}")
+
+    def repeat(j, k, v, first):
+        name = f"indices[{pos[j]}]"
+        check(False, op, f"{name} must not repeat an index, but {name}[{k}] = {v} repeats {name}[{first}]; "
+              "a segment holds each slice at most once")
+
     lengths = [i.shape[0] for i in indices]
     if sum(lengths) <= 4096:  # a few lists (e.g. BN counters): plain Python beats launching tensor ops
         for j, (idx, size) in enumerate(zip(indices, sizes)):
             seen = {}
             for k, v in enumerate(idx.tolist()):
                 if not 0 <= v < size:
-                    raise ValueError(f"{op}: indices[{j}][{k}] = {v} is out of range for a dimension of size {size}")
+                    out_of_range(j, k, v, size)
                 if v in seen:
-                    name = f"indices[{j}]"
-                    raise ValueError(f"{op}: {name} must not repeat an index, but {name}[{k}] = {v} repeats "
-                                     f"{name}[{seen[v]}]; a segment holds each slice at most once")
+                    repeat(j, k, v, seen[v])
                 seen[v] = k
         return
     lengths = torch.tensor(lengths)
@@ -217,9 +225,7 @@ def check_index_values(op: str, indices: Sequence[torch.Tensor], sizes: Sequence
     if bad.numel():
         e = int(bad[0])
         j = int(seg[e])
-        k = e - int(lengths[:j].sum())
-        raise ValueError(f"{op}: indices[{j}][{k}] = {int(flat[e])} is out of range for a dimension of size "
-                         f"{int(size[e])}")
+        out_of_range(j, e - int(lengths[:j].sum()), int(flat[e]), int(size[e]))
     base = torch.cumsum(torch.tensor([0] + list(sizes[:-1]), dtype=torch.int64), 0)
     key = base.repeat_interleave(lengths) + flat
     if torch.unique(key).numel() != key.numel():
@@ -228,31 +234,35 @@ def check_index_values(op: str, indices: Sequence[torch.Tensor], sizes: Sequence
             for p in range(1, idx.numel()):
                 earlier = (idx[:p] == idx[p]).nonzero()
                 if earlier.numel():
-                    name = f"indices[{j}]"
-                    raise ValueError(f"{op}: {name} must not repeat an index, but {name}[{p}] = {int(idx[p])} repeats "
-                                     f"{name}[{int(earlier[0])}]; a segment holds each slice at most once")
+                    repeat(j, p, int(idx[p]), int(earlier[0]))
 
 
-def _span(x: torch.Tensor):
-    extent = sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1
-    return x.data_ptr(), x.data_ptr() + extent * x.element_size()
-
-
-def check_no_alias(op: str, targets, target_ids, updates) -> None:
-    """No target may share memory with another target or with an update (conservative: byte
-    spans that intersect count as shared). The C++ kernels check the same, precisely, per launch;
-    this runs where one call is split into several launches."""
-    spans = []
+def check_no_alias(op: str, targets, target_ids, updates, indices) -> None:
+    """No written target may have elements that share memory, nor share memory with another target,
+    an update or an index list (ValueError). The C++ kernels check the same per launch
+    (ScatterPlan::check_no_overlap); this runs where one call is split into several launches, so
+    that no launch writes what a later one reads."""
+    spans = []  # (begin, end, kind, position); kind 0 = target
+    names = ("targets", "updates", "indices")
     for t in sorted(set(target_ids)):
-        if targets[t].numel():
-            spans.append((*_span(targets[t]), True, t))
-    spans += [(*_span(u), False, j) for j, u in enumerate(updates) if u.numel()]
+        x = targets[t]
+        if x.numel() == 0 or x.device.type == "meta":
+            continue
+        check(torch._debug_has_internal_overlap(x) != 1, op,
+              f"targets[{t}] has elements that share memory (an expanded view?); it cannot be written in place")
+        spans.append((*byte_range(x), 0, t))
+    for kind, tensors in ((1, updates), (2, indices)):
+        spans += [(*byte_range(x), kind, j) for j, x in enumerate(tensors) if x.numel() and x.device.type != "meta"]
     spans.sort()
     for a in range(len(spans)):
         for b in range(a + 1, len(spans)):
             if spans[b][0] >= spans[a][1]:
                 break
-            if spans[a][2] or spans[b][2]:
-                t, o = (spans[a], spans[b]) if spans[a][2] else (spans[b], spans[a])
-                raise ValueError(f"{op}: targets[{t[3]}] shares memory with {'targets' if o[2] else 'updates'}"
-                                 f"[{o[3]}]; targets are written in place and must not alias another target or an update")
+            if spans[a][2] and spans[b][2]:
+                continue
+            t, o = (spans[a], spans[b]) if spans[a][2] == 0 else (spans[b], spans[a])
+            shared = memory_overlap(targets[t[3]], (targets, updates, indices)[o[2]][o[3]])
+            if shared is False:
+                continue
+            check(False, op, f"targets[{t[3]}]{overlap_words(shared)}{names[o[2]]}[{o[3]}]; targets are written in "
+                  "place and must not alias another target, an update or an index list")

@@ -7,7 +7,7 @@ the Triton gathered-load GEMMs (ist_kernels/triton/subnet.py) are the alternativ
 """
 import torch
 
-from ._checks import check, check_index_list, check_same_device
+from ._checks import check, check_index_list, check_output_mask, check_same_device, check_type
 
 # dtypes each backend implements.
 CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # csrc/cpu/subnet.cpp
@@ -22,15 +22,15 @@ def check_subnet(op, x, weight, bias, rows, cols, values=False, dtypes=None):
     check(weight.dim() == 2, op, f"weight must be 2-D [out_features, in_features], got {weight.dim()} dimensions")
     if dtypes is None:
         dtypes = CPU_DTYPES if weight.device.type == "cpu" else TRITON_DTYPES
-    check(weight.dtype in dtypes, op,
+    check_type(weight.dtype in dtypes, op,
           f"weight must be {', '.join(str(d).replace('torch.', '') for d in dtypes)} on "
           f"{weight.device.type}, got {weight.dtype}")
     check(x.dim() >= 1, op, "x must have at least 1 dimension (features last), got a 0-d tensor")
     check_same_device(op, weight=weight, x=x, bias=bias)
-    check(x.dtype == weight.dtype, op, f"x has dtype {x.dtype} but weight has dtype {weight.dtype}; they must match")
+    check_type(x.dtype == weight.dtype, op, f"x has dtype {x.dtype} but weight has dtype {weight.dtype}; they must match")
     N, K = weight.shape
     if bias is not None:
-        check(bias.dtype == weight.dtype, op,
+        check_type(bias.dtype == weight.dtype, op,
               f"bias has dtype {bias.dtype} but weight has dtype {weight.dtype}; they must match")
         check(bias.dim() == 1 and bias.shape[0] == N, op,
               f"bias must have shape [{N}] (weight's out_features), got {list(bias.shape)}")
@@ -45,7 +45,7 @@ def check_subnet(op, x, weight, bias, rows, cols, values=False, dtypes=None):
 
 def check_grad_out(op, grad_out, x, weight, Nr):
     check_same_device(op, weight=weight, grad_out=grad_out)
-    check(grad_out.dtype == weight.dtype, op,
+    check_type(grad_out.dtype == weight.dtype, op,
           f"grad_out has dtype {grad_out.dtype} but weight has dtype {weight.dtype}; they must match")
     want = (*x.shape[:-1], Nr)
     check(tuple(grad_out.shape) == tuple(want), op,
@@ -63,6 +63,7 @@ def _subnet_linear_backward_fake(grad_out, x, weight, rows, cols, output_mask):
     op = "subnet_linear_backward"
     Nr, _ = check_subnet(op, x, weight, None, rows, cols)
     check_grad_out(op, grad_out, x, weight, Nr)
+    check_output_mask(op, output_mask)
     grad_x = x.new_empty(x.shape) if output_mask[0] else weight.new_empty((0,))
     grad_weight = weight.new_empty(weight.shape) if output_mask[1] else weight.new_empty((0,))
     grad_bias = weight.new_empty((weight.shape[0],)) if output_mask[2] else weight.new_empty((0,))
@@ -92,3 +93,27 @@ from ..cuda import subnet as _cuda  # noqa: E402
 
 torch.library.register_kernel("ist_kernels::subnet_linear", "cuda", _cuda.subnet_linear)
 torch.library.register_kernel("ist_kernels::subnet_linear_backward", "cuda", _cuda.subnet_linear_backward)
+
+# The Triton variant (ist_kernels/triton/subnet.py; tested and benchmarked, not registered), given
+# index lists it can read: its kernels load entry p of an index list at base + p (unit stride), so
+# a strided view (rows[::2]) is made contiguous here first (a copy of a short list; contiguous
+# lists pass through untouched).
+try:
+    from ..triton import subnet as _triton
+except ImportError:  # pragma: no cover (no triton)
+    _triton = None
+
+
+def _unit_stride(idx):
+    return None if idx is None else idx.contiguous()
+
+
+def triton_subnet_linear(x, weight, bias=None, rows=None, cols=None):
+    """subnet_linear on the Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)."""
+    return _triton.subnet_linear(x, weight, bias, _unit_stride(rows), _unit_stride(cols))
+
+
+def triton_subnet_linear_backward(grad_out, x, weight, rows=None, cols=None, output_mask=(True, True, True)):
+    """subnet_linear_backward on the Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)."""
+    check_output_mask("subnet_linear_backward", output_mask)
+    return _triton.subnet_linear_backward(grad_out, x, weight, _unit_stride(rows), _unit_stride(cols), output_mask)

@@ -3,6 +3,12 @@
 Options come from, in increasing precedence: the defaults, the ``--demo`` preset, a ``--config``
 file (YAML or TOML), and flags. Everything is validated before any work starts; an invalid option
 exits with status 2 and a message naming it.
+
+One run at a time per output folder: the run locks it (``.ist-train.lock``; a second run stops at
+once, naming the first one's pid and host), and a folder that holds an earlier run needs
+``--resume`` (continue it) or ``--overwrite`` (replace it). A checkpoint that cannot be used, a
+peer that dies or stalls, or a killed worker ends the run with one line naming the file, the
+collective or the worker, and status 1.
 """
 from __future__ import annotations
 
@@ -11,9 +17,9 @@ import dataclasses
 import os
 import sys
 import typing
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .config import ConfigError, TrainConfig, demo_preset, load_config_file
+from .config import ConfigError, TrainConfig, demo_preset, load_config_file, under_torchrun
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -100,29 +106,30 @@ def _run_configs(cfg: TrainConfig) -> List[TrainConfig]:
     return [main, _baseline_config(cfg)]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ns = vars(_parser().parse_args(argv))
-    if ns["list_methods"] or ns["list_datasets"]:
-        from .datasets import available_datasets
-        from .methods import available_methods
-
-        print("\n".join(available_methods() if ns["list_methods"] else available_datasets()))
-        return 0
-    try:
-        cfg = build_config(argv)
-        runs = _run_configs(cfg)
-        for c in runs:
-            c.validate()
-    except ConfigError as e:
-        print(f"ist-train: error: {e}", file=sys.stderr)
-        return 2
-
+def _validate_and_run(argv) -> Tuple[TrainConfig, Optional[List[Dict[str, Any]]]]:
+    """Validate (ConfigError), lock and check the output folder, run, write the comparison table;
+    returns the config and the summaries (None on a rank > 0 under torchrun)."""
+    cfg = build_config(argv)
+    runs = _run_configs(cfg)
+    for c in runs:
+        c.validate()
     from .launch import launch
+    from .output import claim_outputs
+
+    # the launcher (rank 0 under torchrun) holds the lock; the other ranks only write their
+    # checkpoint files, and never get past rank 0's first collective when rank 0 stops
+    if under_torchrun() and int(os.environ["RANK"]) != 0:
+        launch(runs)
+        return cfg, None
+    with claim_outputs(runs, cfg.resolved_out_dir()):
+        summaries = launch(runs)
+        _write_table(cfg, summaries)
+    return cfg, summaries
+
+
+def _write_table(cfg: TrainConfig, summaries: List[Dict[str, Any]]) -> None:
     from .output import read_metrics, summary_table, write_plots
 
-    summaries = launch(runs)
-    if summaries[0] is None:  # a rank > 0 under torchrun
-        return 0
     out_dir = cfg.resolved_out_dir()
     table = summary_table(summaries)
     os.makedirs(out_dir, exist_ok=True)
@@ -136,7 +143,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"\noutputs in {os.path.abspath(out_dir)}: summary.md"
           + "".join(f", {os.path.basename(p)}" for p in plots)
           + "; per run: metrics.jsonl, summary.json, model.pt, checkpoints/")
-    if cfg.stop_after is not None and not all(s["finished"] for s in summaries):
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ns = vars(_parser().parse_args(argv))
+    if ns["list_methods"] or ns["list_datasets"]:
+        from .datasets import available_datasets
+        from .methods import available_methods
+
+        print("\n".join(available_methods() if ns["list_methods"] else available_datasets()))
+        return 0
+    from .launch import exit_worker, failure_status, report_failure
+
+    try:
+        cfg, summaries = _validate_and_run(argv)
+    except Exception as e:
+        status = failure_status(e)
+        if status is None:  # a bug: keep the traceback
+            raise
+        if under_torchrun():  # this process is one rank: it ends here
+            report_failure(e, f"rank {os.environ['RANK']}: ")
+            exit_worker(status)
+        report_failure(e)
+        return status
+    if summaries is not None and cfg.stop_after is not None and not all(s["finished"] for s in summaries):
         print(f"stopped after round {summaries[0]['rounds']}; continue with --resume")
     return 0
 

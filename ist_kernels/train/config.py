@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Mapping, Optional
 PRECISIONS = ("fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine", "step")
 BACKENDS = ("auto", "gloo", "nccl")
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # larger values overflow the backends' millisecond timeouts
 
 
 class ConfigError(ValueError):
@@ -46,7 +47,7 @@ class TrainConfig:
     workers: Optional[int] = _opt(None, "number of workers S (processes); default: WORLD_SIZE under torchrun, else 2")
     simulate: int = _opt(0, "train S workers/subnetworks one after another in one process (0: off)")
     backend: str = _opt("auto", "torch.distributed backend: auto (nccl on CUDA, gloo on CPU), gloo, nccl")
-    timeout_s: float = _opt(600.0, "collective timeout in seconds")
+    timeout_s: float = _opt(600.0, "collective timeout in seconds, at most 604800 (7 days)")
     threads: Optional[int] = _opt(None, "CPU threads per process (default: torch's; spawned workers share the cores)")
     # schedule
     local_steps: int = _opt(4, "local SGD steps per round (tau / l)")
@@ -73,6 +74,8 @@ class TrainConfig:
     checkpoint_dir: Optional[str] = _opt(None, "checkpoint folder (default <out_dir>/checkpoints)")
     checkpoint_interval: int = _opt(0, "checkpoint every this many rounds (0: only at the end)")
     resume: bool = _opt(False, "resume from the latest checkpoint in checkpoint_dir")
+    overwrite: bool = _opt(False, "start afresh in a non-empty out_dir: delete the earlier run's outputs "
+                           "(metrics, summaries, model, plots, checkpoints) first; other files stay")
     stop_after: Optional[int] = _opt(None, "stop (after a checkpoint) once this many rounds are done")
     baseline: bool = _opt(False, "also run local SGD with the same budget and compare")
     progress: bool = _opt(True, "progress bar on rank 0")
@@ -181,12 +184,15 @@ class TrainConfig:
             raise ConfigError("precision", f"must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.backend not in BACKENDS:
             raise ConfigError("backend", f"must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if not (self.timeout_s > 0):
-            raise ConfigError("timeout_s", f"must be > 0, got {self.timeout_s}")
+        if not (0 < self.timeout_s <= MAX_TIMEOUT_S):  # also rejects nan and inf
+            raise ConfigError("timeout_s", f"must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], "
+                              f"got {self.timeout_s}")
         if self.eval_interval < 0:
             raise ConfigError("eval_interval", f"must be >= 0 (0: only at the end), got {self.eval_interval}")
         if self.checkpoint_interval < 0:
             raise ConfigError("checkpoint_interval", f"must be >= 0 (0: only at the end), got {self.checkpoint_interval}")
+        if self.resume and self.overwrite:
+            raise ConfigError("overwrite", "conflicts with --resume (overwrite starts afresh, resume continues)")
         if self.stop_after is not None and self.stop_after < 1:
             raise ConfigError("stop_after", f"must be >= 1, got {self.stop_after}")
         _validate_device(self)

@@ -3,7 +3,10 @@
 - ``digits``: sklearn's bundled 8x8 digits (1797 images, 10 classes), a fixed stratified 80/20 split.
 - ``cifar10`` / ``cifar100``: the standard python-pickle folder at ``data_path``
   (``data_batch_1..5`` + ``test_batch``; ``train`` + ``test`` for CIFAR-100), kept as uint8 and
-  normalised per batch.
+  normalised per batch. The pickles are read by a restricted unpickler that builds only what the
+  format holds (dicts, lists, strings, numbers, numpy arrays) and refuses anything else, so a
+  crafted file cannot run code; a file with the size of the standard archive's must also have its
+  published md5 (other sizes, e.g. subsets, are not checked).
 - ``signal_noise``: paper 002's synthetic signal + noise classification (§5.1 settings);
   ``diabetes``: paper 001's regression data; ``ackley``: paper 004 §6.1's synthetic regression
   (all from ``ist_kernels.train.data``).
@@ -15,6 +18,8 @@ runs see the same batches, and resuming needs no data-loader state.
 """
 from __future__ import annotations
 
+import codecs
+import hashlib
 import os
 import pickle
 from dataclasses import dataclass, field
@@ -115,19 +120,107 @@ def _cifar_files(name: str, path: Optional[str]) -> Tuple[List[str], List[str]]:
     return j(spec["train"]), j(spec["test"])
 
 
+# (size in bytes, md5) of the files of the standard archives (cifar-10-python.tar.gz,
+# cifar-100-python.tar.gz), as published with them
+_CIFAR_STANDARD = {
+    "data_batch_1": (31035704, "c99cafc152244af753f735de768cd75f"),
+    "data_batch_2": (31035320, "d4bba439e000b95fd0a9bffe97cbabec"),
+    "data_batch_3": (31035999, "54ebc095f3ab1f0389bbae665268c751"),
+    "data_batch_4": (31035696, "634d18415352ddfa80567beed471001a"),
+    "data_batch_5": (31035623, "482c414d41f54cd18b22e5b47cb7c3cb"),
+    "test_batch": (31035526, "40351d587109b95175f43aff81a1287e"),
+    "train": (155249918, "16019d7e3df5f24257cddd939b257f8d"),
+    "test": (31049707, "f0ef6b0ae62326f3e7ffdfab6717acfc"),
+}
+
+
+def _check_standard_md5(path: str) -> None:
+    """A file the size of the standard archive's must be that file: its md5 is compared. Other
+    sizes (subsets, re-pickled copies) are not checked."""
+    size, md5 = _CIFAR_STANDARD.get(os.path.basename(path), (None, None))
+    if size is None or os.path.getsize(path) != size:
+        return
+    h = hashlib.md5()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    if h.hexdigest() != md5:
+        raise ConfigError("data_path", f"{path!r} has the size of the standard CIFAR file but md5 {h.hexdigest()}, "
+                          f"not the published {md5}: the file is corrupt or was modified")
+
+
+def _np_global(module: str, name: str):
+    core = getattr(np, "_core", None) or np.core  # numpy >= 2 pickles name numpy._core, older numpy.core
+    return getattr(getattr(core, module), name)
+
+
+def _plain_dtype(*args):
+    dt = np.dtype(*args)
+    if dt.hasobject:
+        raise pickle.UnpicklingError("an object array (CIFAR arrays hold numbers)")
+    return dt
+
+
+def _latin1(text, encoding="latin1"):  # how Python 3 pickles bytes with protocols 0-2
+    if not isinstance(text, str) or codecs.lookup(encoding).name != "iso8859-1":
+        raise pickle.UnpicklingError("_codecs.encode other than of a string to latin-1")
+    return codecs.encode(text, encoding)
+
+
+# the only globals a CIFAR batch refers to: numpy's array reconstruction (numpy 1 and 2 names,
+# pickle protocols 2-5) and latin-1 bytes
+_CIFAR_GLOBALS = {
+    ("numpy", "ndarray"): lambda: np.ndarray,
+    ("numpy", "dtype"): lambda: _plain_dtype,
+    ("numpy.core.multiarray", "_reconstruct"): lambda: _np_global("multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"): lambda: _np_global("multiarray", "_reconstruct"),
+    ("numpy.core.numeric", "_frombuffer"): lambda: _np_global("numeric", "_frombuffer"),
+    ("numpy._core.numeric", "_frombuffer"): lambda: _np_global("numeric", "_frombuffer"),
+    ("_codecs", "encode"): lambda: _latin1,
+}
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Builds dicts, lists, strings, numbers and numpy arrays of numbers; nothing else."""
+
+    def find_class(self, module, name):
+        make = _CIFAR_GLOBALS.get((module, name))
+        if make is None:
+            raise pickle.UnpicklingError(f"refused the global {module}.{name} (a CIFAR batch holds only "
+                                         f"dicts, lists, strings, numbers and numpy arrays)")
+        return make()
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("refused a persistent id (not part of the CIFAR format)")
+
+
+def read_cifar_pickle(path: str) -> Dict[bytes, object]:
+    """One CIFAR python-pickle file as a dict with bytes keys, through the restricted unpickler
+    (and the md5 check of a standard-size file); ConfigError naming the file otherwise."""
+    _check_standard_md5(path)
+    with open(path, "rb") as fh:
+        try:
+            d = _CifarUnpickler(fh, encoding="bytes").load()
+        except Exception as e:
+            raise ConfigError("data_path", f"cannot read {path!r} as a CIFAR pickle: "
+                              f"{type(e).__name__}: {e}") from None
+    if not isinstance(d, dict):
+        raise ConfigError("data_path", f"{path!r} holds a {type(d).__name__}, not the CIFAR dict")
+    return {(k.encode() if isinstance(k, str) else k): v for k, v in d.items()}
+
+
 def _read_cifar(files: List[str], label_key: bytes, num_classes: int) -> Tuple[Tensor, Tensor]:
     xs, ys = [], []
     for f in files:
-        with open(f, "rb") as fh:
-            try:
-                d = pickle.load(fh, encoding="bytes")
-            except Exception as e:
-                raise ConfigError("data_path", f"cannot read {f!r} as a CIFAR pickle: {e}") from e
-        d = {(k.encode() if isinstance(k, str) else k): v for k, v in d.items()}
+        d = read_cifar_pickle(f)
         if b"data" not in d or label_key not in d:
             raise ConfigError("data_path", f"{f!r} lacks the keys 'data' and {label_key.decode()!r}")
-        data = np.asarray(d[b"data"], dtype=np.uint8)
-        labels = np.asarray(d[label_key], dtype=np.int64)
+        data, labels = d[b"data"], d[label_key]
+        if not (isinstance(data, np.ndarray) and data.dtype == np.uint8) or not (
+                isinstance(labels, (list, np.ndarray)) and all(isinstance(v, (int, np.integer)) for v in labels)):
+            raise ConfigError("data_path", f"{f!r}: expected 'data' a uint8 numpy array and "
+                              f"{label_key.decode()!r} a list of integers")
+        labels = np.asarray(labels, dtype=np.int64)
         if data.ndim != 2 or data.shape[1] != 3072 or len(labels) != len(data):
             raise ConfigError("data_path", f"{f!r}: expected data of shape (N, 3072) and N labels, "
                               f"got {data.shape} and {len(labels)}")

@@ -1,10 +1,121 @@
 """What a run leaves behind: metrics.jsonl (one line per round), summary.json, the comparison table,
-and PNG plots of accuracy and loss against rounds and against bytes sent."""
+and PNG plots of accuracy and loss against rounds and against bytes sent; and the lock that keeps
+two runs out of one output folder."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
-from typing import Any, Dict, List, Optional, Sequence
+import socket
+import threading
+import time
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+LOCK_FILE = ".ist-train.lock"
+# what a run writes; --overwrite deletes these (and the checkpoints) and nothing else
+RUN_FILES = ("metrics.jsonl", "summary.json", "model.pt")
+TABLE_FILES = ("summary.md", "accuracy.png", "loss.png")
+
+
+class OutputLockError(RuntimeError):
+    """Another run holds the output folder."""
+
+
+class OutputLock:
+    """An exclusive ``fcntl.flock`` on ``<folder>/.ist-train.lock`` for each folder, held while the
+    run lasts (the kernel drops it when the process dies, however it dies). The file holds the
+    holder's pid and host, for the message of the run that finds the folder taken. Only one process
+    of a run takes it: the launcher of ``--workers S``, rank 0 under torchrun."""
+
+    def __init__(self, folders: Sequence[str]):
+        self.folders = list(dict.fromkeys(os.path.abspath(f) for f in folders))
+        self._fds: List[int] = []
+
+    def __enter__(self) -> "OutputLock":
+        try:
+            for folder in self.folders:
+                path = os.path.join(folder, LOCK_FILE)
+                try:
+                    os.makedirs(folder, exist_ok=True)
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                except OSError as e:
+                    raise OutputLockError(f"cannot create the lock {path!r} of the output folder: "
+                                          f"{e.strerror or e}") from None
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = os.read(fd, 4096).decode("utf-8", "replace").strip()
+                    os.close(fd)
+                    raise OutputLockError(
+                        f"{folder!r} is in use by another ist-train run ({_describe(holder)}); wait for it "
+                        f"to end or choose another --out-dir") from None
+                self._fds.append(fd)
+                os.ftruncate(fd, 0)
+                os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                         "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+        except BaseException:
+            self.release()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def release(self) -> None:
+        while self._fds:
+            fd = self._fds.pop()
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+
+def _describe(holder: str) -> str:
+    try:
+        h = json.loads(holder)
+        return f"pid {h['pid']} on host {h['host']}, started {h['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "its pid is not written yet"
+
+
+@contextlib.contextmanager
+def claim_outputs(cfgs: Sequence[Any], root: str) -> Iterator[OutputLock]:
+    """Hold the lock on the output folder ``root`` (and on each checkpoint folder outside it) while
+    the runs ``cfgs`` (the main run, and its baseline) write there. A folder that holds anything but
+    the lock needs --resume (continue the run) or --overwrite (the earlier run's outputs are deleted
+    first); ConfigError otherwise."""
+    from .config import ConfigError
+
+    cfg = cfgs[0]
+    top = os.path.abspath(root)
+    outside = [c.resolved_checkpoint_dir() for c in cfgs
+               if os.path.commonpath([os.path.abspath(c.resolved_checkpoint_dir()), top]) != top]
+    with OutputLock([root] + outside) as lock:
+        if cfg.overwrite:
+            _delete_outputs(cfgs, root)
+        elif not cfg.resume:
+            for folder in lock.folders:
+                held = sorted(set(os.listdir(folder)) - {LOCK_FILE})
+                if held:
+                    shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+                    raise ConfigError("out_dir", f"{folder!r} is not empty (it holds {shown}); pass --resume "
+                                      f"to continue the run there, --overwrite to replace it, or choose another "
+                                      f"--out-dir")
+        yield lock
+
+
+def _delete_outputs(cfgs: Sequence[Any], root: str) -> None:
+    from .checkpoint import is_checkpoint_file
+
+    paths = [os.path.join(root, f) for f in TABLE_FILES]
+    for c in cfgs:
+        paths += [os.path.join(c.resolved_out_dir(), f) for f in RUN_FILES]
+        d = c.resolved_checkpoint_dir()
+        if os.path.isdir(d):
+            paths += [os.path.join(d, f) for f in os.listdir(d) if is_checkpoint_file(f)]
+    for p in paths:
+        if os.path.isfile(p):
+            os.unlink(p)
 
 
 class MetricsLog:
@@ -33,6 +144,10 @@ def read_metrics(path: str) -> List[Dict[str, Any]]:
 def progress_bar(total: int, initial: int, enabled: bool, desc: str):
     from tqdm import tqdm
 
+    if not hasattr(tqdm, "_lock"):
+        # a thread lock, not tqdm's default multiprocessing one: the bar never crosses processes, and
+        # the semaphore of a killed worker would be reported as leaked by the launcher
+        tqdm.set_lock(threading.RLock())
     return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, unit="round", dynamic_ncols=True)
 
 

@@ -192,9 +192,14 @@ def resolve_rounds(cfg, shard_size: int) -> int:
     return min(rounds, 3) if cfg.quick and not cfg.demo else rounds
 
 
-def _barrier(world: World):
+def _barrier(world: World, what: str, r: int):
+    """A barrier that, like every collective of the trainer, names itself and the round when a peer
+    dies or stalls (CollectiveError within cfg.timeout_s)."""
     if world.distributed:
-        dist.barrier()
+        from ..distributed.group import collective_timeout, wait_collective
+
+        wait_collective(lambda: dist.barrier(async_op=True), name=f"barrier ({what})", round=r,
+                        timeout=collective_timeout())
 
 
 def train(cfg, world: World) -> Optional[Dict[str, Any]]:
@@ -213,9 +218,7 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
 
     start, history, train_time, wall0 = 0, [], 0.0, 0.0
     if cfg.resume:
-        payload = checkpoint.load(ckpt_dir, world.rank, world.world_size, cfg)
-        method.load_state_dict(payload["method"])
-        checkpoint.set_rng_state(payload["rng"])
+        payload = checkpoint.restore(ckpt_dir, world.rank, world.world_size, cfg, method)
         start, history = payload["round"], payload.get("history", [])
         train_time, wall0 = payload["train_time"], payload["wall_time"]
         if start > rounds:
@@ -263,7 +266,7 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
             checkpoint.save(ckpt_dir, done, world.rank, world.world_size, {
                 "config": cfg.to_dict(), "num_workers": cfg.num_workers, "method": method.state_dict(),
                 "rng": checkpoint.rng_state(), "history": log.history if rank0 else [],
-                "train_time": train_time, "wall_time": rec["wall_time"]}, barrier=lambda: _barrier(world))
+                "train_time": train_time, "wall_time": rec["wall_time"]}, barrier=lambda what: _barrier(world, what, done))
     bar.close()
 
     model = method.global_model()

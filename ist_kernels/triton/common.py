@@ -1,5 +1,6 @@
 """Pieces every Triton GEMM in ist_kernels shares."""
 import os
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import triton
 import triton.language as tl
@@ -12,9 +13,14 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 AUTOTUNE = os.environ.get("IST_KERNELS_AUTOTUNE", "1") != "0"
 
 
+_CHOSEN = {}  # kernel -> (its autotune configs, its pinned config), filled by tuned()
+
+
 def tuned(kernel, configs, key, pinned):
     """``kernel`` autotuned over ``configs`` on a GPU (keyed on ``key``), or over ``[pinned]`` alone
-    when IST_KERNELS_AUTOTUNE=0; None under the interpreter (the launchers pass a fixed config)."""
+    when IST_KERNELS_AUTOTUNE=0; None under the interpreter (the launchers pass a fixed config).
+    Both lists are remembered for the sm_90a report (``chosen_configs``)."""
+    _CHOSEN[kernel] = (list(configs), pinned)
     if INTERPRET:
         return None
     return triton.autotune(configs if AUTOTUNE else [pinned], key=key)(kernel)
@@ -30,3 +36,38 @@ def grouped_tile(pid, num_a, num_b, GROUP: tl.constexpr):
     pid_a = first_a + (pid % per_group) % size
     pid_b = (pid % per_group) // size
     return pid_a, pid_b
+
+
+def chosen_configs(kernel):
+    """(autotune configs, pinned config) that ``tuned`` was given for ``kernel``."""
+    if kernel not in _CHOSEN:
+        raise KeyError(f"{getattr(kernel, '__name__', kernel)} was never passed to tuned(); give its "
+                       f"HopperKernel declaration its configs")
+    return _CHOSEN[kernel]
+
+
+def tuned_kernels():
+    """Every kernel passed to ``tuned`` so far (the report lists those without a declaration)."""
+    return list(_CHOSEN)
+
+
+class HopperKernel(NamedTuple):
+    """A Triton kernel as tools/hopper_report.py compiles it offline for sm_90a. Each module lists
+    its kernels in a module-level ``HOPPER_KERNELS`` next to them.
+
+    ``args(dtype, meta)`` (a torch dtype; the config's parameters, e.g. meta["BM"]) gives
+    {parameter name: value} for one launch: every tl.constexpr parameter the config does not set;
+    the Triton type of each parameter that is neither a pointer to ``dtype`` nor an i32 ("*i32",
+    "tensordesc<{dtype}[128, 64]>", where {dtype} stands for ``dtype``'s Triton name); and each
+    integer a contiguous launch passes as 1 (unit strides: the JIT turns those into constants).
+    The remaining ``*_ptr`` parameters point to ``dtype``, the remaining ones are i32; pointers and
+    integers are taken as multiples of 16, as the JIT specialises contiguous tensors whose sizes
+    are multiples of 16. ``configs``: the chosen configs; None takes those the kernel was given to
+    ``tuned`` (the autotune list, then the pinned one). ``gemm``: the main loop is a tl.dot, so the
+    report requires wgmma (16-bit dtypes) and no spills of every chosen config; memory-bound
+    kernels (gemm=False) are reported only."""
+    name: str
+    kernel: object
+    args: Callable
+    configs: Optional[Sequence] = None
+    gemm: bool = True

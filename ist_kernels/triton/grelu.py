@@ -20,11 +20,12 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..ops._checks import (check, check_gated_linear_backward, check_grelu_gates,
                           check_grelu_linear, gate_words)
 
-from .common import INTERPRET as _INTERPRET, grouped_tile, tuned
+from .common import INTERPRET as _INTERPRET, HopperKernel, grouped_tile, tuned
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -33,7 +34,7 @@ def _unpack(words, ROWS: tl.constexpr, COLS: tl.constexpr):
     """int32 words [ROWS, COLS // 32] -> on [ROWS, COLS] (bool); column 32w + j is bit j of word w.
     The compact tile (4 B per 32 features) is what the GEMM pipelines through shared memory; the
     [ROWS, COLS // 32, 32] -> [ROWS, COLS] reshape is a free relabelling of registers (checked in
-    TTGIR with tools/check_triton_grelu.py), unlike a per-element load of each feature's word."""
+    TTGIR with tools/hopper_report.py --dump), unlike a per-element load of each feature's word."""
     bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
     return tl.reshape(bits, (ROWS, COLS)) != 0
 
@@ -71,11 +72,45 @@ def _linear_gates_fwd(
         acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
         x_ptrs += BK * stride_xk
         w_ptrs += BK * stride_wk
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn * stride_b).to(ACC)[None, :]
+    _epilogue(acc, pid_m, pid_n, b_ptr, gates_ptr, out_ptr, M, N, stride_b, stride_gm, stride_gw, stride_om,
+              stride_on, HAS_BIAS, RELU_GATES, ACC, BM, BN)
 
+
+@triton.jit
+def _linear_gates_fwd_tma(
+    x_desc, w_desc, b_ptr, gates_ptr, out_ptr, M, N, K,
+    stride_b, stride_gm, stride_gw, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr, RELU_GATES: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+):
+    """The same GEMM + gate epilogue on a persistent grid (NUM_SMS programs walk the output tiles in
+    grouped order) with x [M, K] and W [N, K] read through TMA tensor descriptors (block shapes
+    [BM, BK] / [BN, BK], zero padding past the edges, so the K loop has no masks)."""
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    for tile in range(tl.program_id(0), num_m * num_n, NUM_SMS):
+        pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
+        acc = tl.zeros((BM, BN), dtype=ACC)
+        for ki in range(k_tiles):
+            a = x_desc.load([pid_m * BM, ki * BK])
+            b = w_desc.load([pid_n * BN, ki * BK])
+            acc = tl.dot(a, b.T, acc, input_precision=PRECISION, out_dtype=ACC)
+        _epilogue(acc, pid_m, pid_n, b_ptr, gates_ptr, out_ptr, M, N, stride_b, stride_gm, stride_gw, stride_om,
+                  stride_on, HAS_BIAS, RELU_GATES, ACC, BM, BN)
+
+
+@triton.jit
+def _epilogue(acc, pid_m, pid_n, b_ptr, gates_ptr, out_ptr, M, N, stride_b, stride_gm, stride_gw, stride_om,
+              stride_on, HAS_BIAS: tl.constexpr, RELU_GATES: tl.constexpr, ACC: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr):
+    """Bias, then relu + pack (RELU_GATES) or the gate mask, and the stores of one [BM, BN] tile."""
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
     m_ok = offs_m < M
     n_ok = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n.to(tl.int64) * stride_b, mask=n_ok, other=0.0).to(ACC)[None, :]
     offs_w = pid_n * (BN // 32) + tl.arange(0, BN // 32)
     gw_ok = m_ok[:, None] & (offs_w < tl.cdiv(N, 32))[None, :]
     g_ptrs = gates_ptr + offs_m.to(tl.int64)[:, None] * stride_gm + offs_w[None, :] * stride_gw
@@ -166,7 +201,29 @@ def _tune(kernel, kind, key):
 
 
 # Tensor dtypes are part of every autotune key already; the variant switches are added here.
-_fwd_tuned = _tune(_linear_gates_fwd, "fwd", ["M", "N", "K", "RELU_GATES", "HAS_BIAS", "PRECISION"])
+_FWD_KEY = ["M", "N", "K", "RELU_GATES", "HAS_BIAS", "PRECISION"]
+_fwd_tuned = _tune(_linear_gates_fwd, "fwd", _FWD_KEY)
+
+
+def _set_tma_blocks(nargs):
+    """Autotune pre-hook: the descriptors' block shapes follow the config being tried."""
+    nargs["x_desc"].block_shape = [nargs["BM"], nargs["BK"]]
+    nargs["w_desc"].block_shape = [nargs["BN"], nargs["BK"]]
+
+
+# The persistent TMA kernel serves 16-bit inputs only (fp32/fp64 take the pointer kernel).
+_TMA_TILES = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)]
+_TMA_PINNED = (128, 128, 64, 3, 8)
+
+
+def _tma_configs(tiles):
+    return [triton.Config({"BM": r, "BN": c, "BK": k, "GROUP_M": 8}, num_stages=st, num_warps=w,
+                          pre_hook=_set_tma_blocks) for r, c, k, st, w in tiles]
+
+
+_fwd_tma_tuned = tuned(_linear_gates_fwd_tma, _tma_configs(_TMA_TILES), _FWD_KEY, _tma_configs([_TMA_PINNED])[0])
+# Which fused kernel the forward uses for 16-bit, TMA-compatible inputs (benchmarks compare both).
+USE_TMA = True
 
 
 def _device_ok(op, t):
@@ -229,6 +286,42 @@ def _cublas_then_pass(x2, weight, bias, g2, relu_gates):
     return gate_grad(z, g2, want_out=True, want_db=False, out=z)[0]
 
 
+# 16-bit inputs on a GPU; fp32 too under the interpreter, where the tests check the kernel's logic
+# (bf16/fp16 tl.dot is only exercised on a GPU there).
+_TMA_DTYPES = (torch.float16, torch.bfloat16) + ((torch.float32,) if _INTERPRET else ())
+
+
+def _tma_ok(x2, weight):
+    """TMA descriptors need unit inner strides, 16-byte aligned bases and row strides."""
+    def ok(t):
+        e = t.element_size()
+        return t.stride(1) == 1 and (t.stride(0) * e) % 16 == 0 and t.data_ptr() % 16 == 0
+    return x2.dtype in _TMA_DTYPES and x2.shape[1] > 0 and ok(x2) and ok(weight)
+
+
+def _num_sms(t):
+    if _INTERPRET:
+        return 3  # a few programs, each walking several tiles: the persistent loop is exercised
+    return torch.cuda.get_device_properties(t.device).multi_processor_count
+
+
+def _launch_tma(x2, weight, bias, g2, out, relu_gates):
+    M, K = x2.shape
+    N = weight.shape[0]
+    cfg = {} if _fwd_tma_tuned is not None else dict(INTERPRET_CONFIG)
+    block = [cfg.get("BM", 1), cfg.get("BK", 1)], [cfg.get("BN", 1), cfg.get("BK", 1)]  # GPU: the pre-hook sets them
+    x_desc = TensorDescriptor.from_tensor(x2, block[0])
+    w_desc = TensorDescriptor.from_tensor(weight, block[1])
+    sms = _num_sms(x2)
+    kernel = _fwd_tma_tuned if _fwd_tma_tuned is not None else _linear_gates_fwd_tma
+    grid = lambda meta: (min(sms, triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"])),)  # noqa: E731
+    kernel[grid](
+        x_desc, w_desc, bias if bias is not None else out, g2, out, M, N, K,
+        bias.stride(0) if bias is not None else 0, g2.stride(0), g2.stride(1), out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None, RELU_GATES=relu_gates, PRECISION=_precision(x2), ACC=_acc(x2), NUM_SMS=sms,
+        **cfg)
+
+
 def _forward(op, x, weight, bias, gates, relu_gates):
     check_grelu_linear(op, x, weight, bias)
     N = weight.shape[0]
@@ -245,15 +338,18 @@ def _forward(op, x, weight, bias, gates, relu_gates):
         return (out, g2.view(*x.shape[:-1], W)) if relu_gates else out
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M > 0 and N > 0:
-        kernel, cfg = _pick(_fwd_tuned, _linear_gates_fwd)
-        grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
         with _on(x):
-            kernel[grid](
-                x2, weight, bias if bias is not None else out, g2, out, M, N, K,
-                x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
-                bias.stride(0) if bias is not None else 0, g2.stride(0), g2.stride(1),
-                out.stride(0), out.stride(1),
-                HAS_BIAS=bias is not None, RELU_GATES=relu_gates, PRECISION=_precision(x), ACC=_acc(x), **cfg)
+            if USE_TMA and _tma_ok(x2, weight):
+                _launch_tma(x2, weight, bias, g2, out, relu_gates)
+            else:
+                kernel, cfg = _pick(_fwd_tuned, _linear_gates_fwd)
+                grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
+                kernel[grid](
+                    x2, weight, bias if bias is not None else out, g2, out, M, N, K,
+                    x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
+                    bias.stride(0) if bias is not None else 0, g2.stride(0), g2.stride(1),
+                    out.stride(0), out.stride(1),
+                    HAS_BIAS=bias is not None, RELU_GATES=relu_gates, PRECISION=_precision(x), ACC=_acc(x), **cfg)
     out = out.view(*x.shape[:-1], N)
     if relu_gates:
         return out, g2.view(*x.shape[:-1], W)
@@ -321,3 +417,41 @@ def gated_linear_backward(grad_out, x, weight, gates, output_mask):
         if want_db:
             db = db_full
     return dx, dw, db
+
+
+# ---------------------------------------------------------------------------------------- sm_90a report
+def _hopper_args(unit_strides, extra):
+    """HopperKernel.args (tools/hopper_report.py): contiguous operands, int32 gate words; ``extra``
+    (dtype, meta) adds the kernel's own parameters."""
+    return lambda dtype, meta: dict(gates_ptr="*i32", **dict.fromkeys(unit_strides, 1), **extra(dtype, meta))
+
+
+def _fwd(relu_gates, tma=False):
+    def extra(dtype, meta):
+        probe = torch.empty(0, dtype=dtype)
+        out = dict(HAS_BIAS=True, RELU_GATES=relu_gates, PRECISION=_precision(probe), ACC=_acc(probe))
+        if tma:
+            out.update(x_desc=f"tensordesc<{{dtype}}[{meta['BM']}, {meta['BK']}]>",
+                       w_desc=f"tensordesc<{{dtype}}[{meta['BN']}, {meta['BK']}]>", NUM_SMS=132)  # an H100 SXM
+        return out
+    return extra
+
+
+def _gate_grad_extra(dtype, meta):
+    return dict(HAS_OUT=True, HAS_DB=True, ACC=_acc(torch.empty(0, dtype=dtype)),
+                db_ptr="*fp64" if dtype == torch.float64 else "*fp32")
+
+
+_UNIT = ("stride_b", "stride_gw", "stride_on")
+_GATE_PASS = [triton.Config(GATE_GRAD_TILE, num_warps=4)]  # as gate_grad and _cublas_then_pass launch them
+HOPPER_KERNELS = [
+    HopperKernel("relu_gates fwd", _linear_gates_fwd, _hopper_args(_UNIT + ("stride_xk", "stride_wk"), _fwd(True))),
+    HopperKernel("gated_linear fwd", _linear_gates_fwd, _hopper_args(_UNIT + ("stride_xk", "stride_wk"), _fwd(False))),
+    HopperKernel("relu_gates fwd TMA", _linear_gates_fwd_tma, _hopper_args(_UNIT, _fwd(True, tma=True))),
+    HopperKernel("gated_linear fwd TMA", _linear_gates_fwd_tma, _hopper_args(_UNIT, _fwd(False, tma=True))),
+    HopperKernel("gate_grad pass", _gate_grad,
+                 _hopper_args(("stride_gn", "stride_Gw", "stride_on", "stride_dbn"), _gate_grad_extra),
+                 configs=_GATE_PASS, gemm=False),
+    HopperKernel("relu_gates pass", _relu_pack, _hopper_args(("stride_zn", "stride_gw"), lambda dtype, meta: {}),
+                 configs=_GATE_PASS, gemm=False),
+]

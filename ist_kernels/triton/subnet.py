@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..ops.subnet import TRITON_DTYPES, check_grad_out, check_subnet
 
-from .common import INTERPRET, grouped_tile, tuned
+from .common import INTERPRET, HopperKernel, grouped_tile, tuned
 
 
 @triton.jit
@@ -253,3 +253,17 @@ def subnet_linear_backward(grad_out, x, weight, rows=None, cols=None, output_mas
                     g2, rows_arg, grad_bias, M, Nr, g2.stride(0), g2.stride(1), grad_bias.stride(0),
                     HAS_ROWS=rows is not None, ACC=_acc(x.dtype), BM=16 if INTERPRET else 64, BN=BN)
     return grad_x, grad_weight, grad_bias
+
+
+# ---- sm_90a report (tools/hopper_report.py): the gathered path (rows and cols given), contiguous operands.
+def _hopper_args(unit_strides, **flags):
+    return lambda dtype, meta: dict(rows_ptr="*i64", cols_ptr="*i64", HAS_ROWS=True, HAS_COLS=True,
+                                    PRECISION=_precision(dtype), ACC=_acc(dtype),
+                                    **dict.fromkeys(unit_strides, 1), **flags)
+
+
+HOPPER_KERNELS = [
+    HopperKernel("subnet_linear fwd", _fwd_kernel, _hopper_args(("s_xk", "s_wk", "s_b", "s_yn"), HAS_BIAS=True)),
+    HopperKernel("subnet_linear bwd dx", _grad_x_kernel, _hopper_args(("s_gn", "s_wk", "s_dxk"))),
+    HopperKernel("subnet_linear bwd dW", _grad_weight_kernel, _hopper_args(("s_gn", "s_xk", "s_dwk"))),
+]
