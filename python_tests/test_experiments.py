@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ist_kernels import partition
-from ist_kernels.experiments import _common as C
+from ist_kernels.experiments import _common as C, claims
 from ist_kernels.experiments.__main__ import available, main, overview
 from ist_kernels.nn import SubnetMLP
 from ist_kernels.train import data, simulated
@@ -49,7 +49,26 @@ def _run_quick(name, out, *extra):
     nums = list(_numbers(doc))
     assert nums and all(math.isfinite(v) for _, v in nums)
     assert doc["experiment"] == name and doc["seeds"] == [0, 1] and doc["divergences"] == []
+    _check_claims(out, name)
     return doc, files["md"].read_text()
+
+
+PAPER = {"loft": "000", "masked": "001", "pruning": "002", "grelu": "004"}
+
+
+def _check_claims(folder, name):
+    """The claims table from a folder holding only ``name``'s JSON: its paper's rows carry a
+    measurement and a verdict, every other experiment's rows say "not run"."""
+    rows = [r.strip("|").split(" | ") for r in claims.table(str(folder)).splitlines()[2:]]
+    assert rows and all(len(r) == 3 for r in rows)
+    mine = [r for r in rows if r[0].startswith(PAPER[name])]
+    assert mine and all(r[1] != "not run" and r[2].strip() in VERDICTS for r in mine)
+    others = [r for r in rows if r[0][:3] in set(PAPER.values()) - {PAPER[name]}]
+    assert others and all(r[1] == "not run" for r in others)
+
+
+VERDICTS = {"holds", "mostly holds", "mixed", "does not hold", "does not hold on CPU",
+            "mild pruning holds; threshold differs", "not measured"}
 
 
 def test_help_lists_every_experiment_and_its_options(capsys):
@@ -124,6 +143,19 @@ def test_loft_quick(tmp_path):
         for k, curve in cell["loft_vs_dense"].items():
             assert curve[0] == 0  # both runs start from the same initial model
     assert "chance" in md
+
+
+def test_claims_table_goes_into_the_readme_between_its_markers(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\nbefore\n{claims.START}\nold table\n{claims.END}\nafter\n")
+    assert claims.main(["--results", str(tmp_path), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    table = claims.table(str(tmp_path))
+    assert text == f"# title\n\nbefore\n{claims.START}\n{table}\n{claims.END}\nafter\n"
+    assert (tmp_path / "claims.md").read_text().endswith(table + "\n") and table in capsys.readouterr().out
+    readme.write_text("no markers\n")
+    with pytest.raises(ValueError, match="claims:start"):
+        claims.update_readme(str(readme), table)
 
 
 # ---------------------------------------------------------------- shared pieces

@@ -3,7 +3,8 @@
 Small-scale reproductions of the papers' experiments. Each writes EXPERIMENT.json (raw results),
 EXPERIMENT.md (tables, mean ± std over seeds) and EXPERIMENT.png into --out; --quick is a tiny run
 for CI. Each experiment is the module ist_kernels/experiments/EXPERIMENT.py with a docstring (its
-first line is the summary below), a parser() and a main(argv)."""
+first line is the summary below), a parser() and a main(argv). The README's table of the papers'
+claims is made from the JSON files by python -m ist_kernels.experiments.claims."""
 import importlib
 import pkgutil
 import sys
@@ -13,7 +14,9 @@ import ist_kernels.experiments as _pkg
 
 
 def available():
-    return sorted(m.name for m in pkgutil.iter_modules(_pkg.__path__) if not m.name.startswith("_"))
+    """The experiments: the package's public modules with a parser() (claims.py only reads their JSON)."""
+    names = sorted(m.name for m in pkgutil.iter_modules(_pkg.__path__) if not m.name.startswith("_"))
+    return [n for n in names if hasattr(_module(n), "parser")]
 
 
 def _module(name: str):
