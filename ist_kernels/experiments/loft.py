@@ -102,7 +102,7 @@ def filter_norms(model, layers: Sequence[str]) -> Dict[str, torch.Tensor]:
 
 def pretrain(args, cfg, dataset) -> Dict:
     """One pre-training run: filter-norm snapshots of the prunable convs after rounds 0, e, 2e, ...
-    and the last, the test accuracy at each snapshot, or where it diverged."""
+    and the last, the test accuracy before and after training, or where it diverged."""
     from ..prune import filters_to_keep
     from ..train.datasets import ShardedData, augment_default
     from ..train.methods import get_method
@@ -123,7 +123,7 @@ def pretrain(args, cfg, dataset) -> Dict:
         if (r + 1) % args.snapshot_every == 0 or r + 1 == cfg.rounds:
             rounds.append(r + 1)
             norms.append(filter_norms(method.global_model(), layers))
-            accuracy.append(evaluate(ctx, method.global_model())["accuracy"])
+    accuracy.append(evaluate(ctx, method.global_model())["accuracy"])
     return {"layers": layers, "diverged_at": -1, "rounds": rounds, "norms": norms, "accuracy": accuracy,
             "train_loss": losses}
 
