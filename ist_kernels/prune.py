@@ -20,15 +20,23 @@ def filters_to_keep(model: _nn.Module, ratio: float) -> _Dict[str, _Tensor]:
                 continue
             conv_name = filter_layers(b, "prune_filters")[0]
             w = b.module._modules[conv_name].weight.detach()
-            num = w.shape[0]
-            keep = num - int(ratio * num)
-            norms = w.flatten(1).double().norm(dim=1)
-            order = _torch.argsort(norms, descending=True, stable=True)
-            kept[f"{b.name}.{conv_name}"] = order[:keep].sort().values.cpu()
+            kept[f"{b.name}.{conv_name}"] = keep_largest(filter_norms(w), ratio)
     if not kept:
         raise ValueError("prune_filters: the model has no prunable block (every block is the first "
                          "of its stage or strided)")
     return kept
+
+
+def filter_norms(weight: _Tensor) -> _Tensor:
+    """The L2 norm of every filter (output channel) of a conv weight, in float64."""
+    return weight.flatten(1).double().norm(dim=1)
+
+
+def keep_largest(norms: _Tensor, ratio: float) -> _Tensor:
+    """Sorted indices of the ``F - floor(ratio * F)`` largest of ``norms`` (ties: the lower index stays)."""
+    num = norms.numel()
+    order = _torch.argsort(norms, descending=True, stable=True)
+    return order[:num - int(ratio * num)].sort().values.cpu()
 
 
 def prune_filters(model: _nn.Module, ratio: float) -> _nn.Module:

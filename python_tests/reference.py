@@ -31,9 +31,13 @@ def aggregate_owner_mean(global_tensors, dims, owners, sub_values):
     (None: shared), ``owners[name][s]`` the indices subnetwork s holds (None or empty: not held;
     ignored for shared), ``sub_values[s][name]`` subnetwork s's compact copy (missing: not held).
     Every slice becomes the mean of its owners' copies; shared tensors the mean over every
-    subnetwork holding them; a slice nobody owns keeps its value."""
+    subnetwork holding them; a slice nobody owns keeps its value. Integer tensors (counters such
+    as BN num_batches_tracked) take the largest of their owners' values instead."""
     out = {}
     for name, g in global_tensors.items():
+        if not g.is_floating_point():
+            out[name] = _owner_max64(g, dims[name], owners[name], [v.get(name) for v in sub_values])
+            continue
         g64 = g.detach().double().cpu().clone()
         scalar = g64.dim() == 0
         if scalar:
@@ -61,6 +65,24 @@ def aggregate_owner_mean(global_tensors, dims, owners, sub_values):
         g64.index_copy_(d, owned, total.index_select(d, owned) / count[owned].view(shape))
         out[name] = g64.view(()) if scalar else g64
     return out
+
+
+def _owner_max64(g, dim, owners, values):
+    """An integer tensor's slices: each the largest of its owners' copies (element by element)."""
+    out = g.detach().double().cpu().clone().reshape(g.shape or (1,))
+    best = {}
+    for s, v in enumerate(values):
+        if v is None:
+            continue
+        v = v.detach().double().cpu().reshape(v.shape or (1,))
+        idx = range(out.shape[0]) if dim is None else ([] if owners[s] is None else [int(i) for i in owners[s]])
+        d = 0 if dim is None else dim
+        for k, i in enumerate(idx):
+            x = v.select(d, k)
+            best[i] = x.clone() if i not in best else torch.maximum(best[i], x)
+    for i, x in best.items():
+        out.select(0 if dim is None else dim, i).copy_(x)
+    return out.view(g.shape)
 
 
 # ---- Filter distance (paper 000 §3.1): position-weighted Spearman footrule on filter norms

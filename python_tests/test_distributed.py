@@ -6,6 +6,7 @@ then slice_gather of the next subnetwork) and checks its own exchange result aga
 bit (fp32). The simulated path itself is checked against a float64 loop over owners.
 One spawn per world size (2, 3, 4) runs every case; failures spawn their own small groups.
 """
+import math
 import os
 import socket
 import time
@@ -17,17 +18,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import ist_kernels  # noqa: F401
-from ist_kernels import functional as F
 from ist_kernels.distributed import (
     CollectiveError,
     Exchange,
     average_model_,
     destroy_process_group,
+    gather_bytes,
     gather_full_model,
     init_process_group,
     plan_bytes,
+    ps_bytes,
 )
-from ist_kernels.partition import SlicePlan, TensorSlices
+from ist_kernels.partition import SlicePlan, TensorSlices, aggregate_slices_
 
 EPS = torch.finfo(torch.float32).eps
 
@@ -144,7 +146,8 @@ def compact(full, plan, s):
 
 
 def simulate(full, plan, subnets, names=None):
-    """slice_scatter_(full, every subnetwork's compact tensors in order 0..S-1, reduce="mean")."""
+    """aggregate_slices_(full, every subnetwork's compact tensors in order 0..S-1): owner means,
+    owners' maximum for integer counters (what SubnetworkPlan.aggregate does)."""
     new = {n: v.clone() for n, v in full.items()}
     names = set(names or full)
     targets, pos = [], {}
@@ -170,7 +173,7 @@ def simulate(full, plan, subnets, names=None):
                 ids.append(pos[t.name])
                 updates.append(u.view(u.shape or (1,)))
                 idx.append(t.owners[s])
-    F.slice_scatter_(targets, ids, updates, idx, dims, reduce="mean")
+    aggregate_slices_(targets, ids, updates, idx, dims)
     return new
 
 
@@ -182,9 +185,9 @@ def reference64(full, plan, subnets):
         if is_counter(t.name) and t.shared:
             out[t.name] = subnets[0][t.name].double()
             continue
-        if g.dim() == 0:  # a partitioned counter: integer mean over its owners, toward zero
+        if g.dim() == 0:  # a partitioned counter: the largest of its owners' counts
             vals = [subnets[s][t.name].double() for s, o in enumerate(t.owners) if o.numel()]
-            out[t.name] = torch.stack(vals).mean().trunc() if vals else g
+            out[t.name] = max(vals) if vals else g
             continue
         if t.shared:
             out[t.name] = torch.stack([subnets[s][t.name].double() for s in range(plan.num_subnetworks)]).mean(0)
@@ -303,7 +306,10 @@ def run_case(kind, storage, shared, quantize, rank, S, log):
 
         if storage == "decentralized" and rnd == 1 and not quantize:
             # the aggregate before the exchange, on one rank, in one collective: owner means
-            got = gather_full_model(local, plan, meta, dst=S - 1, reduce="mean", round=rnd)
+            gst = []
+            got = gather_full_model(local, plan, meta, dst=S - 1, reduce="mean", round=rnd, stats=gst)
+            want_g = gather_bytes(plan, meta, dst=S - 1, reduce="mean")[rank]
+            assert (gst[0].bytes_sent, gst[0].bytes_received) == (want_g.bytes_sent, want_g.bytes_received)
             if rank == S - 1:
                 for n in spec:
                     assert torch.equal(got[n], sim[n]), f"gather(mean) {n}"
@@ -365,7 +371,15 @@ def run_case(kind, storage, shared, quantize, rank, S, log):
 
         if storage == "decentralized" and not quantize and shared == "exact":
             # after the exchange every copy of a slice is equal: gather by copying from one owner
-            got = gather_full_model(out, nxt, meta, dst=0, reduce="copy", round=rnd)
+            gst = []
+            got = gather_full_model(out, nxt, meta, dst=0, reduce="copy", round=rnd, stats=gst)
+            # rank k > 0 sends the slices it is the lowest owner of (the shared tensors come from rank 0)
+            first = {t.name: set(t.owners[rank].tolist()) - set().union(*(set(o.tolist()) for o in t.owners[:rank]))
+                     for t in nxt.partitioned}
+            sends = 0 if rank == 0 else sum(
+                4 * len(first[t.name]) * (math.prod(spec[t.name]) // spec[t.name][t.dim] if spec[t.name] else 1)
+                for t in nxt.partitioned)
+            assert gst[0].bytes_sent == sends == gather_bytes(nxt, meta)[rank].bytes_sent
             if rank == 0:
                 for n in spec:
                     assert torch.equal(got[n], sim[n]), f"gather(copy) {n}"
@@ -412,6 +426,27 @@ def _worker(rank, S, store, outdir):
         bad = SlicePlan(S, (TensorSlices("fc1.weight", 0, (torch.arange(3),) + (torch.arange(2),) * (S - 1)),)
                         + bad.tensors[1:])
         Exchange(bad, make_plan("mlp_categorical", S, 0, 1), spec)
+
+    # pruning: a next plan may leave slices to nobody (drop_unowned); every rank gets the kept ones
+    spec = loft_spec()
+    meta = meta_of(spec)
+    full = {n: initial(n, shape, _gen("drop", S)) for n, shape in spec.items()}
+    cur = make_plan("loft", S, 7, 0)
+    kept = SlicePlan(S, tuple(t if t.shared else TensorSlices(t.name, t.dim, (torch.arange(0, spec[t.name][t.dim], 2),) * S)
+                              for t in cur.tensors))
+    names = [t.name for t in cur.partitioned]
+    with pytest.raises(ValueError, match="has no owner"):
+        Exchange(cur, kept, meta)
+    got = Exchange(cur, kept, meta, drop_unowned=True)({n: v for n, v in compact(full, cur, rank).items() if n in names},
+                                                      names=names)
+    assert sorted(got) == sorted(names)
+    for t in kept.partitioned:
+        assert torch.equal(got[t.name], full[t.name].index_select(t.dim, t.owners[rank])), t.name
+
+    # the papers' parameter-server count: a worker uploads and downloads its subnetwork's floats
+    for s in range(S):
+        own = compact(full, cur, s)
+        assert ps_bytes(cur, meta)[s] == 2 * sum(4 * v.numel() for n, v in own.items() if not is_counter(n))
 
     # plans are never sent, but a debugging check can compare their fingerprints in one all_gather
     meta = meta_of(loft_spec())

@@ -256,3 +256,15 @@ def test_simulated_categorical_xi_vector_aggregate_is_mean_of_subnetworks(gen):
     torch.testing.assert_close(m(x, keep=1 / 3), torch.stack(outs).mean(0), rtol=1e-12, atol=1e-12)
     hist = simulated.train(m, x, y, subnetworks=3, rounds=4, local_steps=2, lr=0.1, masks="categorical", xi=xi)
     assert len(hist.errors) == 5 and all(math.isfinite(e) for e in hist.errors)
+
+
+def test_nonempty_probability_with_a_xi_vector():
+    # n = 3 neurons, ξ = (0.7, 0.3): every subnetwork gets one unless all 3 go to the same one
+    assert simulated.nonempty_probability("categorical", 3, 2, [0.7, 0.3]) == pytest.approx(1 - 0.7 ** 3 - 0.3 ** 3)
+    uniform = simulated.nonempty_probability("categorical", 9, 4)
+    assert simulated.nonempty_probability("categorical", 9, 4, [0.25] * 4) == pytest.approx(uniform, rel=1e-12)
+    assert simulated.nonempty_probability("categorical", 50, 3, [0.5, 0.5, 0.0]) == 0.0
+    assert simulated.nonempty_probability("categorical", 2, 3, [0.2, 0.3, 0.5]) == 0.0
+    with pytest.raises(ValueError, match="cannot give each"):
+        simulated.sample_neurons(SubnetMLP(3, 20, 1), 3, "categorical", [0.5, 0.5, 0.0], torch.Generator())
+

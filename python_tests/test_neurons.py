@@ -448,5 +448,16 @@ def test_slice_plan_names_and_owners(gen):
             full = state[t.name]
             expected = full if t.shared else full.index_select(t.dim, t.owners[s])
             assert torch.equal(c, expected)
-    with pytest.raises(ValueError, match="rows x columns"):
-        _model(gen, 2, False, False).slice_plan(_plan(gen, 2, 37, 2, 0.5))
+    # depth 2: the hidden-to-hidden weight is owned by rows x columns, stated on its flat view
+    m2 = _model(gen, 2, True, True)
+    plan2 = _plan(gen, 2, 37, 3, 0.5)
+    sp2 = m2.slice_plan(plan2)
+    spec = m2.slice_spec()
+    state2 = m2.state_dict()
+    assert spec["hidden_weights.1"][0] == (37 * 37,) and spec["hidden_weights.0"][0] == (37, state2["hidden_weights.0"].shape[1])
+    for s, params in enumerate(m2.extract_all(plan2)):
+        rows, cols = plan2[s][1], plan2[s][0]
+        part = sp2.part({n: m2.exchange_view(n, v) for n, v in state2.items() if n in spec}, s)
+        for name, c in zip(m2.compact_names(), params):
+            assert torch.equal(part[name].view(c.shape), c), name
+        assert torch.equal(part["hidden_weights.1"].view(len(rows), len(cols)), state2["hidden_weights.1"][rows][:, cols])

@@ -400,3 +400,21 @@ def test_output_mask_of_the_wrong_length(backend):
     for mask in ([True, True], [True] * 4, []):
         with pytest.raises(ValueError, match=rf"output_mask must have 3 entries .*got {len(mask)}"):
             bwd(g, x, w, None, None, mask)
+
+
+def test_gather_gemm_backend_validates_each_index_version(gen):
+    """Index values are checked once per tensor and version: an in-place write that makes a
+    validated list invalid is caught at the next call."""
+    from ist_kernels.cuda import subnet as C
+
+    w = torch.randn(10, 8, generator=gen).to(TRITON_DEVICE)
+    rows = torch.tensor([1, 4, 7], device=TRITON_DEVICE)
+    x = torch.randn(3, 8, generator=gen).to(TRITON_DEVICE)
+    C.subnet_linear(x, w, None, rows, None)
+    assert C._VALIDATED.hit(rows, 10)
+    rows[2] = 10
+    with pytest.raises((IndexError, ValueError), match=r"rows\[2\] = 10 is out of range"):
+        C.subnet_linear(x, w, None, rows, None)
+    rows[2] = 1
+    with pytest.raises(ValueError, match="must not repeat"):
+        C.subnet_linear_backward(torch.randn(3, 3, device=TRITON_DEVICE), x, w, rows, None, [True] * 3)

@@ -1,7 +1,8 @@
 """The trainer's MLP methods: ist and masked (paper 001, neuron subnetworks of a SubnetMLP) and
-grelu (paper 004's GReLUMLP). Each runs end to end with 2 spawned gloo workers and simulated; the
-two launch modes give bit-identical models (--threads 1); resume equals an uninterrupted run; a
-masked round equals Algorithm 1's update computed independently; bad options are rejected."""
+grelu (paper 004's GReLUMLP). Each runs end to end with 2 spawned gloo workers (decentralized
+storage) and simulated; the two launch modes give bit-identical models (--threads 1, --shared
+exact); resume equals an uninterrupted run; a masked round equals Algorithm 1's update computed
+independently; bad options are rejected."""
 import functools
 import math
 
@@ -13,7 +14,7 @@ from ist_kernels.train.config import ConfigError, TrainConfig
 from ist_kernels.train.datasets import ShardedData, _mix, load_dataset
 from train_helpers import TINY_MLP, assert_equal_states, run as _run, untimed
 
-TINY = TINY_MLP
+TINY = [*TINY_MLP, "--shared", "exact"]  # bit for bit (the default ring all_reduce: ulps)
 run = functools.partial(_run, base=TINY)
 
 
@@ -33,42 +34,124 @@ def ist_runs(tmp_path_factory):
     return both_modes(tmp_path_factory.mktemp("ist"), "--method", "ist", "--rounds", 4)
 
 
+def neuron_plans(method, masks, xi, rounds, S=2, width=16, depth=1, seed=0):
+    """The neurons of every worker, round by round, as the trainer draws them."""
+    from ist_kernels.nn.subnet import SubnetMLP
+    from ist_kernels.train.methods.masked import PLAN
+    from ist_kernels.train.simulated import sample_neurons
+
+    net = SubnetMLP(64, width, 10, depth, bias=True, train_output=True)
+    return [sample_neurons(net, S, masks, xi, torch.Generator().manual_seed(_mix(seed, PLAN, r))) for r in range(rounds)]
+
+
 def test_ist_distributed_equals_simulated(ist_runs):
     (summary, model, hist), _ = ist_runs
     assert [r["round"] for r in hist] == [0, 1, 2, 3, 4]
     assert hist[-1]["test_loss"] < hist[0]["test_loss"]
-    # categorical partition of 16 neurons into 2: each rank sends its 8 neurons' rows of the hidden
-    # weight (8 x 64) and bias (8), its 8 output columns (10 x 8) and the shared output bias (10)
-    # through the replicated exchange's all-to-all (shared="exact"), fp32.
-    per_rank = 4 * (8 * 64 + 8 + 10 * 8 + 10)
-    assert all(r["bytes_sent"] == 2 * per_rank for r in hist[1:])
-    assert summary["total_bytes"] == 4 * 2 * per_rank
-    assert summary["masks"] == "categorical" and summary["xi"] == 0.5
+    # decentralized storage, balanced partition of 16 neurons into 2: a neuron whose owner changes
+    # between rounds moves once, its hidden-weight row (64), bias (1) and output column (10); the
+    # shared output bias (10) goes to the other rank (--shared exact); the last round only averages.
+    # Parameter-server count: each worker uploads and downloads its 8 neurons and the output bias.
+    plans = neuron_plans("ist", "balanced", None, 4)
+    for r in range(4):
+        moved = 0 if r == 3 else sum(len(set(plans[r][s][0].tolist()) & set(plans[r + 1][1 - s][0].tolist()))
+                                     for s in range(2))
+        assert hist[r + 1]["bytes_sent"] == 4 * (moved * (64 + 1 + 10) + 2 * 10)
+        assert hist[r + 1]["ps_bytes"] == 2 * 2 * 4 * (8 * (64 + 1 + 10) + 10)
+    assert summary["total_bytes"] == sum(r["bytes_sent"] for r in hist)
+    assert summary["masks"] == "balanced" and summary["xi"] == 0.5
 
 
-def test_ist_is_masked_with_categorical_masks(ist_runs, tmp_path):
+def test_ist_is_masked_with_balanced_masks(ist_runs, tmp_path):
     (_, ist_model, ist_hist), _ = ist_runs
-    _, model, hist = run(tmp_path, "--method", "masked", "--option", "masks=categorical", "--rounds", 4,
+    _, model, hist = run(tmp_path, "--method", "masked", "--option", "masks=balanced", "--rounds", 4,
                          "--simulate", 2)
     assert_equal_states(ist_model, model)
     assert untimed(hist) == untimed(ist_hist)
+
+
+def _plans(method, width, S, rounds, *options):
+    """The neuron plans of the first ``rounds`` rounds of ``method`` (per round: per subnetwork,
+    per hidden layer, the neuron indices), as the trainer draws them."""
+    from ist_kernels.train.methods import get_method
+    from ist_kernels.train.runner import RunContext, World
+
+    cfg = cli.build_config([*TINY, "--method", method, "--width", str(width), "--simulate", str(S), "--depth", "2",
+                            *[a for o in options for a in ("--option", o)]]).validate()
+    ctx = RunContext(cfg, World(simulated=True), ShardedData(load_dataset(cfg), S, 8, 0, "cpu"), rounds)
+    m = get_method(method)(ctx)
+    return [m.plan(r) for r in range(rounds)]
+
+
+def test_ist_groups_are_balanced():
+    """IST cuts each layer's neurons into S groups whose sizes differ by at most one (IST_Release),
+    disjoint and covering: 10 neurons into 4 groups are always 3, 3, 2, 2 (in some order)."""
+    for plan in _plans("ist", 10, 4, 30):
+        for layer in range(2):
+            groups = [plan[s][layer] for s in range(4)]
+            assert sorted(len(g) for g in groups) == [2, 2, 3, 3]
+            assert sorted(torch.cat(groups).tolist()) == list(range(10))
+
+
+def test_masked_multinomial_and_bernoulli_never_train_an_empty_subnetwork():
+    """The multinomial (categorical) and Bernoulli draws stay options of masked; a layer's draw that
+    leaves a subnetwork without neurons is drawn again. At width 4, S = 3 a raw multinomial draw is
+    empty for some subnetwork with probability 1 - 36/81 = 0.56, so over 40 rounds x 2 layers the
+    unconditioned draws would have had empties (checked below with the raw draw)."""
+    from ist_kernels.partition import categorical_partition
+    from ist_kernels.train.simulated import nonempty_probability
+
+    assert nonempty_probability("categorical", 4, 3) == pytest.approx(36 / 81)
+    assert nonempty_probability("bernoulli", 4, 3, 0.5) == pytest.approx((1 - 0.5 ** 4) ** 3)
+    assert nonempty_probability("balanced", 3, 3) == 1.0 and nonempty_probability("balanced", 2, 3) == 0.0
+    g = torch.Generator().manual_seed(0)
+    assert any(min(len(i) for i in categorical_partition(4, 3, g)) == 0 for _ in range(80))
+    sizes = set()
+    for plan in _plans("masked", 4, 3, 40, "masks=categorical"):
+        for layer in range(2):
+            groups = [plan[s][layer] for s in range(3)]
+            assert min(len(g) for g in groups) >= 1
+            assert sorted(torch.cat(groups).tolist()) == list(range(4))  # still a partition
+            sizes.add(tuple(sorted(len(g) for g in groups)))
+    assert sizes == {(1, 1, 2)}  # the only non-empty multinomial split of 4 into 3
+    for plan in _plans("masked", 4, 3, 40, "masks=bernoulli", "xi=0.5"):
+        assert all(len(plan[s][layer]) >= 1 for s in range(3) for layer in range(2))
+
+
+def test_sample_neurons_says_when_no_draw_can_be_nonempty():
+    from ist_kernels.nn.subnet import SubnetMLP
+    from ist_kernels.train.simulated import sample_neurons
+
+    net = SubnetMLP(3, 2, 1, 1)
+    with pytest.raises(ValueError, match="cannot give each of 3 subnetworks a neuron; use width >= 3"):
+        sample_neurons(net, 3, "balanced", None, torch.Generator())
+    with pytest.raises(ValueError, match="and xi > 0"):
+        sample_neurons(net, 2, "bernoulli", 0.0, torch.Generator())
 
 
 def test_masked_bernoulli_distributed_equals_simulated(tmp_path):
     (summary, model, hist), _ = both_modes(tmp_path, "--method", "masked", "--option", "xi=0.4", "--rounds", 3)
     assert summary["masks"] == "bernoulli" and summary["xi"] == pytest.approx(0.4)
     assert all(r["bytes_sent"] > 0 for r in hist[1:])
-    # the simulated count is what the Exchange's plan says (plan_bytes of the last round's plan)
+    # decentralized storage keeps every unowned neuron with one holder (neuron mod S): a neuron moves
+    # when its holders change; the count is what the Exchange's plans say
     from ist_kernels.distributed import plan_bytes
     from ist_kernels.nn.subnet import SubnetMLP
-    from ist_kernels.train.methods.masked import PLAN
-    from ist_kernels.train.simulated import sample_neurons
 
     net = SubnetMLP(64, 16, 10, 1, bias=True, train_output=True)
-    plan = sample_neurons(net, 2, "bernoulli", 0.4, torch.Generator().manual_seed(_mix(0, PLAN, 2)))
-    stats = plan_bytes(net.slice_plan(plan), None, dict(net.named_parameters()), storage="replicated",
-                       shared="exact")
-    assert hist[3]["bytes_sent"] == sum(st.bytes_sent for st in stats)
+    plans = neuron_plans("masked", "bernoulli", 0.4, 3)
+    sizes = {"hidden_weights.0": 16, "hidden_biases.0": 16, "output_weight": 16}
+    store = [net.slice_plan(p).with_holders(sizes) for p in plans]
+    for r, nxt in ((0, 1), (1, 2), (2, 2)):
+        stats = plan_bytes(store[r], store[nxt], net.slice_spec(), shared="exact")
+        assert hist[r + 1]["bytes_sent"] == sum(st.bytes_sent for st in stats)
+    # every unowned neuron has exactly one holder, every owned one only its owners
+    for p, st in zip(plans, store):
+        owned = set(p[0][0].tolist()) | set(p[1][0].tolist())
+        held = [set(o.tolist()) for o in st.tensors[0].owners]
+        assert held[0] | held[1] == set(range(16))
+        for n in set(range(16)) - owned:
+            assert (n in held[0]) + (n in held[1]) == 1 and n in held[n % 2]
     assert hist[-1]["test_loss"] < hist[0]["test_loss"]
 
 
@@ -152,12 +235,16 @@ def test_ist_resume_distributed(ist_runs, tmp_path):
     assert untimed(hist) == untimed(full_hist)
 
 
-def test_ist_deeper_simulated(tmp_path):
-    summary, model, hist = run(tmp_path, "--method", "ist", "--depth", 2, "--rounds", 2, "--simulate", 2)
+def test_ist_deeper_replicated_simulated(tmp_path):
+    summary, model, hist = run(tmp_path, "--method", "ist", "--depth", 2, "--rounds", 2, "--simulate", 2,
+                               "--storage", "replicated")
     assert "net.hidden_weights.1" in model and summary["finished"]
     # replicated exchange: each worker sends its compact tensors once (S - 1 = 1): 8 x 64 and 8 x 8
     # hidden weights, 2 x 8 biases, 10 x 8 output columns, 10 output biases
     assert all(r["bytes_sent"] == 2 * 4 * (8 * 64 + 8 * 8 + 2 * 8 + 10 * 8 + 10) for r in hist[1:])
+    # each worker held the full model, its compact copy and the copy's momentum
+    full, compact = 4 * (16 * 64 + 16 * 16 + 2 * 16 + 10 * 16 + 10), 4 * (8 * 64 + 8 * 8 + 2 * 8 + 10 * 8 + 10)
+    assert summary["rank_state_bytes"] == full + 2 * compact and summary["full_state_bytes"] == 2 * full
 
 
 # ---------------------------------------------------------------- grelu
@@ -214,14 +301,20 @@ def test_ackley_dataset_is_the_experiments_data():
 # ---------------------------------------------------------------- bad options
 
 BAD = [
-    (["--method", "masked", "--option", "masks=gaussian"], "'options.masks'", "bernoulli or categorical"),
+    (["--method", "masked", "--option", "masks=gaussian"], "'options.masks'", "bernoulli, categorical or balanced"),
+    (["--method", "masked", "--simulate", "8", "--width", "6", "--option", "xi=0.1"], "'options.xi'",
+     "without neurons with probability 0.9"),
+    (["--method", "masked", "--simulate", "8", "--width", "8", "--option", "masks=categorical"], "'width'",
+     "raise the width"),
     (["--method", "masked", "--option", "xi=0"], "'options.xi'", "a probability in (0, 1]"),
     (["--method", "masked", "--option", "xi=1.5"], "'options.xi'", "a probability"),
     (["--method", "masked", "--option", "xi=half"], "'options.xi'", "expected float"),
     (["--method", "ist", "--option", "xi=0.5"], "'options.xi'", "has no such option"),
     (["--method", "ist", "--option", "bias=maybe"], "'options.bias'", "expected boolean"),
     (["--method", "ist", "--model", "preact_resnet18"], "'model'", "model mlp"),
-    (["--method", "ist", "--workers", "2", "--depth", "2"], "'depth'", "--simulate"),
+    (["--method", "ist", "--storage", "central"], "'storage'", "decentralized, replicated"),
+    (["--method", "ist", "--shared", "ring"], "'shared'", "all_reduce, exact"),
+    (["--method", "ist", "--max-rank-state-mb", "0"], "'max_rank_state_mb'", "> 0"),
     (["--method", "ist", "--simulate", "3", "--width", "2"], "'width'", "width >= workers"),
     (["--method", "masked", "--option", "kappa=-1"], "'options.kappa'", "positive"),
     (["--method", "grelu", "--option", "subnetworks=sometimes"], "'options.subnetworks'", "boolean"),

@@ -184,6 +184,8 @@ BAD = [
     (["--resume"], "'resume'"),
     (["--threads", "0"], "'threads'"),
     (["--dataset", "signal_noise", "--model", "preact_resnet18"], "'model'"),
+    (["--dataset-size", "100"], "'dataset_size'"),  # digits has its own size
+    (["--dataset", "synthetic_cifar10", "--dataset-size", "0"], "'dataset_size'"),
 ]
 
 
@@ -405,6 +407,59 @@ def test_synthetic_datasets(tmp_path):
                            "--lr", 0.01, "--plots")
     assert summary["accuracy"] is None and hist[-1]["test_loss"] < hist[0]["test_loss"]
     assert (tmp_path / "db" / "loss.png").is_file() and not (tmp_path / "db" / "accuracy.png").exists()
+
+
+def test_synthetic_images_class_conditional_learnable_not_trivial():
+    from ist_kernels.train.data import synthetic_images
+
+    C, n = 10, 3000
+    x, y = synthetic_images(n, C, seed=3, stream=0)
+    assert x.shape == (n, 3, 32, 32) and x.dtype == torch.uint8 and y.dtype == torch.int64
+    assert torch.bincount(y, minlength=C).tolist() == [n // C] * C  # balanced, like CIFAR
+    x2, y2 = synthetic_images(n, C, seed=3, stream=0)
+    assert torch.equal(x, x2) and torch.equal(y, y2)  # seeded
+    xt, yt = synthetic_images(n // 3, C, seed=3, stream=1)
+    assert not torch.equal(xt[:10], x[:10])
+    assert x.float().std() > 30 and 100 < x.float().mean() < 160  # uses the uint8 range like photos
+    # the test stream shares the training stream's classes: a nearest class-mean classifier fitted
+    # on the training images scores the test images far above chance, and far below 100%
+    f = lambda im: torch.nn.functional.avg_pool2d(im.double(), 4).flatten(1)  # noqa: E731
+    means = torch.stack([f(x[y == c]).mean(0) for c in range(C)])
+    acc = float((torch.cdist(f(xt), means).argmin(1) == yt).double().mean())
+    assert 0.2 < acc < 0.8, acc
+    # another seed: other classes
+    x3, _ = synthetic_images(100, C, seed=4)
+    assert not torch.equal(x3, synthetic_images(100, C, seed=3)[0])
+    with pytest.raises(ValueError, match="num_classes >= 1"):
+        synthetic_images(10, 0)
+
+
+@pytest.mark.parametrize("name,classes", [("synthetic_cifar10", 10), ("synthetic_cifar100", 100)])
+def test_synthetic_cifar_loaders(name, classes):
+    ds = datasets.load_dataset(TrainConfig(dataset=name, dataset_size=1000, seed=5))
+    assert (ds.train_x.shape, ds.test_x.shape) == ((1000, 3, 32, 32), (200, 3, 32, 32))
+    assert ds.train_x.dtype == torch.uint8 and ds.image and ds.num_outputs == classes
+    assert set(ds.train_y.unique().tolist()) == set(range(classes))
+    # normalised per batch as the CIFAR loader does: uint8 / 255, per-channel mean and std
+    x = ds.prepare(ds.train_x)
+    ref = (ds.train_x.double() / 255 - ds.mean.double().view(1, 3, 1, 1)) / ds.std.double().view(1, 3, 1, 1)
+    torch.testing.assert_close(x.double(), ref, atol=1e-5, rtol=1e-5)
+    assert x.mean((0, 2, 3)).abs().max() < 0.05 and (x.std((0, 2, 3)) - 1).abs().max() < 0.05
+    # a data set, not a draw: the run's seed does not change the images
+    other = datasets.load_dataset(TrainConfig(dataset=name, dataset_size=1000, seed=6))
+    assert torch.equal(other.train_x, ds.train_x) and torch.equal(other.test_y, ds.test_y)
+    assert datasets.DATASETS[name].augment  # crop + flip by default, as for CIFAR
+
+
+def test_synthetic_cifar_trains_and_resume_keeps_its_size(tmp_path, capsys):
+    args = ["--method", "localsgd", "--simulate", 2, "--rounds", 2, "--dataset", "synthetic_cifar10",
+            "--dataset-size", 40]
+    summary, _, hist = run(tmp_path, *args)
+    assert summary["dataset"] == "synthetic_cifar10" and math.isfinite(hist[-1]["train_loss"])
+    capsys.readouterr()
+    rc = cli.main([*TINY, "--out-dir", str(tmp_path), *map(str, args[:-1]), "50", "--resume"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "'dataset_size'" in err and "must not change on resume" in err, err
 
 
 def test_augment_is_a_crop_and_flip():

@@ -61,7 +61,7 @@ fi
 # 2. GPU-only tests (one pinned tile config per kernel: IST_KERNELS_AUTOTUNE=0 from the conftest);
 # in xdist workers where pytest-xdist is there, so that a crash fails one test, not the run
 if "$PY" -c "import xdist" 2>/dev/null; then par4=(-n 4); par8=(-n 8); else par4=(); par8=(); fi
-step tests_gpu 150 "$PY" -m pytest python_tests -m gpu -q -ra -p no:cacheprovider --timeout=120 "${par4[@]}" \
+step tests_gpu ${IST_TESTS_GPU_LIMIT:-150} "$PY" -m pytest python_tests -m gpu -q -ra -p no:cacheprovider --timeout=120 "${par4[@]}" \
   >"$OUT/tests_gpu.log" 2>&1
 tail -5 "$OUT/tests_gpu.log" | tee -a "$LOG"
 

@@ -4,10 +4,21 @@ One subnetwork per rank. Between rounds :class:`Exchange` gives every rank its n
 two collectives (one all_to_all_single for the partitioned slices, one all_reduce for the shared
 tensors), owner-averaged exactly as the simulated single-process path; :func:`gather_full_model`
 assembles the model on one rank in one collective; :func:`average_model_` is the local-SGD
-baseline. Process groups come from :func:`init_process_group` (created once, one timeout), and a
-collective that fails or stalls raises :class:`CollectiveError` naming itself and the round.
+baseline; :func:`plan_bytes`, :func:`gather_bytes` and :func:`ps_bytes` count, from the plans
+alone, what they move (and what the papers' parameter-server convention counts). Process groups
+come from :func:`init_process_group` (created once, one timeout), and a collective that fails or
+stalls raises :class:`CollectiveError` naming itself and the round.
 """
-from .exchange import CommStats, Exchange, average_model_, gather_full_model, plan_bytes, plan_fingerprint  # noqa: F401
+from .exchange import (  # noqa: F401
+    CommStats,
+    Exchange,
+    average_model_,
+    gather_bytes,
+    gather_full_model,
+    plan_bytes,
+    plan_fingerprint,
+    ps_bytes,
+)
 from .group import (  # noqa: F401
     CollectiveError,
     collective_timeout,

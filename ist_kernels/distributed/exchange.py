@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..partition.aggregate import aggregate_slices_
 from ..partition.plan import SlicePlan
 from . import quantize as Q
 from .group import collective_timeout, wait_collective
@@ -231,10 +232,10 @@ class _Mover:
         else:
             recv = out
 
-        # unpack: segments from ranks 0..S-1 in order (this rank's own part taken from `own`);
-        # integer targets take the owner mean in the buffer dtype, then truncate back
-        tgt_list = [targets[e] if not self.entries[e].integral else targets[e].to(self.dtype)
-                    for e in self.target_entries]
+        # unpack: segments from ranks 0..S-1 in order (this rank's own part taken from `own`),
+        # aggregated as the simulated path does (floating: owner means; integer counters, which
+        # travel as exact floats, back in their dtype: the owners' maximum)
+        tgt_list = [targets[e] for e in self.target_entries]
         tgt_pos = {e: i for i, e in enumerate(self.target_entries)}
         updates, ids, idx = [], [], []
         recv_off = 0
@@ -242,18 +243,15 @@ class _Mover:
             buf, off = (own, 0) if k == r else (recv, recv_off)
             for seg, index in zip(self.routing.recv[k], recv_idx[k]):
                 e = self.entries[seg.entry]
-                updates.append(buf[off:off + seg.numel].view(e.compact_shape(index.numel())))
+                u = buf[off:off + seg.numel].view(e.compact_shape(index.numel()))
+                updates.append(u.to(e.dtype) if e.integral else u)
                 ids.append(tgt_pos[seg.entry])
                 idx.append(index)
                 off += seg.numel
             if k != r:
                 recv_off = off
         if updates:
-            F.slice_scatter_(tgt_list, ids, updates, idx, [self.entries[e].dim for e in self.target_entries],
-                             reduce="mean")
-        for e, t in zip(self.target_entries, tgt_list):
-            if self.entries[e].integral:
-                targets[e].copy_(t)
+            aggregate_slices_(tgt_list, ids, updates, idx, [self.entries[e].dim for e in self.target_entries])
 
 
 def _all_reduce_mean_(tensors: List[Tensor], *, name: str, round, group, timeout, stats: CommStats) -> None:
@@ -353,6 +351,17 @@ def plan_fingerprint(plan: SlicePlan) -> int:
     return h
 
 
+def _bytes_matrix(entries: List[Entry], src: Tensor, dst: Tensor, chosen) -> Tensor:
+    """[S, S] float64: bytes rank k sends rank q when k contributes ``src[k]`` and q needs ``dst[q]``
+    (the diagonal is a rank's message to itself, which never goes on the wire)."""
+    w = torch.zeros(src.shape[1], dtype=torch.float64)
+    picked = [e for e in entries if e.name in chosen]
+    esize = torch.empty(0, dtype=_buffer_dtype(picked, "plan_bytes")).element_size() if picked else 0
+    for e in picked:
+        w[e.base:e.base + e.size] = e.slice_numel * esize
+    return (src.double() * w) @ dst.double().T
+
+
 def plan_bytes(current: SlicePlan, next: Optional[SlicePlan], spec: Spec, *, storage: str = "decentralized",
                shared: str = "all_reduce", names: Optional[Sequence[str]] = None) -> List[CommStats]:
     """What every rank's :class:`Exchange` call will move, from the plans alone (no process group):
@@ -369,15 +378,7 @@ def plan_bytes(current: SlicePlan, next: Optional[SlicePlan], spec: Spec, *, sto
         dst = _plan_masks(next, spec, S, shared == "exact", "next")[1]
     else:
         dst = torch.ones_like(cur)
-    keep = torch.zeros(cur.shape[1], dtype=torch.bool)
-    w = torch.zeros(cur.shape[1], dtype=torch.float64)
-    esize = torch.empty(0, dtype=_buffer_dtype([e for e in entries if e.name in chosen], "plan_bytes")).element_size()
-    for e in entries:
-        if e.name in chosen:
-            keep[e.base:e.base + e.size] = True
-            w[e.base:e.base + e.size] = e.slice_numel * esize
-    # M[k, q]: bytes rank k sends rank q
-    M = (cur.double() * w) @ (dst & keep).double().T
+    M = _bytes_matrix(entries, cur, dst, chosen)
     diag = M.diagonal()
     sent, recv = (M.sum(1) - diag).tolist(), (M.sum(0) - diag).tolist()
     ar_bytes, ar_dtypes = 0, set()
@@ -389,6 +390,64 @@ def plan_bytes(current: SlicePlan, next: Optional[SlicePlan], spec: Spec, *, sto
                 ar_dtypes.add(dtype)
     a2a = 1 if any(e.name in chosen for e in entries) else 0
     return [CommStats(None, S, a2a + len(ar_dtypes), int(sent[r]), int(recv[r]), ar_bytes) for r in range(S)]
+
+
+def _gather_masks(plan: SlicePlan, spec, S: int, dst: int, reduce: str, who: str):
+    """(entries, held [S, N], contributes [S, N], needs [S, N]) of assembling ``plan``'s full model on ``dst``."""
+    entries, cur = _plan_masks(plan, spec, S, True, "gathered")
+    _check_covered(entries, cur, f"{who}: in the plan", "the full model cannot be assembled")
+    src = cur
+    if reduce == "copy":
+        src = first_owner(cur)
+        for e in entries:
+            if e.shared:
+                src[:, e.base] = False
+                src[dst, e.base] = True
+    need = torch.zeros_like(cur)
+    need[dst] = True
+    return entries, cur, src, need
+
+
+def gather_bytes(plan: SlicePlan, spec: Spec, *, dst: int = 0, reduce: str = "copy") -> List[CommStats]:
+    """What every rank's :func:`gather_full_model` call will move, from the plan alone: one CommStats per rank."""
+    if reduce not in ("copy", "mean"):
+        raise ValueError(f"gather_bytes: reduce must be 'copy' or 'mean', got {reduce!r}")
+    spec = _normalise_spec(spec)
+    S = plan.num_subnetworks
+    entries, _, src, need = _gather_masks(plan, spec, S, dst, reduce, "gather_bytes")
+    M = _bytes_matrix(entries, src, need, {e.name for e in entries})
+    diag = M.diagonal()
+    sent, recv = (M.sum(1) - diag).tolist(), (M.sum(0) - diag).tolist()
+    return [CommStats(None, S, 1 if entries else 0, int(sent[r]), int(recv[r]), 0) for r in range(S)]
+
+
+def ps_bytes(plan: SlicePlan, spec: Spec, *, download: Optional[SlicePlan] = None,
+             names: Optional[Sequence[str]] = None) -> List[int]:
+    """The papers' parameter-server count of one round (paper 000 Table 1, paper 003 Table 1): per
+    worker, the bytes of the floating tensors it uploads (its subnetwork under ``plan``: its slices of
+    the partitioned tensors, the shared ones whole) plus those it downloads (its subnetwork under
+    ``download``, default ``plan``). Local SGD moves 2 full models per worker by this count.
+    Integer tensors (step counters) are not counted, as local SGD does not average them."""
+    spec = _normalise_spec(spec)
+    chosen = set(names if names is not None else plan.names())
+
+    def held(p: SlicePlan) -> List[int]:
+        out = [0] * p.num_subnetworks
+        for t in p.tensors:
+            shape, dtype = spec[t.name]
+            if t.name not in chosen or not dtype.is_floating_point:
+                continue
+            full = prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            for s in range(p.num_subnetworks):
+                if t.shared:
+                    out[s] += full
+                elif t.owners[s].numel():
+                    out[s] += full // shape[t.dim] * t.owners[s].numel() if shape else full
+        return out
+
+    up = held(plan)
+    down = up if download is None else held(download)
+    return [a + b for a, b in zip(up, down)]
 
 
 class Exchange:
@@ -410,12 +469,15 @@ class Exchange:
     quantize: None or "int8" (paper 003 A.5; the all-to-all part only, one scale per slice).
     Integer tensors: a shared one (a counter such as BN num_batches_tracked) is returned as it is,
     never averaged; a partitioned one (a ResIST block's counter) moves with its slices, exactly, in
-    the floating buffer (integer owner mean, toward zero, like slice_scatter_ on integers).
+    the floating buffer, and takes its owners' maximum (``partition.aggregate_slices_``, as the
+    simulated aggregation does), never a truncated mean.
     round: the round number, named in errors. timeout: seconds each collective may wait (default:
         the one given to init_process_group).
 
     verify_plans: check, with one all_gather at construction, that every rank derived the same plans
         (for debugging; plans are otherwise never communicated).
+    drop_unowned: decentralized storage only: slices that no subnetwork owns in the next plan are
+        dropped (e.g. pruned filters) instead of being an error.
 
     ``last_stats`` holds what the last call moved; ``history`` every call's stats.
     """
@@ -423,7 +485,7 @@ class Exchange:
     def __init__(self, current: SlicePlan, next: Optional[SlicePlan] = None, spec: Optional[Spec] = None, *,
                  storage: str = "decentralized", shared: str = "all_reduce", quantize: Optional[str] = None,
                  round: Optional[int] = None, group=None, timeout: Union[None, float, timedelta] = None,
-                 verify_plans: bool = False):
+                 verify_plans: bool = False, drop_unowned: bool = False):
         if storage not in _STORAGE:
             raise ValueError(f"Exchange: storage must be one of {_STORAGE}, got {storage!r}")
         if shared not in _SHARED:
@@ -442,7 +504,7 @@ class Exchange:
                 raise ValueError(f"Exchange: the {what} plan has {plan.num_subnetworks} subnetworks but the group "
                                  f"has {self.world_size} ranks (one subnetwork per rank)")
         self.current, self.next, self.storage, self.shared = current, next, storage, shared
-        self.quantize, self.round = quantize, round
+        self.quantize, self.round, self.drop_unowned = quantize, round, drop_unowned
         self.timeout = collective_timeout(timeout)
         self.last_stats: Optional[CommStats] = None
         self.history: List[CommStats] = []
@@ -483,7 +545,8 @@ class Exchange:
         self._shared_names = [t.name for t in cur.tensors if t.shared and spec[t.name][1].is_floating_point]
         self._counters = {t.name for t in cur.tensors if t.shared and not spec[t.name][1].is_floating_point}
         if self.storage == "decentralized":
-            for what, mask in (("current", self._cur_mask), ("next", self._nxt_mask)):
+            checked = (("current", self._cur_mask),) + (() if self.drop_unowned else (("next", self._nxt_mask),))
+            for what, mask in checked:
                 _check_covered(self._entries, mask, f"Exchange: decentralized storage needs every partitioned "
                                f"slice owned by >= 1 subnetwork, but in the {what} plan (round {self.round})",
                                "use storage='replicated' for plans with unowned slices (e.g. Bernoulli masks)")
@@ -645,9 +708,10 @@ def gather_full_model(local: Mapping[str, Tensor], plan: SlicePlan, spec: Spec, 
 
     local: this rank's compact tensors under ``plan`` and its shared tensors (as for Exchange).
     reduce: "copy": every slice from its lowest-rank owner and the shared tensors from ``dst``
-        (right after an Exchange, when all copies of a slice are equal); "mean": owner means and
-        the mean of the shared tensors over all ranks (the aggregate, e.g. at the end of a round
-        before the exchange; bit-identical to the simulated aggregation).
+        (right after an Exchange, when all copies of a slice are equal); "mean": owner means (the
+        owners' maximum for integer counters) and the mean of the shared tensors over all ranks
+        (the aggregate, e.g. at the end of a round before the exchange; bit-identical to the
+        simulated aggregation).
     Returns name -> full tensor (new) on ``dst``, None on the other ranks. ``local`` is not changed.
     """
     import time
@@ -663,17 +727,7 @@ def gather_full_model(local: Mapping[str, Tensor], plan: SlicePlan, spec: Spec, 
     if not 0 <= dst < S:
         raise ValueError(f"gather_full_model: dst must be in [0, {S}), got {dst}")
     spec = _normalise_spec(spec)
-    entries, cur = _plan_masks(plan, spec, S, True, "gathered")
-    _check_covered(entries, cur, "gather_full_model: in the plan", "the full model cannot be assembled")
-    src = cur
-    if reduce == "copy":
-        src = first_owner(cur)
-        for e in entries:
-            if e.shared:
-                src[:, e.base] = False
-                src[dst, e.base] = True
-    need = torch.zeros_like(cur)
-    need[dst] = True
+    entries, cur, src, need = _gather_masks(plan, spec, S, dst, reduce, "gather_full_model")
     routing = route(entries, r, src, need, source_held=cur[r], target_held=None)
     mover = _Mover(entries, routing, _buffer_dtype(entries, "gather_full_model"))
     rows = per_entry_count(cur[r], entries).tolist() if entries else []

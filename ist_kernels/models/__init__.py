@@ -8,6 +8,7 @@ from .resnet import (  # noqa: F401
     preact_resnet34,
     preact_resnet50,
     preact_resnet101,
+    preact_resnet101_basic,
     preact_resnet152,
     preact_resnet200,
     resnet18,

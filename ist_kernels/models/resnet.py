@@ -167,6 +167,14 @@ def preact_resnet101(num_classes: int = 10, in_channels: int = 3, width: int = 6
     return ResNet(PreActBottleneck, [3, 4, 23, 3], num_classes, in_channels, _widths(width))
 
 
+def preact_resnet101_basic(num_classes: int = 10, in_channels: int = 3, width: int = 64) -> ResNet:
+    """The "ResNet101" of paper 003 (ResIST, Figure 2): basic pre-activation blocks in stages of
+    [3, 4, 23, 3], 41.4M parameters for 100 classes; 2·S times its fp32 parameter bytes is the
+    local-SGD column of Table 1 (0.662 / 1.325 / 2.649 GB for S = 2 / 4 / 8). ResIST partitions
+    the 22 blocks of layer3 after its first."""
+    return ResNet(PreActBlock, [3, 4, 23, 3], num_classes, in_channels, _widths(width))
+
+
 def preact_resnet152(num_classes: int = 10, in_channels: int = 3, width: int = 64) -> ResNet:
     return ResNet(PreActBottleneck, [3, 8, 36, 3], num_classes, in_channels, _widths(width))
 

@@ -20,7 +20,7 @@ the mean over the subnetworks that own it, entries that no subnetwork owns keep 
 Algorithm 1 line 12 with η_r = N⊥_r / N_r.
 """
 import math
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -69,8 +69,8 @@ class SubnetMLP(nn.Module):
             self.output_bias = None
 
     # ---- neurons
-    def _neurons(self, neurons: Neurons) -> List[Optional[Tensor]]:
-        """One index list (or None = all) per hidden layer, on the model's device."""
+    def _neurons(self, neurons: Neurons, device=None) -> List[Optional[Tensor]]:
+        """One index list (or None = all) per hidden layer, on ``device`` (default: the model's)."""
         if neurons is None or isinstance(neurons, Tensor):
             if isinstance(neurons, Tensor) and self.depth > 1:
                 raise ValueError(f"SubnetMLP: with depth={self.depth} pass one index list per hidden layer")
@@ -79,7 +79,7 @@ class SubnetMLP(nn.Module):
         if len(neurons) != self.depth:
             raise ValueError(f"SubnetMLP: neurons must list {self.depth} index tensors (one per hidden layer), "
                              f"got {len(neurons)}")
-        dev = self.hidden_weights[0].device
+        dev = self.hidden_weights[0].device if device is None else device
         return [None if n is None else n.to(dev, torch.int64) for n in neurons]
 
     # ---- forward
@@ -98,8 +98,9 @@ class SubnetMLP(nn.Module):
 
     def subnet_forward(self, x: Tensor, params: Sequence[Tensor], neurons: Neurons) -> Tensor:
         """The subnetwork of ``neurons`` computed from its compact parameters ``params`` (as
-        returned by :meth:`extract`): costs what the subnetwork costs."""
-        neurons = self._neurons(neurons)
+        returned by :meth:`extract`): costs what the subnetwork costs. Only the fixed output
+        weight (when it does not train) is read from the model, which may otherwise be on meta."""
+        neurons = self._neurons(neurons, x.device)
         it = iter(params)
         h = x
         for l in range(self.depth):
@@ -127,28 +128,38 @@ class SubnetMLP(nn.Module):
         return out
 
     # ---- the slices of a subnetwork: (global tensor, dim, indices, compact shape)
-    def _slices(self, neurons: Neurons) -> List[Tuple[Tensor, int, Tensor, Tuple[int, ...]]]:
-        neurons = self._neurons(neurons)
-        dev = self.hidden_weights[0].device
-        all_neurons = torch.arange(self.width, device=dev)
-        rows_l = [all_neurons if n is None else n for n in neurons]
+    def _flat(self, name: str) -> bool:
+        """A hidden-to-hidden weight: owned by rows x columns, stated on its flat view."""
+        return name.startswith("hidden_weights.") and name != "hidden_weights.0"
+
+    def _layout(self, neurons: Neurons, device) -> List[Tuple[str, int, Tensor, Tuple[int, ...]]]:
+        """(name, dim, indices, compact shape) of every tensor a subnetwork holds, in the order of
+        :meth:`extract`; a hidden-to-hidden weight by flat indices ``row * width + col`` along dim 0
+        of its flat view (both dims partitioned), the shared output bias by all its indices."""
+        all_neurons = torch.arange(self.width, device=device)
+        rows_l = [all_neurons if n is None else n for n in self._neurons(neurons, device)]
         out = []
         for l, rows in enumerate(rows_l):
-            w = self.hidden_weights[l].detach()
             if l == 0:
-                out.append((w, 0, rows, (len(rows), w.shape[1])))
-            else:  # rows x cols of a width x width weight: one index list into its flat view
+                out.append(("hidden_weights.0", 0, rows, (len(rows), self.in_features)))
+            else:
                 cols = rows_l[l - 1]
-                flat = (rows.unsqueeze(1) * w.shape[1] + cols.unsqueeze(0)).reshape(-1)
-                out.append((w.view(-1), 0, flat, (len(rows), len(cols))))
+                flat = (rows.unsqueeze(1) * self.width + cols.unsqueeze(0)).reshape(-1)
+                out.append((f"hidden_weights.{l}", 0, flat, (len(rows), len(cols))))
             if self.hidden_biases is not None:
-                out.append((self.hidden_biases[l].detach(), 0, rows, (len(rows),)))
+                out.append((f"hidden_biases.{l}", 0, rows, (len(rows),)))
         if self.train_output:
-            w = self.output_weight.detach()
-            out.append((w, 1, rows_l[-1], (w.shape[0], len(rows_l[-1]))))
-            if self.output_bias is not None:  # shared by every subnetwork
-                b = self.output_bias.detach()
-                out.append((b, 0, torch.arange(b.shape[0], device=dev), tuple(b.shape)))
+            out.append(("output_weight", 1, rows_l[-1], (self.out_features, len(rows_l[-1]))))
+            if self.output_bias is not None:
+                out.append(("output_bias", 0, torch.arange(self.out_features, device=device), (self.out_features,)))
+        return out
+
+    def _slices(self, neurons: Neurons) -> List[Tuple[Tensor, int, Tensor, Tuple[int, ...]]]:
+        full = dict(self.named_parameters())
+        out = []
+        for name, dim, idx, shape in self._layout(neurons, self.hidden_weights[0].device):
+            w = full[name].detach()
+            out.append((w.view(-1) if self._flat(name) else w, dim, idx, shape))
         return out
 
     def _plan(self, neurons_list: Sequence[Neurons]):
@@ -166,22 +177,35 @@ class SubnetMLP(nn.Module):
 
     def slice_plan(self, neurons_list: Sequence[Neurons]):
         """The round as a :class:`~ist_kernels.partition.SlicePlan` (state-dict names, one dim per
-        tensor; the output bias is shared). Only for depth 1: from the second hidden layer on a
-        weight is owned by rows x columns, which one dim per tensor cannot state."""
+        tensor, indices on the CPU; the output bias is shared). A hidden-to-hidden weight (layer
+        l >= 1) is owned by rows x columns, both dims partitioned: the plan states it on its flat
+        view (index ``row * width + col`` along dim 0), as :meth:`slice_spec` and
+        :meth:`exchange_view` give it. The model itself may live on the meta device."""
         from ..partition.plan import SlicePlan, TensorSlices
 
-        if self.depth != 1:
-            raise ValueError(f"SubnetMLP.slice_plan: depth={self.depth}; a SlicePlan states one dim per tensor, "
-                             "hidden layers after the first are owned by rows x columns (use extract_all/aggregate_)")
-        rows = [self._slices(n)[0][2] for n in neurons_list]
-        tensors = [TensorSlices("hidden_weights.0", 0, tuple(rows))]
-        if self.hidden_biases is not None:
-            tensors.append(TensorSlices("hidden_biases.0", 0, tuple(rows)))
-        if self.train_output:
-            tensors.append(TensorSlices("output_weight", 1, tuple(rows)))
-            if self.output_bias is not None:
-                tensors.append(TensorSlices("output_bias", None))
+        cpu = torch.device("cpu")
+        per = [self._layout(n, cpu) for n in neurons_list]
+        tensors = []
+        for t, (name, dim, _, _) in enumerate(per[0] if per else []):
+            if name == "output_bias":
+                tensors.append(TensorSlices(name, None))
+            else:
+                tensors.append(TensorSlices(name, dim, tuple(p[t][2] for p in per)))
         return SlicePlan(len(neurons_list), tuple(tensors))
+
+    def slice_spec(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        """name -> (shape, dtype) of every tensor of :meth:`slice_plan`, hidden-to-hidden weights
+        flat: the spec of an ``Exchange`` of those plans."""
+        return {n: ((p.numel(),) if self._flat(n) else tuple(p.shape), p.dtype)
+                for n, p in self.named_parameters() if n in set(self.compact_names())}
+
+    def compact_names(self) -> List[str]:
+        """The names of the tensors a subnetwork holds, in the order of :meth:`extract`."""
+        return [name for name, _, _, _ in self._layout(None, torch.device("cpu"))]
+
+    def exchange_view(self, name: str, t: Tensor) -> Tensor:
+        """A compact tensor of ``name`` as the plans state it (hidden-to-hidden weights flat)."""
+        return t.reshape(-1) if self._flat(name) else t
 
     # ---- extract / aggregate (Algorithm 1 lines 5 and 11-13)
     def extract_all(self, neurons_list: Sequence[Neurons]) -> List[List[Tensor]]:

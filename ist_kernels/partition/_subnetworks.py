@@ -18,7 +18,15 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional as F
+from .aggregate import aggregate_slices_
 from .plan import SlicePlan, TensorSlices
+
+
+def _off_device(state: Tensor, param: Tensor) -> bool:
+    """A 0-dim optimizer state kept on another device than its parameter (torch's Adam keeps
+    `step` on the CPU unless capturable/fused): it cannot ride the parameter's one-launch gather or
+    scatter, so it is copied into subnetworks and averaged over owners in Python (a few scalars)."""
+    return state.dim() == 0 and state.device != param.device
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,8 @@ class SubnetworkPlan:
         tensors = {n: getattr(tree.modules[i], "_parameters" if p else "_buffers")[a]
                    for n, (i, a, p) in where.items()}
         device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+        if device.type == "meta":  # a structure-only model (decentralized storage): indices on the CPU
+            device = torch.device("cpu")
         self._scalar_index = torch.zeros(1, dtype=torch.long, device=device)
 
         # Each subnetwork's structure names the tensors it holds; the first build() uses it.
@@ -226,8 +236,8 @@ class SubnetworkPlan:
         holding the slices of its state): one slice gather for all of them."""
         S = self.num_subnetworks
         skeletons, self._unused_skeletons = self._unused_skeletons, None
-        if skeletons is None:
-            skeletons = [self._skeleton(s) for s in range(S)]
+        skeletons = [sk if sk is not None else self._skeleton(s)
+                     for s, sk in enumerate(skeletons or [None] * S)]
         sources = self._global()
         dims = self._dims
         source_ids = self._source_ids
@@ -246,6 +256,8 @@ class SubnetworkPlan:
                         if not isinstance(v, Tensor):
                             continue
                         scalar = v.dim() == 0
+                        if _off_device(v, p):  # e.g. Adam's CPU `step`: copied, not gathered
+                            continue
                         if not scalar and v.shape != p.shape:
                             raise ValueError(
                                 f"{self.who}: optimizer state {key!r} of {self._specs[i].name} has "
@@ -292,14 +304,65 @@ class SubnetworkPlan:
                 sub.optimizer = type(optimizer)([g for g in groups if g["params"]])
                 for k, (i, _, _, is_param) in enumerate(self._slots[s]):
                     st = optimizer.state.get(params[i]) if is_param else None
-                    if st:  # non-tensor values (rare) are copied; tensors come from the gather
+                    if st:  # non-tensor values and off-device scalars are copied; tensors come from the gather
                         sub.optimizer.state[attached[s][k]] = {
-                            key: copy.copy(v) for key, v in st.items() if not isinstance(v, Tensor)}
+                            key: (v.clone() if isinstance(v, Tensor) else copy.copy(v)) for key, v in st.items()
+                            if not isinstance(v, Tensor) or _off_device(v, params[i])}
             for (s, k, key, scalar) in state_segments:
                 seg = segments[j]
                 j += 1
                 subnetworks[s].optimizer.state[attached[s][k]][key] = seg.view(()) if scalar else seg
         return subnetworks
+
+    # -- decentralized storage: one subnetwork from its own compact tensors -------------------------
+    def model_tensors(self) -> Dict[str, Tensor]:
+        """The global model's parameters and buffers by plan name (detached; 0-dim stay 0-dim)."""
+        return {t.name: (g.view(()) if scalar else g)
+                for t, g, scalar in zip(self._specs, self._global(), self._is_scalar)}
+
+    def part(self, s: int) -> Dict[str, Tensor]:
+        """Subnetwork ``s``'s compact tensors cut from the global model (plan name -> new tensor):
+        what a rank holds under decentralized storage (``slices.part``)."""
+        return self.slices.part(self.model_tensors(), s)
+
+    def attach(self, s: int, tensors: Dict[str, Tensor]) -> Subnetwork:
+        """Subnetwork ``s`` built around ``tensors`` (plan name -> its compact tensor, as
+        :meth:`part` or an ``Exchange`` returns them): no copy, the module's parameters and buffers
+        are these tensors. The global model may be a structure on the meta device."""
+        sk = self._unused_skeletons
+        clones = sk[s] if sk is not None and sk[s] is not None else self._skeleton(s)
+        if sk is not None:
+            sk[s] = None
+        requires_grad = self._requires_grad()
+        for (i, pos, attr, is_param) in self._slots[s]:
+            spec = self._specs[i]
+            t = tensors.get(spec.name)
+            want = [] if self._is_scalar[i] else list(self._shape(i))
+            if want:
+                want[spec.dim] = spec.owned[s].numel()
+            if t is None or tuple(t.shape) != tuple(want):
+                raise ValueError(f"{self.who}.attach: subnetwork {s} needs {spec.name} of shape {tuple(want)}, "
+                                 f"got {None if t is None else tuple(t.shape)}")
+            if is_param:
+                t = nn.Parameter(t, requires_grad=requires_grad[i])
+                clones[pos]._parameters[attr] = t
+            else:
+                clones[pos]._buffers[attr] = t
+        return Subnetwork(s, clones[0], None, self, clones)
+
+    def tensors_of(self, sub: Subnetwork, detach: bool = True) -> Dict[str, Tensor]:
+        """Plan name -> subnetwork ``sub``'s parameter or buffer (detached by default, sharing
+        storage: the ``local`` of an ``Exchange``)."""
+        out = {}
+        for (i, pos, attr, is_param) in self._slots[sub.index]:
+            t = (sub.parts[pos]._parameters if is_param else sub.parts[pos]._buffers)[attr]
+            out[self._specs[i].name] = t.detach() if detach else t
+        return out
+
+    def _shape(self, i: int) -> Tuple[int, ...]:
+        mi, attr, is_param = self._where[i]
+        m = self._tree.modules[mi]
+        return tuple((m._parameters if is_param else m._buffers)[attr].shape)
 
     def _params(self) -> List[Optional[Tensor]]:
         mods = self._tree.modules
@@ -311,10 +374,11 @@ class SubnetworkPlan:
     # -- aggregate ------------------------------------------------------------------------------
     def aggregate(self, subnetworks: Sequence[Subnetwork],
                   optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-        """Write the subnetworks back into the global model with one slice scatter: a slice owned
-        by one subnetwork is copied, by several averaged over its owners, shared tensors
-        (BN running statistics included) averaged over all given subnetworks; slices no given
-        subnetwork owns keep their value. With ``optimizer`` (the global optimizer the subnetworks
+        """Write the subnetworks back into the global model with one slice scatter
+        (:func:`.aggregate.aggregate_slices_`): a slice owned by one subnetwork is copied, by
+        several averaged over its owners, shared tensors (BN running statistics included) averaged
+        over all given subnetworks; integer counters (BN ``num_batches_tracked``) take the owners'
+        maximum, never a truncated mean; slices no given subnetwork owns keep their value. With ``optimizer`` (the global optimizer the subnetworks
         were built with) its state is aggregated the same way from the subnetworks' optimizers.
         Everything is checked before anything is written."""
         seen = set()
@@ -337,6 +401,7 @@ class SubnetworkPlan:
         state_target: Dict[Tuple[int, str], int] = {}
         new_state = []  # (param, key, zeros) created only once every check has passed
         other_state = []  # (param, key, value): non-tensor state (rare), from the first holder
+        off_device = {}  # (param index, key) -> (param, [owners' values]): scalars not on the param's device
         for sub in subnetworks:
             s = sub.index
             clones = sub.parts
@@ -363,6 +428,9 @@ class SubnetworkPlan:
                     if not isinstance(v, Tensor):
                         other_state.append((p, key, v))
                         continue
+                    if _off_device(v, p):
+                        off_device.setdefault((i, key), (p, []))[1].append(v.detach())
+                        continue
                     scalar = v.dim() == 0
                     tid = state_target.get((i, key))
                     if tid is None:
@@ -383,13 +451,20 @@ class SubnetworkPlan:
                     indices.append(idx)
         for p, key, g in new_state:
             optimizer.state[p][key] = g
-        F.slice_scatter_(targets, target_ids, updates, indices, dims, reduce="mean")
+        aggregate_slices_(targets, target_ids, updates, indices, dims)
+        for (_, key), (p, vals) in off_device.items():  # the owners' mean; the value itself when all agree
+            same = all(torch.equal(vals[0], u) for u in vals[1:])
+            mean = vals[0] if same else torch.stack(vals).double().mean(0).to(vals[0].dtype)
+            if optimizer.state[p].get(key) is None:
+                optimizer.state[p][key] = mean.clone()
+            else:
+                optimizer.state[p][key].copy_(mean)
         for p, key, v in other_state:
             optimizer.state[p].setdefault(key, copy.copy(v))
-        self._after_aggregate()
+        self.after_aggregate()
 
-    def _after_aggregate(self) -> None:
-        pass
+    def after_aggregate(self, model: Optional[nn.Module] = None) -> None:
+        """What the full model (default: the plan's) needs once aggregated (e.g. ResIST's residual scales)."""
 
     @staticmethod
     def _expected_shape(target: Tensor, dim: int, idx: Tensor) -> Tuple[int, ...]:

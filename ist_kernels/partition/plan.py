@@ -10,10 +10,16 @@ tensor (dim None) is held whole by every subnetwork and averaged over all of the
 Subnetwork s's compact copy of tensor t is ``global[t].index_select(t.dim, t.owners[s])``;
 aggregation is owner-averaging: a slice owned by k >= 1 subnetworks becomes the mean of their
 copies, a slice nobody owned keeps its value (paper 001 §3.1, eta = N_perp / N).
+
+Under decentralized storage rank s holds exactly ``plan.part(tensors, s)``; a plan that leaves
+slices unowned (Bernoulli masks) is stored as ``plan.with_holders(sizes)``, which gives every
+unowned slice to one holder that keeps it untrained, so that someone holds it and its value passes
+through the owner mean unchanged.
 """
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor
 
 
@@ -51,3 +57,48 @@ class SlicePlan:
 
     def names(self) -> Sequence[str]:
         return [t.name for t in self.tensors]
+
+    def part(self, tensors: Mapping[str, Tensor], s: int) -> Dict[str, Tensor]:
+        """Subnetwork ``s``'s tensors cut from the full ``tensors`` (name -> tensor): the slices it
+        owns of every partitioned tensor (new, compact; none where it owns nothing; a 0-dim tensor
+        stays 0-dim) and the shared tensors (cloned)."""
+        if not 0 <= s < self.num_subnetworks:
+            raise ValueError(f"SlicePlan.part: subnetwork must be in [0, {self.num_subnetworks}), got {s}")
+        out = {}
+        for t in self.tensors:
+            full = tensors[t.name].detach()
+            if t.shared:
+                out[t.name] = full.clone()
+            elif t.owners[s].numel():
+                idx = t.owners[s].to(full.device)
+                out[t.name] = full.clone() if full.dim() == 0 else full.index_select(t.dim, idx)
+        return out
+
+    def with_holders(self, sizes: Mapping[str, int]) -> "SlicePlan":
+        """This plan with every slice that no subnetwork owns given to one holder, subnetwork
+        ``slice index mod S`` (``sizes``: name -> length of each partitioned tensor along its dim).
+        The plan itself when every slice is owned."""
+        S = self.num_subnetworks
+        tensors = []
+        for t in self.tensors:
+            if t.shared:
+                tensors.append(t)
+                continue
+            n = sizes[t.name]
+            owned = torch.zeros(n, dtype=torch.bool)
+            for o in t.owners:
+                owned[o.cpu()] = True
+            free = (~owned).nonzero().flatten()
+            if not free.numel():
+                tensors.append(t)
+                continue
+            home = free % S
+            owners = tuple(torch.cat([o.cpu(), free[home == s]]).sort().values for s, o in enumerate(t.owners))
+            tensors.append(TensorSlices(t.name, t.dim, owners))
+        return SlicePlan(S, tuple(tensors))
+
+
+def positions(held: Tensor, owned: Tensor) -> Tensor:
+    """Where each of ``owned`` (sorted indices, a subset of ``held``) sits in ``held`` (sorted): the
+    positions of a subnetwork's slices inside the compact tensor of a rank that holds more."""
+    return torch.searchsorted(held, owned)

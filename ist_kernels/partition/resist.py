@@ -102,8 +102,8 @@ class ResistPlan(SubnetworkPlan):
         for name in self.partitioned_blocks:
             model.get_submodule(name).residual_scale = self.residual_scale
 
-    def _after_aggregate(self) -> None:
-        self.scale_residuals()
+    def after_aggregate(self, model: Optional[nn.Module] = None) -> None:
+        self.scale_residuals(model)
 
 
 def resist_plan(model: nn.Module, S: int, min_depth: int = 5,

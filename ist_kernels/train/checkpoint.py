@@ -43,7 +43,7 @@ class CheckpointError(RuntimeError):
 
 # Options that must not change between a checkpoint and its resumption.
 RESUME_MUST_MATCH = ("method", "model", "width", "depth", "dataset", "data_path", "seed", "batch_size",
-                     "local_steps", "options", "precision", "augment")
+                     "local_steps", "options", "precision", "augment", "dataset_size", "storage", "shared")
 
 
 def _atomic_write(path: str, write) -> None:
@@ -147,16 +147,19 @@ def set_rng_state(s: Dict[str, Any]) -> None:
 # ---------------------------------------------------------------- writing
 
 def save(folder: str, round_: int, rank: int, world_size: int, payload: Dict[str, Any],
-         barrier: Optional[Callable[[str], None]] = None) -> None:
+         barrier: Optional[Callable[[str], None]] = None, manifest: Optional[Dict[str, Any]] = None) -> None:
     """Write this rank's file for ``round_``; all ranks call it. ``barrier(what)`` syncs them (a
-    collective that names ``what`` when a peer fails)."""
+    collective that names ``what`` when a peer fails). latest.json, the manifest, names the round,
+    every rank's file and ``manifest``'s entries (e.g. the storage: under decentralized storage each
+    file holds only its rank's part of the model)."""
     atomic_torch_save(seal(dict(payload, round=round_, rank=rank, world_size=world_size)),
                       rank_file(folder, round_, rank))
     if barrier:
         barrier(f"checkpoint round {round_}: every rank's file written")
     if rank == 0:
         atomic_json({"round": round_, "world_size": world_size, "num_workers": payload["num_workers"],
-                     "config": payload["config"]}, os.path.join(folder, LATEST))
+                     "files": [os.path.basename(rank_file(folder, round_, k)) for k in range(world_size)],
+                     **(manifest or {}), "config": payload["config"]}, os.path.join(folder, LATEST))
     if barrier:
         barrier(f"checkpoint round {round_}: {LATEST} updated")
     for name in os.listdir(folder):  # latest.json no longer names them

@@ -89,10 +89,15 @@ def build_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
 
 
 def _baseline_config(cfg: TrainConfig) -> TrainConfig:
-    """Local SGD with the same budget: workers, rounds, local steps, batch size, schedule."""
+    """Local SGD with the same budget: workers, rounds, local steps, batch size, schedule; run as
+    the method's paper compares (``Method.baseline_options``: for loft, pre-train, prune, fine-tune).
+    It holds the whole model on every worker by definition, so --max-rank-state-mb does not apply."""
+    from .methods import get_method
+
     out = cfg.resolved_out_dir()
+    options = get_method(cfg.method).baseline_options(cfg.options)
     return dataclasses.replace(
-        cfg, method="localsgd", options={}, baseline=False, resume=False, stop_after=None,
+        cfg, method="localsgd", options=options, baseline=False, resume=False, stop_after=None, max_rank_state_mb=None,
         out_dir=os.path.join(out, "localsgd"),
         checkpoint_dir=os.path.join(cfg.checkpoint_dir, "localsgd") if cfg.checkpoint_dir else None)
 
@@ -113,8 +118,9 @@ def _validate_and_run(argv) -> Tuple[TrainConfig, Optional[List[Dict[str, Any]]]
     runs = _run_configs(cfg)
     for c in runs:
         c.validate()
+    from .checkpoint import atomic_json
     from .launch import launch
-    from .output import claim_outputs
+    from .output import add_baseline_ratios, claim_outputs
 
     # the launcher (rank 0 under torchrun) holds the lock; the other ranks only write their
     # checkpoint files, and never get past rank 0's first collective when rank 0 stops
@@ -123,6 +129,9 @@ def _validate_and_run(argv) -> Tuple[TrainConfig, Optional[List[Dict[str, Any]]]
         return cfg, None
     with claim_outputs(runs, cfg.resolved_out_dir()):
         summaries = launch(runs)
+        if add_baseline_ratios(summaries) is not None:  # bytes_ratio, ps_bytes_ratio into summary.json
+            for s in summaries:
+                atomic_json(s, os.path.join(s["out_dir"], "summary.json"))
         _write_table(cfg, summaries)
     return cfg, summaries
 

@@ -16,6 +16,8 @@ from typing import Any, Dict, List, Mapping, Optional
 PRECISIONS = ("fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine", "step")
 BACKENDS = ("auto", "gloo", "nccl")
+STORAGES = ("decentralized", "replicated")
+SHARED = ("all_reduce", "exact")
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # larger values overflow the backends' millisecond timeouts
 
 
@@ -43,11 +45,20 @@ class TrainConfig:
     dataset: str = _opt("digits", "dataset (see --list-datasets)")
     data_path: Optional[str] = _opt(None, "folder of the dataset files (CIFAR python-pickle folder)")
     augment: Optional[bool] = _opt(None, "random crop + flip for image batches (default: on for CIFAR)")
+    dataset_size: Optional[int] = _opt(None, "generated data sets (synthetic_cifar10/100): training samples "
+                                       "(default 50000, CIFAR's; the test set has a fifth as many)")
     # workers
     workers: Optional[int] = _opt(None, "number of workers S (processes); default: WORLD_SIZE under torchrun, else 2")
     simulate: int = _opt(0, "train S workers/subnetworks one after another in one process (0: off)")
     backend: str = _opt("auto", "torch.distributed backend: auto (nccl on CUDA, gloo on CPU), gloo, nccl")
     timeout_s: float = _opt(600.0, "collective timeout in seconds, at most 604800 (7 days)")
+    storage: str = _opt("decentralized", "subnetwork methods: decentralized (a rank holds only its subnetwork and "
+                        "the shared tensors; the full model is assembled only to evaluate or save) or replicated "
+                        "(every rank holds the full model; for testing)")
+    shared: str = _opt("all_reduce", "how the shared tensors are averaged between rounds: all_reduce (ring; "
+                       "equals --simulate to a few ulps) or exact (through the all-to-all; bit for bit, more bytes)")
+    max_rank_state_mb: Optional[float] = _opt(None, "fail the run when a rank holds more than this many MB "
+                                              "(10^6 bytes) of parameters, buffers and optimizer state")
     threads: Optional[int] = _opt(None, "CPU threads per process (default: torch's; spawned workers share the cores)")
     # schedule
     local_steps: int = _opt(4, "local SGD steps per round (tau / l)")
@@ -144,6 +155,8 @@ class TrainConfig:
         _positive_int(self, "eval_batch_size")
         if self.threads is not None:
             _positive_int(self, "threads")
+        if self.dataset_size is not None:
+            _positive_int(self, "dataset_size")
         if self.simulate < 0:
             raise ConfigError("simulate", f"must be >= 0 (0: off), got {self.simulate}")
         if self.workers is not None and self.workers < 1:
@@ -184,6 +197,13 @@ class TrainConfig:
             raise ConfigError("precision", f"must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.backend not in BACKENDS:
             raise ConfigError("backend", f"must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.storage not in STORAGES:
+            raise ConfigError("storage", f"must be one of {', '.join(STORAGES)}, got {self.storage!r}")
+        if self.shared not in SHARED:
+            raise ConfigError("shared", f"must be one of {', '.join(SHARED)}, got {self.shared!r}")
+        if self.max_rank_state_mb is not None and not (self.max_rank_state_mb > 0 and
+                                                       math.isfinite(self.max_rank_state_mb)):
+            raise ConfigError("max_rank_state_mb", f"must be a finite number > 0, got {self.max_rank_state_mb}")
         if not (0 < self.timeout_s <= MAX_TIMEOUT_S):  # also rejects nan and inf
             raise ConfigError("timeout_s", f"must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], "
                               f"got {self.timeout_s}")

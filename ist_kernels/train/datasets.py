@@ -7,6 +7,11 @@
   format holds (dicts, lists, strings, numbers, numpy arrays) and refuses anything else, so a
   crafted file cannot run code; a file with the size of the standard archive's must also have its
   published md5 (other sizes, e.g. subsets, are not checked).
+- ``synthetic_cifar10`` / ``synthetic_cifar100``: CIFAR-shaped stand-ins generated in memory
+  (``ist_kernels.train.data.synthetic_images``: class-conditional, learnable but not trivial), the
+  same images for every run (``dataset_size`` training images, default CIFAR's 50000, and a fifth as
+  many test images), kept as uint8 and normalised per batch as CIFAR is: the papers' tables on the
+  papers' shapes, offline.
 - ``signal_noise``: paper 002's synthetic signal + noise classification (§5.1 settings);
   ``diabetes``: paper 001's regression data; ``ackley``: paper 004 §6.1's synthetic regression
   (all from ``ist_kernels.train.data``).
@@ -247,6 +252,25 @@ def _check_cifar(name):
     return lambda cfg: _cifar_files(name, cfg.data_path)
 
 
+SYNTHETIC_TRAIN_SIZE = 50000  # CIFAR's; the test set has a fifth as many, as CIFAR's 10000
+
+
+def _load_synthetic(name: str, classes: int):
+    def load(cfg) -> Dataset:
+        """The same images for every run (seed 0, like a data set on disk): cfg.seed draws the
+        model, the shards and the plans, not the data."""
+        from .data import synthetic_images
+
+        n = cfg.dataset_size or SYNTHETIC_TRAIN_SIZE
+        xtr, ytr = synthetic_images(n, classes, seed=0, stream=0)
+        xte, yte = synthetic_images(max(1, n // 5), classes, seed=0, stream=1)
+        probe = xtr[:5000].double().div_(255.0)  # per-channel statistics, as CIFAR's constants are
+        mean, std = probe.mean((0, 2, 3)), probe.std((0, 2, 3))
+        return Dataset(name, "classification", xtr, ytr, xte, yte, classes, mean.float(), std.float(), image=True)
+
+    return load
+
+
 def _load_signal_noise(cfg) -> Dataset:
     """Paper 002 §5.1: x = [y e_1, xi] in R^{2 x 400}, y = +-1 (labels 0/1 here), xi ~ N(0, 0.5^2 I),
     100 training and 100 test samples, drawn from cfg.seed (the paper repeats runs over seeds)."""
@@ -282,12 +306,15 @@ class DatasetSpec:
     check: Optional[Callable] = None  # cfg -> None, raising ConfigError before any work starts
     augment: bool = False  # random crop + flip by default
     image: bool = True  # inputs are (C, H, W) images (CNN models need that)
+    sized: bool = False  # generated: cfg.dataset_size picks the number of training samples
 
 
 DATASETS: Dict[str, DatasetSpec] = {
     "digits": DatasetSpec(_load_digits),
     "cifar10": DatasetSpec(_load_cifar("cifar10"), _check_cifar("cifar10"), augment=True),
     "cifar100": DatasetSpec(_load_cifar("cifar100"), _check_cifar("cifar100"), augment=True),
+    "synthetic_cifar10": DatasetSpec(_load_synthetic("synthetic_cifar10", 10), augment=True, sized=True),
+    "synthetic_cifar100": DatasetSpec(_load_synthetic("synthetic_cifar100", 100), augment=True, sized=True),
     "signal_noise": DatasetSpec(_load_signal_noise, image=False),
     "diabetes": DatasetSpec(_load_diabetes, image=False),
     "ackley": DatasetSpec(_load_ackley, image=False),
@@ -306,6 +333,10 @@ def check_dataset(cfg) -> None:
     if cfg.dataset not in DATASETS:
         raise ConfigError("dataset", f"unknown dataset {cfg.dataset!r}; available: {', '.join(available_datasets())}")
     spec = DATASETS[cfg.dataset]
+    if cfg.dataset_size is not None and not spec.sized:
+        sized = ", ".join(n for n, d in sorted(DATASETS.items()) if d.sized)
+        raise ConfigError("dataset_size", f"dataset {cfg.dataset!r} has a fixed size; only the generated "
+                          f"data sets ({sized}) take dataset_size")
     if spec.check is not None:
         spec.check(cfg)
 

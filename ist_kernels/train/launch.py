@@ -104,12 +104,13 @@ def failure_status(e: BaseException) -> Optional[int]:
     from .checkpoint import CheckpointError
     from .config import ConfigError
     from .output import OutputLockError
+    from .runner import RankStateError
 
     if isinstance(e, ConfigError):
         return 2
     if isinstance(e, WorkerError):
         return e.exit_code
-    if isinstance(e, (CheckpointError, CollectiveError, OutputLockError)):
+    if isinstance(e, (CheckpointError, CollectiveError, OutputLockError, RankStateError)):
         return 1
     return None
 

@@ -64,6 +64,9 @@ class RunContext:
         self.options: Dict[str, Any] = cfg.options
         self.num_workers = cfg.num_workers
         self.device = world.device
+        #: bytes this process sent assembling the full model (evaluation, the final save); methods add
+        #: to it in global_model(), the trainer reads it, counted apart from the training bytes
+        self.gather_bytes = 0
 
     # who am I
     @property
@@ -77,6 +80,12 @@ class RunContext:
     @property
     def simulated(self) -> bool:
         return self.world.simulated
+
+    @property
+    def decentralized(self) -> bool:
+        """cfg.storage: a worker holds only its subnetwork (distributed runs do; simulated ones count
+        bytes and state as if they did)."""
+        return self.cfg.storage == "decentralized"
 
     @property
     def local_workers(self) -> List[int]:
@@ -117,6 +126,13 @@ class RunContext:
         """A CPU generator seeded from (cfg.seed, *tags): every rank derives the same one, so plans
         are never sent. ``ctx.generator(PLAN, r)`` gives round r's plan without any saved state."""
         return torch.Generator().manual_seed(_mix(self.cfg.seed, *tags))
+
+    def full_state_bytes(self, model: nn.Module) -> int:
+        """Parameters, buffers and (with momentum) one SGD momentum buffer per parameter of the whole
+        ``model``: what one worker training all of it holds."""
+        tensors = list(model.state_dict().values())
+        mom = [p for p in model.parameters() if p.requires_grad] if self.cfg.momentum > 0 else []
+        return sum(t.numel() * t.element_size() for t in tensors + mom)
 
     def make_optimizer(self, params) -> torch.optim.Optimizer:
         c = self.cfg
@@ -202,6 +218,10 @@ def _barrier(world: World, what: str, r: int):
                         timeout=collective_timeout())
 
 
+class RankStateError(RuntimeError):
+    """A rank held more parameters, buffers and optimizer state than --max-rank-state-mb allows."""
+
+
 def train(cfg, world: World) -> Optional[Dict[str, Any]]:
     """Run one config on this process; returns the summary on rank 0 (None elsewhere)."""
     from .output import MetricsLog, progress_bar
@@ -215,6 +235,7 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
     rank0 = world.rank == 0
     out_dir = cfg.resolved_out_dir()
     ckpt_dir = cfg.resolved_checkpoint_dir()
+    S = cfg.num_workers
 
     start, history, train_time, wall0 = 0, [], 0.0, 0.0
     if cfg.resume:
@@ -227,61 +248,117 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
             raise ConfigError("rounds", f"the checkpoint is at round {start}, past rounds={rounds}")
     log = MetricsLog(os.path.join(out_dir, "metrics.jsonl"), history) if rank0 else None
     t_start = time.perf_counter() - wall0
-    total_bytes = history[-1]["total_bytes"] if history else 0
+    totals = ({k: history[-1][k] for k in ("total_bytes", "total_ps_bytes", "total_gather_bytes")}
+              if history else dict(total_bytes=0, total_ps_bytes=0, total_gather_bytes=0))
+    assembled = {}  # round -> the full model assembled for it (rank 0), reused by the final save
+
+    def sum_over_ranks(values, what, r):
+        t = torch.tensor(values, dtype=torch.float64, device=world.device)
+        return [int(v) if i else v for i, v in enumerate(ctx.all_reduce_(t, what, r).tolist())]
 
     def eval_record(r):
+        """The full model's scores after round r (rank 0) and what assembling it sent (all ranks)."""
+        ctx.gather_bytes = 0
         model = method.global_model()
+        if r == end:  # kept for the final save (only then: it may be the whole model, on rank 0)
+            assembled[r] = model
         return method.evaluate(model) if rank0 else {}
-
-    if start == 0:
-        rec = {"round": 0, "train_loss": None, "bytes_sent": 0, "total_bytes": 0, "train_time": 0.0,
-               "wall_time": 0.0, "lr": ctx.lr_at(0, 0), **eval_record(0)}
-        if rank0:
-            log.append(rec)
 
     # stop_after: stop once that many rounds are done (a checkpoint is written), resume later
     end = rounds if cfg.stop_after is None else min(rounds, cfg.stop_after)
-    bar = progress_bar(rounds, start, rank0 and cfg.progress, desc=f"{cfg.method} S={cfg.num_workers}")
+    if start == 0:
+        scores = eval_record(0)
+        (_, gathered) = sum_over_ranks([0.0, ctx.gather_bytes], "the evaluation's bytes", -1)
+        totals["total_gather_bytes"] += gathered
+        rec = {"round": 0, "train_loss": None, "bytes_sent": 0, "ps_bytes": 0,
+               "gather_bytes": gathered, **totals, "train_time": 0.0, "wall_time": 0.0, "lr": ctx.lr_at(0, 0),
+               **scores}
+        if rank0:
+            log.append(rec)
+
+    bar = progress_bar(rounds, start, rank0 and cfg.progress, desc=f"{cfg.method} S={S}")
+    cap = None if cfg.max_rank_state_mb is None else cfg.max_rank_state_mb * 1e6
     for r in range(start, end):
         t0 = time.perf_counter()
         res = method.run_round(r)
         if world.device.type == "cuda":
             torch.cuda.synchronize(world.device)
         train_time += time.perf_counter() - t0
-        stats = torch.tensor([res.loss_sum, res.steps, res.bytes_sent], dtype=torch.float64, device=world.device)
-        ctx.all_reduce_(stats, "the round's metrics", r)
-        loss_sum, steps, bytes_sent = stats.tolist()
-        total_bytes += int(bytes_sent)
         done = r + 1
-        rec = {"round": done, "train_loss": loss_sum / max(steps, 1), "bytes_sent": int(bytes_sent),
-               "total_bytes": total_bytes, "train_time": train_time, "lr": ctx.lr_at(r, 0), **(res.extra or {})}
+        scores = {}
+        ctx.gather_bytes = 0
         if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == rounds:
-            rec.update(eval_record(done))
+            scores = eval_record(done)
+        per_worker = [0] * S
+        for s, b in (res.state_bytes or {}).items():
+            per_worker[s] = b
+        stats = sum_over_ranks([res.loss_sum, res.steps, res.bytes_sent, res.ps_bytes, ctx.gather_bytes, *per_worker],
+                               "the round's metrics", r)
+        loss_sum, steps, bytes_sent, ps, gathered, per_worker = stats[0], stats[1], stats[2], stats[3], stats[4], stats[5:]
+        totals["total_bytes"] += bytes_sent
+        totals["total_ps_bytes"] += ps
+        totals["total_gather_bytes"] += gathered
+        rec = {"round": done, "train_loss": loss_sum / max(steps, 1), "bytes_sent": bytes_sent,
+               "ps_bytes": ps, "gather_bytes": gathered, **totals, "rank_state_bytes": max(per_worker),
+               "train_time": train_time, "lr": ctx.lr_at(r, 0), **(res.extra or {}), **scores}
         rec["wall_time"] = time.perf_counter() - t_start
         if rank0:
             log.append(rec)
             bar.update(1)
             bar.set_postfix({k: f"{rec[k]:.4g}" for k in ("train_loss", "accuracy") if rec.get(k) is not None})
+        if cap is not None and max(per_worker) > cap:  # every rank sees the same sums: all stop here
+            worst = max(range(S), key=lambda s: per_worker[s])
+            raise RankStateError(
+                f"worker {worst} held {per_worker[worst] / 1e6:.3f} MB of parameters, buffers and optimizer state "
+                f"in round {done}, above --max-rank-state-mb {cfg.max_rank_state_mb:g} (the whole model's state: "
+                f"{method.full_state_bytes / 1e6:.3f} MB; storage={cfg.storage}, method {cfg.method})")
         if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == end:
             checkpoint.save(ckpt_dir, done, world.rank, world.world_size, {
-                "config": cfg.to_dict(), "num_workers": cfg.num_workers, "method": method.state_dict(),
+                "config": cfg.to_dict(), "num_workers": S, "method": method.state_dict(),
                 "rng": checkpoint.rng_state(), "history": log.history if rank0 else [],
-                "train_time": train_time, "wall_time": rec["wall_time"]}, barrier=lambda what: _barrier(world, what, done))
+                "train_time": train_time, "wall_time": rec["wall_time"]},
+                barrier=lambda what: _barrier(world, what, done),
+                manifest={"storage": cfg.storage if S > 1 else "single",
+                          "holds": "this rank's subnetwork and the shared tensors" if
+                          cfg.storage == "decentralized" and world.distributed else "the whole state"})
     bar.close()
 
-    model = method.global_model()
-    if not rank0:
-        return None
-    final = log.history[-1]
+    ctx.gather_bytes = 0
+    model = assembled[end] if end in assembled else method.global_model()
+    final_gather = ctx.gather_bytes  # outside metrics.jsonl (a stop_after run assembles after its last round)
+    final_gather = sum_over_ranks([0.0, final_gather], "the final save's bytes", end)[1]
+    summary = _write_outputs(cfg, world, method, model, log.history, final_gather, rounds, out_dir) if rank0 else None
+    # every rank leaves together, once rank 0 has written the outputs (none tears its process group
+    # down while another still works)
+    _barrier(world, "the run's outputs written", end)
+    return summary
+
+
+def _write_outputs(cfg, world, method, model, hist, final_gather, rounds, out_dir) -> Dict[str, Any]:
+    """summary.json and model.pt of a finished (or stopped) run, on rank 0; returns the summary."""
+    from .output import bytes_by_phase
+
+    S = cfg.num_workers
+    final = hist[-1]
     if "test_loss" not in final:  # stopped between evaluations (stop_after): score the model now,
         final = {**final, **method.evaluate(model)}  # outside metrics.jsonl, which resume continues
+    trained = hist[1:]
     summary = {
-        "method": cfg.method, "model": cfg.model, "dataset": cfg.dataset, "workers": cfg.num_workers,
+        "method": cfg.method, "model": cfg.model, "dataset": cfg.dataset, "workers": S,
         "mode": "simulated" if world.simulated else ("distributed" if world.distributed else "single"),
+        "storage": cfg.storage, "shared": cfg.shared,
         "rounds": final["round"], "finished": final["round"] == rounds,
         "accuracy": final.get("accuracy"), "test_loss": final.get("test_loss"),
         "train_loss": final.get("train_loss"), "train_time": final["train_time"],
-        "total_bytes": final["total_bytes"], "out_dir": out_dir, **method.summary(),
+        "total_bytes": final["total_bytes"], "total_ps_bytes": final["total_ps_bytes"],
+        "bytes_per_round": final["total_bytes"] / max(len(trained), 1),
+        "ps_bytes_per_round": final["total_ps_bytes"] / max(len(trained), 1),
+        **bytes_by_phase(hist, method.phases, gather=final["total_gather_bytes"] + final_gather),
+        "rank_state_bytes": max((rec.get("rank_state_bytes", 0) for rec in trained), default=0),
+        "full_state_bytes": method.full_state_bytes,
+        "params": sum(p.numel() for p in model.parameters()),
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "out_dir": out_dir, **method.summary(),
     }
     from .checkpoint import atomic_json, atomic_torch_save
 

@@ -16,7 +16,14 @@ from ..nn.subnet import SubnetMLP
 from ..partition.neurons import (bernoulli_masks, categorical_partition, categorical_probabilities,
                                  masks_to_indices, round_generator)
 
-MASKS = ("bernoulli", "categorical")
+# bernoulli: each subnetwork keeps each neuron with probability xi (paper 001 §4); categorical: each
+# neuron's owner drawn uniformly, so group sizes are multinomial (paper 001, Theorem 4); balanced:
+# a random permutation cut into S groups whose sizes differ by at most one (IST, as IST_Release does)
+MASKS = ("bernoulli", "categorical", "balanced")
+# an empty subnetwork is re-drawn (sample_neurons); the trainer rejects settings where a draw is
+# good with probability < MIN_NONEMPTY, so MAX_DRAWS fail together with probability < 1e-40
+MAX_DRAWS = 10_000
+MIN_NONEMPTY = 0.01
 
 
 def regression_loss(pred: Tensor, y: Tensor) -> Tensor:
@@ -32,27 +39,76 @@ def selection_probability(masks: str, S: int, xi) -> float:
         if xi is None:
             raise ValueError("bernoulli masks need xi (the selection probability)")
         return float(xi)
-    if masks == "categorical":
+    if masks in ("categorical", "balanced"):
         if xi is not None:
+            if masks == "balanced":
+                raise ValueError("balanced groups have equal sizes; they take no xi (categorical probabilities)")
             categorical_probabilities(xi, S, "selection_probability")
         return 1.0 / S
     raise ValueError(f"masks must be one of {MASKS}, got {masks!r}")
+
+
+def nonempty_probability(masks: str, num_neurons: int, S: int, xi=None) -> float:
+    """The probability that one layer's draw of ``masks`` over ``num_neurons`` neurons gives each of
+    the S subnetworks at least one neuron (exact; inclusion-exclusion for the categorical draw).
+    With a categorical ξ vector: Σ_K (-1)^|K| (1 − Σ_{l∈K} ξ_l)^n over the sets K of subnetworks
+    left empty, exact for S <= 16; beyond, the positive lower bound 1 − Σ_l (1 − ξ_l)^n."""
+    selection_probability(masks, S, xi)  # checks masks and xi
+    n = num_neurons
+    if masks == "balanced":
+        return 1.0 if n >= S else 0.0
+    if masks == "bernoulli":
+        return (1.0 - (1.0 - xi) ** n) ** S
+    if xi is not None:
+        q = categorical_probabilities(xi, S).tolist()
+        if n < S or min(q) == 0.0:
+            return 0.0
+        if S > 16:
+            return max(1.0 - sum((1.0 - v) ** n for v in q), 5e-324)
+        from itertools import combinations
+
+        total = sum((-1) ** k * max(0.0, 1.0 - sum(c)) ** n for k in range(S + 1) for c in combinations(q, k))
+        return min(1.0, max(total, 5e-324))
+    from fractions import Fraction
+    from math import comb
+
+    # surjections of n neurons onto S subnetworks over all S^n assignments, in exact integers
+    return float(Fraction(sum((-1) ** k * comb(S, k) * (S - k) ** n for k in range(S + 1)), S ** n))
+
+
+def _draw(masks: str, n: int, S: int, xi, generator) -> List[Tensor]:
+    if masks == "bernoulli":
+        return masks_to_indices(bernoulli_masks(n, S, xi, generator))
+    return categorical_partition(n, S, generator, balanced=masks == "balanced", probs=xi)
 
 
 def sample_neurons(model: SubnetMLP, S: int, masks: str, xi,
                    generator: torch.Generator) -> List[List[Tensor]]:
     """Algorithm 1 line 3: the neurons of each of the S subnetworks, one sorted index list per
     hidden layer (layers drawn independently, in order), from ``generator``. ``xi``: Bernoulli,
-    the selection probability; categorical, None (uniform) or the vector of S probabilities."""
+    the selection probability; categorical, None (uniform) or the vector of S probabilities.
+
+    An empty subnetwork is never trained (it would only move the shared output layer): a layer's
+    draw that leaves some subnetwork without a neuron is drawn again from the same generator, so
+    the plan is the draw conditioned on every subnetwork holding >= 1 neuron in every layer (the
+    same on every rank). Balanced groups are never empty when width >= S. A ValueError says when
+    the masks cannot give every subnetwork a neuron, or did not in ``MAX_DRAWS`` draws."""
+    selection_probability(masks, S, xi)
     plan: List[List[Tensor]] = [[] for _ in range(S)]
-    for _ in range(model.depth):
-        if masks == "bernoulli":
-            selection_probability(masks, S, xi)
-            per_subnet = masks_to_indices(bernoulli_masks(model.width, S, xi, generator))
-        elif masks == "categorical":
-            per_subnet = categorical_partition(model.width, S, generator, probs=xi)
+    p = None
+    for layer in range(model.depth):
+        for _ in range(MAX_DRAWS):
+            per_subnet = _draw(masks, model.width, S, xi, generator)
+            if all(idx.numel() for idx in per_subnet):
+                break
+            p = nonempty_probability(masks, model.width, S, xi) if p is None else p
+            if p == 0.0:
+                raise ValueError(f"sample_neurons: {masks} masks over {model.width} neurons cannot give each of "
+                                 f"{S} subnetworks a neuron; use width >= {S}" + (" and xi > 0" if xi == 0 else ""))
         else:
-            raise ValueError(f"masks must be one of {MASKS}, got {masks!r}")
+            raise ValueError(f"sample_neurons: {MAX_DRAWS} draws of {masks} masks (xi={xi}) over {model.width} "
+                             f"neurons all left one of {S} subnetworks empty in hidden layer {layer} (a draw "
+                             f"succeeds with probability {p:.3g}); raise the width or xi")
         for s in range(S):
             plan[s].append(per_subnet[s])
     return plan

@@ -179,8 +179,9 @@ INTERPRET_CONFIG = dict(BM=16, BN=64, BK=16, GROUP_M=2)
 
 # (output rows, output cols, reduction, stages, warps) per kernel; the autotuner skips configs that
 # do not fit in shared memory for a dtype (fp32/fp64 use the smaller ones).
-_TILES = [(128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4),
-          (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 32, 4, 4), (64, 64, 32, 3, 4)]
+# Pruned by tools/hopper_report.py: 128x256x64 s3 w8, 256x128x64 s3 w8 and 128x128x64 s4 w4 spilled
+# (4-20 B) in relu_gates' epilogue; the 2-warp config had no wgmma.
+_TILES = [(128, 128, 64, 4, 8), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 32, 4, 4), (64, 64, 32, 3, 4)]
 # The pinned config (IST_KERNELS_AUTOTUNE=0): fits shared memory for every dtype, fp64 included.
 _PINNED = (64, 64, 32, 3, 4)
 # Which kernel parameter tiles which dimension: output rows, output cols, reduction.
@@ -212,7 +213,7 @@ def _set_tma_blocks(nargs):
 
 
 # The persistent TMA kernel serves 16-bit inputs only (fp32/fp64 take the pointer kernel).
-_TMA_TILES = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)]
+_TMA_TILES = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (64, 128, 64, 4, 4)]  # 128x128x64 s4 w4 spilled 28 B
 _TMA_PINNED = (128, 128, 64, 3, 8)
 
 
@@ -268,9 +269,11 @@ def _rows(t):
 # From this reduction length on, the forward runs as a cuBLAS GEMM (bias in its epilogue) followed by
 # one gate pass over the output, instead of the fused Triton GEMM. The pass moves ~4.1 bytes per
 # output element (bf16 z read + written, 1 gate bit), i.e. ~444/K of the GEMM's time at 3 TB/s and
-# 650 TFLOP/s: 11% at K = 4096, under the 12-25% the fused kernel lost to cuBLAS there on an H100
-# (bench/results/h100-baseline.md); at K = 1024 (44%) the fused kernel wins.
-CUBLAS_EPILOGUE_MIN_K = 4096
+# 650 TFLOP/s. Measured on an H100, bf16 (bench/results/h100.md, both forced side by side): at
+# K = 4096 the persistent TMA kernel won (0.198 vs 0.203 ms at 4096³, 0.835 vs 0.858 ms at
+# M = 16384), at K = 8192 cuBLAS + pass won (1.669 vs 1.715 ms); at K = 1024 TMA, 0.244 ms vs
+# cuBLAS alone 0.205. The pointer kernel (non-TMA operands) was 1.18-1.40x slower than TMA.
+CUBLAS_EPILOGUE_MIN_K = 8192
 
 
 def _cublas_then_pass(x2, weight, bias, g2, relu_gates):

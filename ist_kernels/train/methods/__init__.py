@@ -38,7 +38,9 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Type
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type
+
+import torch
 
 from ..config import ConfigError
 
@@ -67,21 +69,34 @@ class RoundResult:
     number of those steps; bytes_sent: bytes this process's workers sent this round, counted as
     ``ist_kernels.distributed.CommStats.bytes_sent`` counts them (all_to_all bytes to other ranks +
     ring all_reduce wire bytes, :func:`all_reduce_wire_bytes`); the simulated form reports what its
-    S workers would have sent. The trainer sums loss, steps and bytes over the ranks.
+    S workers would have sent. ps_bytes: the papers' parameter-server count of the same round
+    (each worker uploads and downloads its subnetwork, :func:`ist_kernels.distributed.ps_bytes`;
+    local SGD: 2 full models per worker). state_bytes: worker -> the bytes of parameters, buffers
+    and optimizer state that worker held this round (:func:`held_bytes`). ``extra["phase"]`` tags
+    the round with an index into ``Method.phases``. The trainer sums loss, steps and bytes over the
+    ranks.
     """
 
     loss_sum: float
     steps: int
     bytes_sent: int = 0
     extra: Optional[Dict[str, float]] = None  # per-round scalars to log (same on every rank)
+    ps_bytes: int = 0
+    state_bytes: Optional[Dict[int, int]] = None
 
 
 class Method:
     name: str = ""
+    #: bytes of parameters, buffers and optimizer state of the whole model (what one local-SGD
+    #: worker holds); set by the method (``ctx.full_state_bytes(model)``)
+    full_state_bytes: int = 0
     #: method-specific options: name -> Option
     options: Dict[str, Option] = {}
     #: the method can train with a single worker (S = 1)
     allows_single_worker: bool = True
+    #: names of the values of ``RoundResult.extra["phase"]`` (e.g. pretrain, finetune); the summary
+    #: splits the bytes (both ways) by them
+    phases: Tuple[str, ...] = ()
 
     # ---- configuration (before any work starts) ----
     @classmethod
@@ -105,6 +120,12 @@ class Method:
         return out
 
     @classmethod
+    def baseline_options(cls, options: Mapping[str, Any]) -> Dict[str, Any]:
+        """Options of the ``localsgd`` run that ``--baseline`` compares this method with, given
+        this method's (unresolved) options: the paper's baseline. Default: dense local SGD."""
+        return {}
+
+    @classmethod
     def validate(cls, cfg) -> None:
         """Method-specific checks of the whole config; raise ConfigError(option, why)."""
         if not cls.allows_single_worker and cfg.num_workers < 2:
@@ -119,7 +140,8 @@ class Method:
 
     def global_model(self):
         """The full model for evaluation and the final save; every rank calls it (it may be a
-        collective). Must return the model on rank 0; other ranks may return None."""
+        collective: decentralized storage assembles it, and adds what that moved to
+        ``ctx.gather_bytes``). Must return the model on rank 0; other ranks may return None."""
         raise NotImplementedError
 
     def evaluate(self, model) -> Dict[str, float]:
@@ -145,6 +167,33 @@ def all_reduce_wire_bytes(nbytes: int, world_size: int) -> int:
     2 (S - 1) / S of it; the convention of ``ist_kernels.distributed.CommStats``, so every method's
     bytes_sent compares (simulated runs count what each of the S ranks would send)."""
     return (2 * (world_size - 1) * nbytes) // world_size if world_size > 0 else 0
+
+
+def held_bytes(*things) -> int:
+    """Bytes of the distinct tensors in ``things``: modules (parameters and buffers), optimizers
+    (their state), tensors, mappings and sequences of those. A tensor met twice (also as a
+    Parameter wrapping it) counts once."""
+    seen, total = set(), 0
+    stack = list(things)
+    while stack:
+        x = stack.pop()
+        if x is None:
+            continue
+        if isinstance(x, torch.Tensor):
+            key = (x.untyped_storage().data_ptr(), x.storage_offset(), x.numel(), x.dtype) if x.numel() else id(x)
+            if key not in seen:
+                seen.add(key)
+                total += x.numel() * x.element_size()
+        elif isinstance(x, torch.nn.Module):
+            stack.extend(x.parameters())
+            stack.extend(x.buffers())
+        elif isinstance(x, torch.optim.Optimizer):
+            stack.extend(v for st in x.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+        elif isinstance(x, Mapping):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return total
 
 
 def register_method(name: str):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from . import Method, RoundResult, all_reduce_wire_bytes, register_method
+from . import Method, RoundResult, all_reduce_wire_bytes, held_bytes, register_method
 
 
 @register_method("ddp")
@@ -28,6 +28,9 @@ class DDP(Method):
         # buffers to the S - 1 others (DDP's broadcast_buffers). The initial broadcast of the
         # model at construction is not counted (every rank builds the same model from the seed).
         self._bytes_per_step = dict(grads=all_reduce_wire_bytes(grads, S), buffers=(S - 1) * buffers)
+        # parameter-server count: every step each worker uploads its gradients and downloads the model
+        self._ps_per_step = 2 * grads if S > 1 else 0
+        self.full_state_bytes = ctx.full_state_bytes(self.model)
 
     def run_round(self, r: int) -> RoundResult:
         ctx, tau = self.ctx, self.ctx.cfg.local_steps
@@ -47,7 +50,9 @@ class DDP(Method):
             total += loss.detach() * len(batches)  # the mean of the workers' losses, once per worker
         n = len(ctx.local_workers)
         sent = tau * (n * self._bytes_per_step["grads"] + (self._bytes_per_step["buffers"] if ctx.rank == 0 else 0))
-        return RoundResult(loss_sum=float(total), steps=n * tau, bytes_sent=sent)
+        state = held_bytes(self.model, self.optimizer)
+        return RoundResult(loss_sum=float(total), steps=n * tau, bytes_sent=sent, ps_bytes=n * tau * self._ps_per_step,
+                           state_bytes={s: state for s in ctx.local_workers})
 
     def global_model(self):
         return self.model

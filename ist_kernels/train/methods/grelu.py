@@ -8,8 +8,12 @@ subnetworks of the trained layers (paper 004's IST use of the fixed gates): ever
 (output neurons) of each W_k are partitioned at random into S groups (``ctx.generator(PLAN, r)``),
 worker s trains only its rows — the other rows stay frozen in its forward pass — with a fresh
 optimizer over its compact rows, and each row of the aggregated model is its owner's. Distributed,
-the rows move through an :class:`ist_kernels.distributed.Exchange` (replicated storage, exact):
-bit-identical to the simulated run, and each rank sends only its rows.
+the rows move through an :class:`ist_kernels.distributed.Exchange`: bit-identical to the simulated
+run, and each rank sends only its rows, once to every other rank. Storage: a worker's forward
+reads every row of W_1..W_L (the rows it does not train, frozen), so every rank needs the whole
+trained layers each round: decentralized and replicated storage are the same thing here (a rank
+trains and sends only its rows, holds optimizer state only for them, and receives all the others).
+Parameter-server count: a worker uploads its rows and downloads the whole W_1..W_L.
 
 ``--model mlp``: ``--width`` (default 128) and ``--depth`` (trained layers L) size the network.
 """
@@ -21,7 +25,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-from . import Method, Option, RoundResult, register_method
+from . import Method, Option, RoundResult, held_bytes, register_method
 from .localsgd import average_models
 from .masked import boolean
 
@@ -92,6 +96,7 @@ class GReLU(Method):
         self.models = {s: ctx.build_model(factory) for s in owners}
         self.optimizers = ({} if self.subnetworks else
                            {s: ctx.make_optimizer(self.models[s].parameters()) for s in self.workers})
+        self.full_state_bytes = ctx.full_state_bytes(next(iter(self.models.values())))
 
     def _trained(self, model) -> List[torch.Tensor]:
         return [p for p in model.parameters()]
@@ -100,8 +105,10 @@ class GReLU(Method):
     def _localsgd_round(self, r):
         ctx, S = self.ctx, self.ctx.num_workers
         loss = sum(ctx.train_local(self.models[s], self.optimizers[s], s, r) for s in self.workers)
-        return loss, average_models([self.models[s] for s in self.workers], S, r, ctx.distributed,
-                                    tensors=self._trained)
+        state = {s: held_bytes(self.models[s], self.optimizers[s]) for s in self.workers}
+        sent = average_models([self.models[s] for s in self.workers], S, r, ctx.distributed, tensors=self._trained)
+        trained = sum(t.numel() * t.element_size() for t in self._trained(self.models[self.workers[0]]))
+        return loss, sent, (2 * trained * len(self.workers) if S > 1 else 0), state
 
     # ---- independent subnetworks of W_1..W_L
     def plan(self, r):
@@ -116,10 +123,12 @@ class GReLU(Method):
         ctx = self.ctx
         (model,) = self.models.values()
         plan = {n: [o.to(ctx.device) for o in owners] for n, owners in self.plan(r).items()}
-        subs, loss = [], 0.0
+        subs, loss, state = [], 0.0, {}
         for s in self.workers:
             sub = RowSubnet(model, {n: owners[s] for n, owners in plan.items()})
-            loss += ctx.train_local(sub, ctx.make_optimizer(list(sub.parameters())), s, r)
+            opt = ctx.make_optimizer(list(sub.parameters()))
+            loss += ctx.train_local(sub, opt, s, r)
+            state[s] = held_bytes(model, sub.compact, opt)
             subs.append(sub)
         full = dict(model.named_parameters())
         with torch.no_grad():  # each row from its (single) owner
@@ -127,22 +136,26 @@ class GReLU(Method):
                 for n, rows in sub.rows.items():
                     full[n].index_copy_(0, rows, sub.compact[n].detach())
         if ctx.num_workers == 1:
-            return loss, 0
-        from ...distributed import Exchange, plan_bytes
+            return loss, 0, 0, state
+        from ...distributed import Exchange, plan_bytes, ps_bytes
         from ...partition.plan import SlicePlan, TensorSlices
 
-        slice_plan = SlicePlan(ctx.num_workers, tuple(TensorSlices(n, 0, tuple(o)) for n, o in plan.items()))
+        S = ctx.num_workers
+        slice_plan = SlicePlan(S, tuple(TensorSlices(n, 0, tuple(o)) for n, o in plan.items()))
         local = {n: p.detach() for n, p in full.items()}
+        whole = SlicePlan(S, tuple(TensorSlices(n, None) for n in plan))  # every worker needs every row
+        ps = sum(ps_bytes(slice_plan, local, download=whole)[s] for s in self.workers)
         if ctx.distributed:
             ex = Exchange(slice_plan, storage="replicated", shared="exact", round=r + 1)
             ex(local)
-            return loss, ex.last_stats.bytes_sent
+            return loss, ex.last_stats.bytes_sent, ps, state
         stats = plan_bytes(slice_plan, None, local, storage="replicated", shared="exact")
-        return loss, sum(stats[s].bytes_sent for s in self.workers)
+        return loss, sum(stats[s].bytes_sent for s in self.workers), ps, state
 
     def run_round(self, r: int) -> RoundResult:
-        loss, sent = self._subnet_round(r) if self.subnetworks else self._localsgd_round(r)
-        return RoundResult(loss_sum=loss, steps=len(self.workers) * self.ctx.cfg.local_steps, bytes_sent=sent)
+        loss, sent, ps, state = self._subnet_round(r) if self.subnetworks else self._localsgd_round(r)
+        return RoundResult(loss_sum=loss, steps=len(self.workers) * self.ctx.cfg.local_steps, bytes_sent=sent,
+                           ps_bytes=ps, state_bytes=state)
 
     def global_model(self):
         return next(iter(self.models.values()))

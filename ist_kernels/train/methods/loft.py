@@ -1,24 +1,34 @@
 """LOFT (paper 000 §4 Algorithm 1, §6): pre-train with filter-wise subnetworks, prune by filter
 L2 norm, fine-tune.
 
-1. Pre-train, the first ``pretrain_fraction`` of the rounds: each round a fresh
+1. Pre-train ("pretrain"), the first ``pretrain_fraction`` of the rounds: each round a fresh
    ``loft_plan(model, S, ctx.generator(PLAN, r))`` (every rank derives the same plan, none is sent),
-   each worker trains its narrower subnetwork for ``local_steps``, and the filters are put back and the
-   shared layers averaged (``_subnet.SubnetRounds``: simulated ``plan.aggregate``; distributed one
-   replicated ``Exchange``, bit-identical to it). The full CNN is never trained directly.
-2. Prune (at the first fine-tune round): ``prune_filters(model, cfg.prune_ratio)`` removes the
-   lowest-L2-norm filters of every partitioned conv; the result is a physically smaller model.
-3. Fine-tune the pruned model for the remaining rounds with local SGD (every worker trains the whole
-   pruned model, one flat all_reduce of it per round: ``localsgd.average_models``), fresh optimizers.
+   each worker trains its narrower subnetwork for ``local_steps``, and the filters go to their next
+   owners while the shared layers are averaged (``_subnet.SubnetRounds``; decentralized storage by
+   default: a rank never holds more than its subnetwork). The full CNN is never trained directly.
+2. Prune (at the first fine-tune round): the lowest-L2-norm ``cfg.prune_ratio`` of the filters of
+   every partitioned conv go (``prune_filters``); the result is a physically smaller model on every
+   worker. Decentralized, every rank computes the norms of its own filters, one all_reduce of the
+   norm vectors (each filter has one owner, so the sums are exact) gives every rank the same kept
+   filters, and one ``Exchange`` sends each kept filter from its owner to every rank.
+3. Fine-tune ("finetune") the pruned model for the remaining rounds with local SGD (every worker
+   trains the whole pruned model, one flat all_reduce of it per round: ``localsgd.LocalModels``),
+   fresh optimizers.
 
-The learning-rate schedule runs over all rounds. Bytes: pre-train, the exchange's counters;
-fine-tune, the local-SGD all_reduce of the pruned model.
+The learning-rate schedule runs over all rounds. Bytes: pre-train, the exchanges' counters;
+fine-tune, the pruning transfer and the local-SGD all_reduce of the pruned model. ``--baseline``
+compares with the paper's baseline, local SGD through the same pipeline (dense pre-training for the
+same rounds, the same pruning, fine-tuning): ``localsgd`` with the same ``pretrain_fraction``.
 """
 from __future__ import annotations
 
-from . import ConfigError, Method, Option, RoundResult, register_method
-from ._subnet import MOMENTUM_OPTION, SubnetRounds, count_params, phase_rounds
-from .localsgd import average_models
+import torch
+
+from . import ConfigError, Method, Option, RoundResult, all_reduce_wire_bytes, register_method
+from ._subnet import MOMENTUM_OPTION, SubnetRounds, count_params, phase_rounds, state_split
+from .localsgd import LocalModels, pruned_local_models
+
+PRETRAIN_FRACTION = 0.5
 
 PLAN = 0x10F7  # generator tag of the round's plan
 
@@ -26,11 +36,17 @@ PLAN = 0x10F7  # generator tag of the round's plan
 @register_method("loft")
 class Loft(Method):
     options = {
-        "pretrain_fraction": Option(0.5, float, "fraction of the rounds that pre-train with LOFT (the rest "
-                                    "fine-tune the pruned model)", check=lambda v: 0 < v <= 1,
+        "pretrain_fraction": Option(PRETRAIN_FRACTION, float, "fraction of the rounds that pre-train with LOFT "
+                                    "(the rest fine-tune the pruned model)", check=lambda v: 0 < v <= 1,
                                     expected="a number in (0, 1]"),
         "momentum_state": MOMENTUM_OPTION,
     }
+    phases = ("pretrain", "finetune")
+
+    @classmethod
+    def baseline_options(cls, options):
+        """Paper 000 §6: local SGD pre-trains for the same rounds, the same pruning, fine-tuning."""
+        return {"pretrain_fraction": options.get("pretrain_fraction", PRETRAIN_FRACTION)}
 
     @classmethod
     def validate(cls, cfg):
@@ -45,58 +61,113 @@ class Loft(Method):
         self.pretrain_rounds = phase_rounds(ctx.rounds, o["pretrain_fraction"])
         self.model = ctx.build_model()
         self.full_params = count_params(self.model)
-        self.rounds = SubnetRounds(ctx, self.model, o["momentum_state"])
-        self.pruned = None  # worker -> pruned model, once fine-tuning started
-        self.optimizers = None
+        self.full_state_bytes = ctx.full_state_bytes(self.model)
+        self.rounds = SubnetRounds(ctx, self.model, o["momentum_state"], self.plan)
+        self.split = state_split(self.rounds.plan(0).slices, self.rounds.spec, self.rounds.param_names,
+                                 ctx.cfg.momentum > 0)
+        self.rounds.start(0)
+        self.finetune = None  # localsgd.LocalModels of the pruned model, once fine-tuning started
+        self.kept = None  # block -> kept filters (decentralized: rebuilds the pruned structure on resume)
+
+    def plan(self, r: int):
+        from ...partition import loft_plan
+
+        return loft_plan(self.model, self.ctx.num_workers, self.ctx.generator(PLAN, r))
 
     # ---- phases
-    def _prune(self):
-        from ...prune import prune_filters
+    def _prune(self, r: int) -> int:
+        """The pre-trained model pruned on every worker; returns the bytes that took."""
+        from ...prune import filters_to_keep
 
-        ratio = self.ctx.cfg.prune_ratio
+        if self.rounds.decentral:
+            return self._prune_decentral(r, self.ctx.cfg.prune_ratio)
         # the same deterministic pruning on every rank (the replicated models are bit-identical)
-        self.pruned = {s: prune_filters(self.model, ratio) for s in self.workers}
-        self.optimizers = {s: self.ctx.make_optimizer(m.parameters()) for s, m in self.pruned.items()}
+        self.kept = {k.rsplit(".", 1)[0]: v for k, v in filters_to_keep(self.model, self.ctx.cfg.prune_ratio).items()}
+        self.finetune = pruned_local_models(self.ctx, self.model)
+        return self._prune_bytes() if self.ctx.simulated and self.ctx.decentralized else 0
+
+    def _pruned_plan(self):
+        from ...partition.loft import LoftPlan
+
+        S = self.ctx.num_workers
+        return LoftPlan(self.model, S, filters={b: [k] * S for b, k in self.kept.items()})
+
+    def _prune_decentral(self, r: int, ratio: float) -> int:
+        from ...distributed import Exchange
+        from ...prune import filter_norms, keep_largest
+
+        ctx, rounds, s = self.ctx, self.rounds, self.ctx.rank
+        plan = rounds.plan(rounds.held)
+        convs = [(b.name, f"{b.name}.{plan.layers[b.name][0]}.weight") for b in plan.blocks]
+        owners = {t.name: t.owners[s] for t in plan.partitioned}
+        norms = []
+        for _, name in convs:
+            n = torch.zeros(rounds.spec[name][0][0], dtype=torch.float64, device=ctx.device)
+            if owners[name].numel():
+                n[owners[name].to(ctx.device)] = filter_norms(rounds.part[name])
+            norms.append(n)
+        flat = torch.cat(norms)
+        ctx.all_reduce_(flat, "filter norms", r)
+        self.kept = {b: keep_largest(n, ratio) for (b, _), n in zip(convs, flat.split([n.numel() for n in norms]))}
+        pruned = self._pruned_plan()
+        names = [t.name for t in plan.partitioned]
+        ex = Exchange(plan.slices, pruned.slices, rounds.spec, storage="decentralized", shared=ctx.cfg.shared,
+                      round=r + 1, drop_unowned=True)
+        tensors = {**rounds.part, **ex({n: rounds.part[n] for n in names if n in rounds.part}, names=names)}
+        self.finetune = LocalModels(ctx, {s: pruned.attach(s, tensors).module})
+        rounds.part = rounds.momentum = None  # the pre-trained subnetwork is no longer needed
+        return all_reduce_wire_bytes(flat.numel() * flat.element_size(), ctx.num_workers) + ex.last_stats.bytes_sent
+
+    def _prune_bytes(self) -> int:
+        """What :meth:`_prune_decentral` sends, from the plans (simulated runs report it)."""
+        from ...distributed import plan_bytes
+
+        rounds, S = self.rounds, self.ctx.num_workers
+        plan, pruned = rounds.plan(rounds.held), self._pruned_plan()
+        norms = sum(rounds.spec[f"{b.name}.{plan.layers[b.name][0]}.weight"][0][0] for b in plan.blocks)
+        stats = plan_bytes(plan.slices, pruned.slices, rounds.spec, shared=self.ctx.cfg.shared,
+                           names=[t.name for t in plan.partitioned])
+        return sum(all_reduce_wire_bytes(8 * norms, S) + stats[s].bytes_sent for s in self.workers)
 
     def run_round(self, r: int) -> RoundResult:
         ctx = self.ctx
-        steps = len(self.workers) * ctx.cfg.local_steps
         if r < self.pretrain_rounds:
-            from ...partition import loft_plan
-
-            plan = loft_plan(self.model, ctx.num_workers, ctx.generator(PLAN, r))
-            loss, sent = self.rounds.run(plan, r)
-            return RoundResult(loss, steps, sent, extra={"phase": 0})
-        if self.pruned is None:
-            self._prune()
-        loss = sum(ctx.train_local(self.pruned[s], self.optimizers[s], s, r) for s in self.workers)
-        sent = average_models([self.pruned[s] for s in self.workers], ctx.num_workers, r, ctx.distributed)
-        return RoundResult(loss, steps, sent, extra={"phase": 1})
+            loss, sent, ps, state = self.rounds.run(r, last=r == self.pretrain_rounds - 1)
+            return RoundResult(loss, len(self.workers) * ctx.cfg.local_steps, sent, extra={"phase": 0}, ps_bytes=ps,
+                               state_bytes=state)
+        sent = self._prune(r) if self.finetune is None else 0
+        res = self.finetune.run(r, phase=1)
+        res.bytes_sent += sent
+        return res
 
     def global_model(self):
-        return self.model if self.pruned is None else self.pruned[self.workers[0]]
+        return self.rounds.global_model() if self.finetune is None else self.finetune.model
 
     def summary(self):
         out = {"pretrain_rounds": self.pretrain_rounds, "prune_ratio": self.ctx.cfg.prune_ratio,
-               "params_full": self.full_params}
-        if self.pruned is not None:
-            out["params_pruned"] = count_params(self.pruned[self.workers[0]])
+               "params_full": self.full_params, **self.split}
+        if self.finetune is not None:
+            out["params_pruned"] = count_params(self.finetune.model)
         return out
 
-    # ---- resume: the pre-trained model is kept unchanged after pruning, so the pruned structure
-    # is rebuilt from it on load
+    # ---- resume. Replicated / simulated: the pre-trained model is kept unchanged after pruning, so
+    # the pruned structure is rebuilt from it. Decentralized: from the kept filters.
     def state_dict(self):
-        state = {"pretrain": self.rounds.state_dict(), "phase": "pretrain" if self.pruned is None else "finetune"}
-        if self.pruned is not None:
-            state["models"] = {s: m.state_dict() for s, m in self.pruned.items()}
-            state["optimizers"] = {s: o.state_dict() for s, o in self.optimizers.items()}
+        state = {"pretrain": self.rounds.state_dict(), "phase": "pretrain" if self.finetune is None else "finetune"}
+        if self.finetune is not None:
+            state.update(self.finetune.state_dict(), kept=self.kept)
         return state
 
     def load_state_dict(self, state):
         self.rounds.load_state_dict(state["pretrain"])
-        self.pruned = self.optimizers = None
-        if state["phase"] == "finetune":
-            self._prune()
-            for s in self.workers:
-                self.pruned[s].load_state_dict(state["models"][s])
-                self.optimizers[s].load_state_dict(state["optimizers"][s])
+        self.finetune = None
+        if state["phase"] != "finetune":
+            return
+        if self.rounds.decentral:
+            self.kept = state["kept"]
+            pruned = self._pruned_plan()
+            self.finetune = LocalModels(self.ctx, {s: pruned.attach(s, dict(state["models"][s])).module
+                                                   for s in self.workers})
+        else:
+            self._prune(self.pretrain_rounds)
+        self.finetune.load_state_dict(state)

@@ -1,41 +1,50 @@
 """Independent subnetworks of an MLP's hidden neurons: paper 001's RandomlyMaskedTraining
 (Algorithm 1) as ``masked``, and IST's neuron partition as ``ist`` (the same method with
-categorical masks: :mod:`.ist`).
+balanced masks: :mod:`.ist`).
 
 Every round r each of the S workers gets a subnetwork, a set of neurons per hidden layer drawn
 from ``ctx.generator(PLAN, r)`` (the same on every rank, never sent) by
-:func:`ist_kernels.train.simulated.sample_neurons`: ``masks=categorical`` partitions the neurons
-into S disjoint groups (ξ = 1/S), ``masks=bernoulli`` lets each subnetwork keep each neuron with
-probability ``xi`` (overlaps and unowned neurons). A worker copies its subnetwork's compact
+:func:`ist_kernels.train.simulated.sample_neurons`: ``masks=balanced`` partitions the neurons
+into S disjoint groups whose sizes differ by at most one (ξ = 1/S; ``ist`` always does this),
+``masks=categorical`` into S disjoint groups with each neuron's owner drawn uniformly
+(multinomial sizes, paper 001 Theorem 4), ``masks=bernoulli`` lets each subnetwork keep each
+neuron with probability ``xi`` (overlaps and unowned neurons). A draw that leaves a subnetwork
+without neurons in some layer is drawn again (an empty subnetwork is never trained); settings
+where most draws would be are rejected before the run. A worker copies its subnetwork's compact
 parameters out of the full :class:`~ist_kernels.nn.SubnetMLP` (``extract_all``), trains them for
 τ = ``local_steps`` SGD steps on its shard (the trainer's optimizer and learning-rate schedule; a
 fresh optimizer each round, since the subnetwork changes), and the full model is aggregated
 owner-averaged: every entry becomes the mean over the subnetworks that own it, entries no
 subnetwork owns keep their value (Algorithm 1 lines 11-13, η = N⊥/N).
 
-Storage is replicated (every rank holds the full model; Bernoulli plans leave neurons unowned,
-which decentralized storage cannot hold). Simulated: ``SubnetMLP.aggregate_`` over the S
-subnetworks. Distributed: each rank writes its own subnetwork back into its copy, then an
-:class:`ist_kernels.distributed.Exchange` (replicated storage, ``shared="exact"``) sends each
-rank's updated slices to the others and owner-averages them with the same ``slice_scatter_`` in
-the same rank order: the two launch modes give bit-identical models (with ``--threads 1``).
-bytes_sent is the Exchange's all-to-all bytes (simulated: the same count, S - 1 copies of each
-worker's compact tensors).
+Storage (``--storage``). Decentralized (default): a rank holds only its subnetwork's compact
+tensors (for a hidden-to-hidden weight the rows of its neurons x the columns of its previous
+layer's neurons: both dims partitioned, stated on the flat view, ``SubnetMLP.slice_plan``) and the
+shared output bias. A neuron no subnetwork selected (Bernoulli masks) still needs a holder: the
+plan is stored as ``slice_plan.with_holders`` (each unowned slice kept, untrained, by one rank),
+so its value passes through the owner mean unchanged, as in Algorithm 1. One
+:class:`ist_kernels.distributed.Exchange` per round moves every slice to its next holders and
+averages the shared bias (ring all_reduce; ``--shared exact``: bit-identical to the simulated run);
+the full model is assembled on rank 0 only to evaluate or save it. Replicated
+(``--storage replicated``): every rank holds the full model, writes its subnetwork back into it and
+a replicated ``Exchange`` owner-averages the slices across the ranks. Simulated: the full model,
+``SubnetMLP.aggregate_`` over the S subnetworks; bytes counted from the plans as the distributed
+run would move them.
 
 The full model is scored as paper 001 §4 does: each hidden neuron's output scaled by the
-selection probability ξ (a subnetwork's output is about ξ times the full model's). The distributed
-exchange needs a SlicePlan, which states one dim per tensor: depth > 1 trains only with --simulate.
+selection probability ξ (a subnetwork's output is about ξ times the full model's).
 """
 from __future__ import annotations
 
+import copy
 from typing import List
 
 import torch
 from torch import nn
 
 from ..config import ConfigError
-from ..simulated import MASKS, sample_neurons, selection_probability
-from . import Method, Option, RoundResult, register_method
+from ..simulated import MASKS, MIN_NONEMPTY, nonempty_probability, sample_neurons, selection_probability
+from . import Method, Option, RoundResult, held_bytes, register_method
 
 PLAN = 0x1570  # generator tag of the round's neuron plan
 
@@ -82,8 +91,11 @@ class FullModel(nn.Module):
 @register_method("masked")
 class Masked(Method):
     options = {
-        "masks": Option("bernoulli", str, "bernoulli (paper 001) or categorical (a partition)",
-                        check=lambda v: v in MASKS, expected=" or ".join(MASKS)),
+        "masks": Option("bernoulli", str, "bernoulli (paper 001 §4: each neuron kept with probability xi), "
+                        "categorical (a partition, each neuron's owner drawn uniformly: multinomial group sizes, "
+                        "paper 001 Theorem 4) or balanced (a partition into groups whose sizes differ by at most "
+                        "one, as IST does)",
+                        check=lambda v: v in MASKS, expected=", ".join(MASKS[:-1]) + " or " + MASKS[-1]),
         "xi": Option(0.5, float, "bernoulli: the probability a subnetwork keeps a neuron",
                      check=lambda v: 0 < v <= 1, expected="a probability in (0, 1]"),
         "train_output": Option(True, boolean, "train the output layer (paper 001 keeps it fixed at ±1)"),
@@ -91,7 +103,7 @@ class Masked(Method):
         "kappa": Option(1.0, float, "std of the first layer's initial weights (paper 001: κ)",
                         check=lambda v: v > 0, expected="a positive number"),
     }
-    fixed_masks = None  # ist: "categorical"
+    fixed_masks = None  # ist: "balanced"
 
     @classmethod
     def validate(cls, cfg):
@@ -100,16 +112,22 @@ class Masked(Method):
             raise ConfigError("model", f"method {cls.name!r} trains an MLP of hidden neurons (model mlp), "
                               f"got {cfg.model!r}")
         masks = cls.fixed_masks or cfg.options.get("masks", "bernoulli")
-        width = cfg.width or 128
-        if masks == "categorical" and width < cfg.num_workers:
-            raise ConfigError("width", f"a categorical partition of {width} neurons into {cfg.num_workers} "
-                              "subnetworks leaves some empty; use width >= workers")
+        xi = cfg.options.get("xi") if masks == "bernoulli" else None
+        width, S = cfg.width or 128, cfg.num_workers
+        # an empty subnetwork is re-drawn (sample_neurons); reject settings where most draws are
+        p = nonempty_probability(masks, width, S, xi)
+        if p == 0.0 and masks != "bernoulli":
+            raise ConfigError("width", f"a partition of {width} neurons into {S} subnetworks leaves some "
+                              "empty; use width >= workers")
+        if p < MIN_NONEMPTY:
+            raise ConfigError("options.xi" if masks == "bernoulli" else "width",
+                              f"a draw of {masks} masks over {width} neurons leaves one of the {S} subnetworks "
+                              f"without neurons with probability {1 - p:.3g}; an empty subnetwork is never "
+                              f"trained (such draws are re-drawn), so raise the width"
+                              + (" or xi" if masks == "bernoulli" else ""))
         if cfg.precision != "fp32":
             raise ConfigError("precision", f"method {cls.name!r} runs subnet_linear, which does not autocast "
                               f"(its inputs and weights share one dtype); use --precision fp32")
-        if cfg.depth > 1 and not cfg.simulate and cfg.num_workers > 1:
-            raise ConfigError("depth", f"method {cls.name!r} exchanges subnetworks of depth-1 MLPs only "
-                              f"(got depth={cfg.depth}); use --simulate for deeper ones")
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -122,52 +140,157 @@ class Masked(Method):
         self.net = ctx.build_model(lambda: SubnetMLP(
             ctx.in_features, cfg.width or 128, ctx.num_outputs, cfg.depth, bias=o["bias"],
             train_output=o["train_output"], kappa=o["kappa"]))
+        self.full_state_bytes = ctx.full_state_bytes(self.net)
         self.keep = selection_probability(self.masks, ctx.num_workers, self.xi)
         self.full = FullModel(self.net, self.keep)
         self.workers = ctx.local_workers
+        self.spec = self.net.slice_spec()
+        self.fixed = dict(self.net.named_buffers())  # the output weight when it does not train
+        self.decentral = ctx.distributed and ctx.decentralized
+        self._rounds = {}
+        self.held = 0  # the round whose plan the stored tensors are cut by
+        self.part = None
+        if self.decentral:  # this rank's part of round 0; the full model keeps only its structure
+            self.part = self.round_plans(0)[2].part(self._tensors(), ctx.rank)
+            self.net.to("meta")
+            for name, b in self.fixed.items():
+                setattr(self.net, name, b)
 
     def plan(self, r: int):
         return sample_neurons(self.net, self.ctx.num_workers, self.masks, self.xi, self.ctx.generator(PLAN, r))
 
+    def round_plans(self, r: int):
+        """(neurons per worker, the trained SlicePlan, the storage SlicePlan) of round r (last two kept)."""
+        if r not in self._rounds:
+            if len(self._rounds) >= 2:
+                self._rounds.pop(min(self._rounds))
+            neurons = self.plan(r)
+            trained = self.net.slice_plan(neurons)
+            sizes = {t.name: self.spec[t.name][0][t.dim] for t in trained.partitioned}
+            self._rounds[r] = (neurons, trained, trained.with_holders(sizes))
+        return self._rounds[r]
+
+    def _tensors(self):
+        """The full model's trained tensors as the plans state them (hidden-to-hidden weights flat)."""
+        return {n: self.net.exchange_view(n, p.detach()) for n, p in self.net.named_parameters()}
+
     def run_round(self, r: int) -> RoundResult:
-        ctx, net = self.ctx, self.net
-        plan = [[n.to(ctx.device) for n in neurons] for neurons in self.plan(r)]
-        mine = [plan[s] for s in self.workers]
+        from ...distributed import ps_bytes
+
+        ctx = self.ctx
+        if self.held != r:
+            raise RuntimeError(f"{self.name}: holds round {self.held}'s plan, asked to train round {r}")
+        neurons, trained, store = self.round_plans(r)
+        last = r == ctx.rounds - 1
+        nxt = store if last else self.round_plans(r + 1)[2]
+        ps = ps_bytes(trained, self.spec)
+        run = self._round_decentral if self.decentral else self._round_global
+        loss, sent, state = run(r, neurons, trained, store, nxt)
+        self.held = r if last else r + 1
+        return RoundResult(loss_sum=loss, steps=len(self.workers) * ctx.cfg.local_steps, bytes_sent=sent,
+                           ps_bytes=sum(ps[s] for s in self.workers) if ctx.num_workers > 1 else 0,
+                           state_bytes=state)
+
+    def _round_global(self, r, neurons, trained, store, nxt):
+        from ...distributed import Exchange, plan_bytes
+
+        ctx, net, S = self.ctx, self.net, self.ctx.num_workers
+        mine = [[n.to(ctx.device) for n in neurons[s]] for s in self.workers]
         params = net.extract_all(mine)
-        loss = 0.0
-        for s, p, neurons in zip(self.workers, params, mine):
-            sub = SubnetModule(net, p, neurons)
-            loss += ctx.train_local(sub, ctx.make_optimizer(sub.params), s, r)
-        sent = self._aggregate(r, plan, params)
-        return RoundResult(loss_sum=loss, steps=len(self.workers) * ctx.cfg.local_steps, bytes_sent=sent)
+        loss, state = 0.0, {}
+        for s, p, ns in zip(self.workers, params, mine):
+            sub = SubnetModule(net, p, ns)
+            opt = ctx.make_optimizer(sub.params)
+            loss += ctx.train_local(sub, opt, s, r)
+            state[s] = (held_bytes(net, p, opt) if not ctx.decentralized else
+                        self._decentral_state(s, trained, store) + held_bytes(opt))
+        if ctx.distributed:  # replicated storage: this rank's subnetwork into its replica, then exchanged
+            (s,) = self.workers
+            net.aggregate_(params, mine)
+            ex = Exchange(trained, storage="replicated", shared=ctx.cfg.shared, round=r + 1)
+            ex(self._tensors())
+            return loss, ex.last_stats.bytes_sent, state
+        net.aggregate_(params, mine)
+        if S == 1:
+            return loss, 0, state
+        storage = "decentralized" if ctx.decentralized else "replicated"
+        cur = store if ctx.decentralized else trained
+        stats = plan_bytes(cur, nxt, self.spec, storage=storage, shared=ctx.cfg.shared)
+        return loss, sum(stats[s].bytes_sent for s in self.workers), state
 
-    def _spec(self):
-        return {k: v.detach() for k, v in self.net.named_parameters()}
+    def _decentral_state(self, s, trained, store) -> int:
+        """What worker s holds under decentralized storage, from the plans: its stored slices, the
+        compact copies of the trained ones where it stores more (unowned slices it keeps), the
+        fixed output weight (the optimizer state is measured)."""
+        from ...distributed import ps_bytes
 
-    def _aggregate(self, r: int, plan, params) -> int:
-        S = self.ctx.num_workers
-        if not self.ctx.distributed:
-            self.net.aggregate_(params, [plan[s] for s in self.workers])
-            # what the replicated exchange sends: each worker's compact tensors to the S - 1 others
-            # (``plan_bytes(..., storage="replicated")``; also for depth > 1, which has no SlicePlan)
-            return sum((S - 1) * sum(t.numel() * t.element_size() for t in p) for p in params)
+        differ = [t.name for t, u in zip(trained.partitioned, store.partitioned) if t.owners[s].numel() !=
+                  u.owners[s].numel()]
+        copies = ps_bytes(trained, self.spec, names=differ)[s] // 2 if differ else 0
+        return ps_bytes(store, self.spec)[s] // 2 + copies + held_bytes(self.fixed)
+
+    def _round_decentral(self, r, neurons, trained, store, nxt):
         from ...distributed import Exchange
+        from ...partition.plan import positions
 
-        (s,) = self.workers
-        self.net.aggregate_(params, [plan[s]])  # this rank's subnetwork into its replica
-        ex = Exchange(self.net.slice_plan(plan), storage="replicated", shared="exact", round=r + 1)
-        ex(self._spec())
-        return ex.last_stats.bytes_sent
+        ctx, s = self.ctx, self.ctx.rank
+        owned = {t.name: t for t in trained.tensors}
+        held = {t.name: t for t in store.tensors}
+        params, copies = [], []
+        for name, dim, _, shape in self.net._layout(neurons[s], torch.device("cpu")):
+            t = self.part.get(name)
+            if t is None:  # this worker holds nothing of the tensor (an empty layer)
+                params.append(torch.empty(shape, device=ctx.device))
+            elif owned[name].shared or held[name].owners[s].numel() == owned[name].owners[s].numel():
+                params.append(t.view(shape))
+            else:
+                pos = positions(held[name].owners[s], owned[name].owners[s]).to(t.device)
+                compact = t.index_select(dim, pos)
+                params.append(compact.view(shape))
+                copies.append((name, dim, pos, compact))
+        sub = SubnetModule(self.net, params, [n.to(ctx.device) for n in neurons[s]])
+        opt = ctx.make_optimizer(sub.params)
+        loss = ctx.train_local(sub, opt, s, r)
+        state = {s: held_bytes(self.part, params, opt, self.fixed)}
+        with torch.no_grad():
+            for name, dim, pos, compact in copies:  # the trained slices back among the stored ones
+                self.part[name].index_copy_(dim, pos, compact)
+        ex = Exchange(store, nxt, self.spec, storage="decentralized", shared=ctx.cfg.shared, round=r + 1)
+        self.part = ex({n: t.detach() for n, t in self.part.items()})
+        return loss, ex.last_stats.bytes_sent, state
 
     def global_model(self):
-        return self.full
+        from ...distributed import gather_bytes, gather_full_model
+
+        ctx = self.ctx
+        store = self.round_plans(self.held)[2]
+        if not self.decentral:
+            if ctx.simulated and ctx.decentralized and ctx.num_workers > 1:
+                ctx.gather_bytes += sum(st.bytes_sent for st in gather_bytes(store, self.spec))
+            return self.full
+        stats = []
+        full = gather_full_model(self.part, store, self.spec, dst=0, reduce="copy", round=self.held, stats=stats)
+        ctx.gather_bytes += stats[0].bytes_sent
+        if full is None:
+            return None
+        net = copy.deepcopy(self.net)
+        shapes = {n: p.shape for n, p in self.net.named_parameters()}
+        net.load_state_dict({**self.fixed, **{n: t.view(shapes[n]) for n, t in full.items()}}, assign=True)
+        return FullModel(net, self.keep)
 
     def state_dict(self):
-        # plans come from (seed, round) and optimizers are fresh every round: the model is all
-        return {"model": self.net.state_dict()}
+        # plans come from (seed, round) and optimizers are fresh every round: the model (decentralized:
+        # this rank's part) is all
+        if self.decentral:
+            return {"held": self.held, "part": self.part}
+        return {"held": self.held, "model": self.net.state_dict()}
 
     def load_state_dict(self, state):
-        self.net.load_state_dict(state["model"])
+        self.held = state["held"]
+        if self.decentral:
+            self.part = state["part"]
+        else:
+            self.net.load_state_dict(state["model"])
 
     def summary(self):
         return {"masks": self.masks, "xi": self.keep}

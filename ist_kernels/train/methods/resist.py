@@ -1,22 +1,27 @@
 """ResIST (paper 003 §2.2-§2.6) with its local-SGD warm-up.
 
-1. Warm-up, the first ``warmup_fraction`` of the rounds: local SGD on the full ResNet (every worker
-   trains it, one flat all_reduce per round: ``localsgd.average_models``), as §2.6 does for the
-   first epochs.
-2. ResIST rounds: each round a fresh ``resist_plan(model, S, min_depth, ctx.generator(PLAN, r))``;
-   the third stage's blocks (except its first) are dealt round-robin to S shallower sub-ResNets, each
-   worker trains its own for ``local_steps``, and they are aggregated (``_subnet.SubnetRounds``:
-   simulated ``plan.aggregate``; distributed one replicated ``Exchange``, bit-identical to it).
-   Aggregation sets the full model's residual scales (the expected fraction of sub-ResNets owning a
-   block, 1/S without sharing), which evaluation of the full model uses.
+1. Warm-up ("warmup"), the first ``warmup_fraction`` of the rounds: local SGD on the full ResNet
+   (every worker trains it, one flat all_reduce per round: ``localsgd.LocalModels``), as §2.6 does
+   for the first epochs, with the blocks ResIST will partition already scaled by the full model's
+   ``residual_scale`` (§2.6, footnote 2: "to maintain consistency with ResIST"), so the full
+   model computes the same function before, during and after the switch to ResIST rounds.
+2. ResIST rounds ("resist"): each round a fresh ``resist_plan(model, S, min_depth,
+   ctx.generator(PLAN, r))``; the third stage's blocks (except its first) are dealt round-robin to
+   S shallower sub-ResNets, each worker trains its own for ``local_steps``, and every block goes
+   straight to its next owners (``_subnet.SubnetRounds``; decentralized storage by default, §2.5
+   Figure 3: a rank holds only its sub-ResNet, the full model is assembled only to evaluate or
+   save). Aggregation sets the full model's residual scales (the expected fraction of sub-ResNets
+   owning a block, 1/S without sharing), which evaluation of the full model uses.
 
 ``min_depth``: partitioned blocks per sub-ResNet (default: min(5, blocks of layer3 after its first)).
 """
 from __future__ import annotations
 
+import torch
+
 from . import ConfigError, Method, Option, RoundResult, register_method
-from ._subnet import MOMENTUM_OPTION, SubnetRounds, phase_rounds
-from .localsgd import average_models
+from ._subnet import MOMENTUM_OPTION, SubnetRounds, phase_rounds, state_split
+from .localsgd import LocalModels
 
 PLAN = 0x2E51  # generator tag of the round's plan
 
@@ -34,6 +39,7 @@ class ResIST(Method):
                             check=lambda v: v >= -1, expected="an integer >= 0, or -1"),
         "momentum_state": MOMENTUM_OPTION,
     }
+    phases = ("warmup", "resist")
 
     @classmethod
     def validate(cls, cfg):
@@ -50,51 +56,59 @@ class ResIST(Method):
         self.warmup_rounds = phase_rounds(ctx.rounds, o["warmup_fraction"])
         self.momentum_state = o["momentum_state"]
         self.model = ctx.build_model()
-        blocks = len(resist_plan(self.model, 1, 0).partitioned_blocks)  # checks the model (ValueError)
+        # plans made here only describe the model: any permutation does, none touches the global RNG
+        probe = lambda S, depth: resist_plan(self.model, S, depth, torch.Generator().manual_seed(0))  # noqa: E731
+        blocks = len(probe(1, 0).partitioned_blocks)  # checks the model (ValueError)
         self.min_depth = min(5, blocks) if o["min_depth"] == -1 else o["min_depth"]
         if self.min_depth > blocks:
             raise ConfigError("options.min_depth", f"{self.min_depth} is more than the {blocks} partitionable "
                               f"blocks of {ctx.cfg.model}'s layer3")
+        self.full_state_bytes = ctx.full_state_bytes(self.model)
+        # the scale every ResIST round's aggregation sets (it depends on S and min_depth, not on
+        # the round's permutation); the warm-up trains with it already
+        full_model = probe(ctx.num_workers, self.min_depth)
         self.rounds = None
-        self.models = {s: (self.model if s == self.workers[0] else ctx.build_model()) for s in self.workers}
-        self.optimizers = {s: ctx.make_optimizer(m.parameters()) for s, m in self.models.items()}
+        models = {s: (self.model if s == self.workers[0] else ctx.build_model()) for s in self.workers}
+        for m in models.values():
+            full_model.scale_residuals(m)
+        self.warmup = LocalModels(ctx, models)
+
+    def plan(self, r: int):
+        from ...partition import resist_plan
+
+        return resist_plan(self.model, self.ctx.num_workers, self.min_depth, self.ctx.generator(PLAN, r))
 
     def _start_resist(self):
-        self.models = self.optimizers = None  # after the warm-up's averaging every copy is self.model
-        self.rounds = SubnetRounds(self.ctx, self.model, self.momentum_state)
+        self.warmup = None  # after the warm-up's averaging every copy is self.model
+        self.rounds = SubnetRounds(self.ctx, self.model, self.momentum_state, self.plan)
+        self.split = state_split(self.rounds.plan(self.warmup_rounds).slices, self.rounds.spec,
+                                 self.rounds.param_names, self.ctx.cfg.momentum > 0)
 
     def run_round(self, r: int) -> RoundResult:
         ctx = self.ctx
-        steps = len(self.workers) * ctx.cfg.local_steps
         if r < self.warmup_rounds:
-            loss = sum(ctx.train_local(self.models[s], self.optimizers[s], s, r) for s in self.workers)
-            sent = average_models([self.models[s] for s in self.workers], ctx.num_workers, r, ctx.distributed)
-            return RoundResult(loss, steps, sent, extra={"phase": 0})
+            return self.warmup.run(r, phase=0)
         if self.rounds is None:
             self._start_resist()
-        from ...partition import resist_plan
-
-        plan = resist_plan(self.model, ctx.num_workers, self.min_depth, ctx.generator(PLAN, r))
-        loss, sent = self.rounds.run(plan, r)
-        return RoundResult(loss, steps, sent, extra={"phase": 1})
+            self.rounds.start(r)
+        loss, sent, ps, state = self.rounds.run(r, last=r == ctx.rounds - 1)
+        return RoundResult(loss, len(self.workers) * ctx.cfg.local_steps, sent, extra={"phase": 1}, ps_bytes=ps,
+                           state_bytes=state)
 
     def global_model(self):
-        return self.model
+        return self.model if self.rounds is None else self.rounds.global_model()
 
     def summary(self):
-        return {"warmup_rounds": self.warmup_rounds, "min_depth": self.min_depth}
+        return {"warmup_rounds": self.warmup_rounds, "min_depth": self.min_depth, **getattr(self, "split", {})}
 
     def state_dict(self):
         if self.rounds is None:
-            return {"phase": "warmup", "models": {s: m.state_dict() for s, m in self.models.items()},
-                    "optimizers": {s: o.state_dict() for s, o in self.optimizers.items()}}
+            return {"phase": "warmup", **self.warmup.state_dict()}
         return {"phase": "resist", "rounds": self.rounds.state_dict(), "residual_scale": _residual_scales(self.model)}
 
     def load_state_dict(self, state):
         if state["phase"] == "warmup":
-            for s in self.workers:
-                self.models[s].load_state_dict(state["models"][s])
-                self.optimizers[s].load_state_dict(state["optimizers"][s])
+            self.warmup.load_state_dict(state)
             return
         self._start_resist()
         self.rounds.load_state_dict(state["rounds"])
