@@ -59,10 +59,10 @@ PAPER = {"loft": "000", "masked": "001", "pruning": "002", "grelu": "004"}
 def _check_claims(folder, name):
     """The claims table from a folder holding only ``name``'s JSON: its paper's rows carry a
     measurement and a verdict, every other experiment's rows say "not run"."""
-    rows = [r.strip("|").split(" | ") for r in claims.table(str(folder)).splitlines()[2:]]
+    rows = [[c.strip() for c in r.strip().strip("|").split(" | ")] for r in claims.table(str(folder)).splitlines()[2:]]
     assert rows and all(len(r) == 3 for r in rows)
     mine = [r for r in rows if r[0].startswith(PAPER[name])]
-    assert mine and all(r[1] != "not run" and r[2].strip() in VERDICTS for r in mine)
+    assert mine and all(r[1] != "not run" and r[2] in VERDICTS for r in mine)
     others = [r for r in rows if r[0][:3] in set(PAPER.values()) - {PAPER[name]}]
     assert others and all(r[1] == "not run" for r in others)
 

@@ -401,13 +401,15 @@ def test_simulated_reduces_to_gradient_descent(gen, masks, S, xi):
 
 @pytest.mark.parametrize("masks,xi", [("bernoulli", 0.5), ("categorical", None)])
 def test_simulated_trainer_decreases_error_and_is_deterministic(gen, masks, xi):
-    x = torch.randn(12, 4, generator=gen)
+    # 16 features: well-conditioned enough that 25 rounds halve the error for every draw (with 4,
+    # the ratio reached 0.45 in 60 draws and exceeded 0.5 now and then)
+    x = torch.randn(12, 16, generator=gen)
     x = x / x.norm(dim=1, keepdim=True)
     y = torch.randn(12, generator=gen)
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
     runs = []
     for _ in range(2):
-        m = SubnetMLP(4, 200, 1, generator=torch.Generator().manual_seed(seed))
+        m = SubnetMLP(16, 200, 1, generator=torch.Generator().manual_seed(seed))
         hist = simulated.train(m, x, y, subnetworks=3, rounds=25, local_steps=2, lr=0.2, masks=masks, xi=xi,
                                seed=seed)
         runs.append((hist, m.hidden_weights[0].detach().clone()))
