@@ -125,7 +125,9 @@ def rows_grelu(doc: Optional[Dict]) -> List[List[str]]:
     rows = []
     for cl in doc["claim"]:
         f = doc["final"][str(cl["lr"])] if str(cl["lr"]) in doc["final"] else list(doc["final"].values())[0]
-        meas = (f"lr {cl['lr']:.3g}: final loss GReLU {_pm(f['GReLU'])} vs ReLU {_pm(f['ReLU'])}; GReLU lower on "
+        st = cl["steps_to_target"]
+        meas = (f"lr {cl['lr']:.3g}: steps to {cl['target']:g} x the initial loss GReLU {_pm(st['GReLU'])} vs ReLU "
+                f"{_pm(st['ReLU'])}; final loss GReLU {_pm(f['GReLU'])} vs ReLU {_pm(f['ReLU'])}; GReLU lower on "
                 f"{cl['grelu_lower']}/{cl['both_finite']} seeds where both stayed finite "
                 f"({cl['seeds'] - cl['both_finite']} with a diverged run; {_seeds(doc)})")
         rows.append([c1, meas, _verdict(cl["grelu_lower"], cl["seeds"])])

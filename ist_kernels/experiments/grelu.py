@@ -176,6 +176,17 @@ def time_per_iteration(args) -> Dict[str, List[float]]:
     return times
 
 
+TARGET = 1e-6  # steps_to: the loss this fraction of the initial one (far above float32 round-off)
+
+
+def steps_to(losses: Sequence[float], fraction: float) -> Optional[int]:
+    """The first step whose loss is at most ``fraction`` of the initial loss (None: never)."""
+    for t, v in enumerate(losses):
+        if v == v and v <= fraction * losses[0]:
+            return t
+    return None
+
+
 def table_steps(steps: int) -> List[int]:
     """0, 10, 20, 50, 100, 200, 500, ... and the last step."""
     pts, k = {0, steps}, 10
@@ -219,10 +230,15 @@ def main(argv: Sequence[str] = ()) -> int:
         both = [(res[(s, lr)]["GReLU"]["losses"][-1], res[(s, lr)]["ReLU"]["losses"][-1]) for s in args.seeds]
         finite = [(g, r) for g, r in both if g == g and r == r]
         lower = sum(g < r for g, r in finite)
-        claim.append({"lr": lr, "grelu_lower": lower, "both_finite": len(finite), "seeds": len(both)})
+        reach = {net: C.stats(steps_to(res[(s, lr)][net]["losses"], TARGET) for s in args.seeds)
+                 for net in ("GReLU", "ReLU")}
+        claim.append({"lr": lr, "grelu_lower": lower, "both_finite": len(finite), "seeds": len(both),
+                      "steps_to_target": reach, "target": TARGET})
         finals[str(lr)] = {"GReLU": C.stats(g for g, _ in both), "ReLU": C.stats(r for _, r in both)}
         lines += ["", f"GReLU ends lower than ReLU on {lower}/{len(finite)} seeds where both stayed finite "
-                      f"({len(both) - len(finite)} seed(s) with a diverged run).", ""]
+                      f"({len(both) - len(finite)} seed(s) with a diverged run). Steps to a loss of {TARGET:g} x "
+                      f"the initial one: GReLU {C.fmt(reach['GReLU'])}, ReLU {C.fmt(reach['ReLU'])} "
+                      "(a run that never gets there counts as diverged).", ""]
     lines += C.divergence_lines(divergences)
     tstats = {name: {"median_s": statistics.median(t), "min_s": min(t), "repeats": t} for name, t in times.items()}
     relu_med = tstats["relu"]["median_s"]
