@@ -273,7 +273,9 @@ def main(argv: Sequence[str] = ()) -> int:
     for v, s in zip(args.xi_vectors, vec_stats):
         ok = all(floors[("categorical", len(v), v, args.tau, sd)]["reached"] for sd in seeds)
         parts.append(f"| {':'.join(f'{e:g}' for e in v)} | {C.fmt(s)} | {'yes' if ok else 'no'} |")
-    parts += ["", "**Paper 001 §5 trends** (adjacent pairs whose mean moves the paper's way; in brackets: "
+    parts += ["", "With unequal ξ a sampled subnetwork is no unbiased estimate of the full model: E[û^l] = S ξ_l u, "
+                  "so each round starts the subnetworks from scaled copies of u (Theorem 4 takes ξ = 1/S · 1_S).",
+              "", "**Paper 001 §5 trends** (adjacent pairs whose mean moves the paper's way; in brackets: "
                   "of those, moves larger than 2 standard errors)", ""]
     parts += [f"- {names[k]}: {t['hits']}/{t['pairs']} ({t['significant']} significant)" for k, t in trends.items()]
     parts += ["", f"**Error floor reached** in {reached}/{len(floors)} runs (last window at most "
