@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 DEFAULT_DPI = 80
 # a loss this many times its initial value (or non-finite) counts as diverged
 BLOW_UP = 1e6
+JSON_DIGITS = 6  # significant digits of the floats in the JSON outputs
 
 
 # ---------------------------------------------------------------- options
@@ -193,16 +194,19 @@ def trend(grid: Sequence[Sequence[Dict[str, Any]]], axis: int, sign: int) -> Dic
 
 # ---------------------------------------------------------------- outputs
 
-def jsonable(obj):
-    """obj with tuples as lists, tensors/arrays as lists, non-finite floats as None."""
+def jsonable(obj, digits: int = 0):
+    """obj with tuples as lists, tensors/arrays as lists, non-finite floats as None; with
+    ``digits`` every float rounded to that many significant digits."""
     if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
+        if not math.isfinite(obj):
+            return None
+        return float(f"{obj:.{digits}g}") if digits else obj
     if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
+        return {str(k): jsonable(v, digits) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [jsonable(v) for v in obj]
+        return [jsonable(v, digits) for v in obj]
     if hasattr(obj, "tolist"):
-        return jsonable(obj.tolist())
+        return jsonable(obj.tolist(), digits)
     return obj
 
 
@@ -252,9 +256,10 @@ def write_outputs(args, name: str, results: Dict[str, Any], markdown: str, fig, 
                                "machine": platform.machine(), "cpus": os.cpu_count(),
                                "torch_threads": torch.get_num_threads(), "load_average_1min_at_end": load},
                **results}
-    with open(paths["json"], "w") as f:
-        json.dump(jsonable(payload), f, indent=1, allow_nan=False)
-        f.write("\n")
+    with open(paths["json"], "w") as f:  # one line per top-level entry: readable diffs, small files
+        doc = jsonable(payload, JSON_DIGITS)
+        f.write("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v, allow_nan=False, separators=(',', ':'))}"
+                                    for k, v in doc.items()) + "\n}\n")
     md = markdown.rstrip() + f"\n\n({len(args.seeds)} seed(s): {', '.join(map(str, args.seeds))}; " \
                              f"wall time {wall:.0f} s on {os.cpu_count()} CPUs" + \
         ("" if load is None else f", load average {load:.1f} at the end") + f"; raw results in {name}.json)\n"

@@ -139,10 +139,6 @@ def ntk_eigenvalues(x: torch.Tensor) -> Tuple[float, float]:
     return float(ev[0]), float(ev[-1])
 
 
-def _round6(values):
-    return [float(f"{v:.6g}") if math.isfinite(v) else v for v in values]
-
-
 def run_cell(args, cell) -> Dict:
     """One run of Algorithm 1: cell = (masks, S, xi, tau, seed); xi a float (Bernoulli), a tuple
     (categorical ξ vector) or None (categorical, uniform)."""
@@ -167,7 +163,7 @@ def run_cell(args, cell) -> Dict:
                                progress=watch)
     except _Diverged as e:
         return {"diverged_at": e.k, "value": e.value, "errors": None, "sampled": None, "local": None}
-    out.update(errors=_round6(hist.errors), sampled=_round6(hist.sampled), local=_round6(hist.local))
+    out.update(errors=hist.errors, sampled=hist.sampled, local=hist.local)
     return out
 
 
@@ -334,8 +330,10 @@ def main(argv: Sequence[str] = ()) -> int:
         "xi_vectors": [{"xi": list(v), "floor": s} for v, s in zip(args.xi_vectors, vec_stats)],
         "trends": trends, "floor_reached": {"runs": reached, "of": len(floors)},
         "decomposition": decomposition, "divergences": divergences,
+        # per run: the error curve and the floor window's means (the per-round subnetwork losses stay out)
         "runs": [{"masks": c[0], "S": c[1], "xi": list(c[2]) if isinstance(c[2], tuple) else c[2], "tau": c[3],
-                  "seed": c[4], **floors[c], **res[c]} for c in res],
+                  "seed": c[4], **floors[c], "errors": res[c]["errors"], "diverged_at": res[c]["diverged_at"]}
+                 for c in res],
     }
     C.write_outputs(args, "masked", results, "\n".join(parts), fig, started)
     return 0
