@@ -13,7 +13,9 @@ the same filters survive pruning in the same order.
 
 Reported, per layer, mean ± std over seeds:
 - Figure 1: pairwise distances between the snapshots of one run (heatmaps of the first seed);
-- Figure 4: distance from every snapshot to the run's final one (does the ticket settle early?);
+- Figure 4: distance from every snapshot to the run's final one, and the round from which it
+  stays below a tenth of the chance level (the ranking has settled: does LOFT settle early, and
+  faster than dense pre-training?);
 - LOFT vs dense: distance between the two runs' snapshots at the same round (do they pick the
   same ticket?), against the chance level (the mean distance between two independent random
   rankings of that many filters) and the test accuracy of both.
@@ -138,6 +140,17 @@ def chance_distance(num_filters: int, keep: float, samples: int = 2000) -> float
                for _ in range(samples)) / samples
 
 
+SETTLED = 0.1  # a ranking has settled once its distance to the final one stays below this x chance
+
+
+def settle(curve: Sequence[float], rounds: Sequence[int], level: float):
+    """The first round from which the distance to the final ranking stays <= ``level``."""
+    for i in range(len(curve)):
+        if all(v <= level for v in curve[i:]):
+            return rounds[i]
+    return rounds[-1]
+
+
 def run_cell(args, cell) -> Dict:
     """(data set, seed) -> both pre-trainings and their filter distances."""
     from ..metrics import filter_distance
@@ -194,7 +207,7 @@ def main(argv: Sequence[str] = ()) -> int:
         lines += [f"**{d}** (final test accuracy: LOFT {C.fmt(acc['loft'], '.4f')}, local SGD "
                   f"{C.fmt(acc['localsgd'], '.4f')})", "",
                   "| layer (filters) | chance | LOFT vs dense, round 0 → mid → last | LOFT: to final, round 0 → mid "
-                  "| dense: to final, round 0 → mid | LOFT settles ≤ 0.5·chance at round | dense at round |",
+                  "| dense: to final, round 0 → mid | LOFT settles (round) | dense settles (round) |",
                   "|---|---:|---|---|---|---:|---:|"]
         mid = len(rounds) // 2
         for k in layers:
@@ -202,17 +215,12 @@ def main(argv: Sequence[str] = ()) -> int:
             tf = {m: [C.stats(o[m]["to_final"][k][i] for o in ok) for i in range(len(rounds))]
                   for m in ("loft", "localsgd")}
 
-            def settle(curve):  # first snapshot from which the mean distance to final stays <= chance / 2
-                for i in range(len(curve)):
-                    if all(c["mean"] is not None and c["mean"] <= 0.5 * chance[k] for c in curve[i:]):
-                        return rounds[i]
-                return None
-
-            st = {m: settle(tf[m]) for m in tf}
+            st = {m: C.stats(settle(o[m]["to_final"][k], rounds, SETTLED * chance[k]) for o in ok) for m in tf}
             s["layers"][k] = {"loft_vs_dense": vs, "to_final": tf, "settles": st}
             lines.append(f"| {k} ({ok[0]['filters'][k]}) | {chance[k]:.3g} | {C.fmt(vs[0])} → {C.fmt(vs[mid])} → "
                          f"{C.fmt(vs[-1])} | {C.fmt(tf['loft'][0])} → {C.fmt(tf['loft'][mid])} | "
-                         f"{C.fmt(tf['localsgd'][0])} → {C.fmt(tf['localsgd'][mid])} | {st['loft']} | {st['localsgd']} |")
+                         f"{C.fmt(tf['localsgd'][0])} → {C.fmt(tf['localsgd'][mid])} | {C.fmt(st['loft'])} | "
+                         f"{C.fmt(st['localsgd'])} |")
         lines.append("")
         summary[d] = s
         figs.append((d, ok, layers, rounds, chance))
