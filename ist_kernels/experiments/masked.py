@@ -197,18 +197,26 @@ def _table(title: str, row_name: str, rows, col_name: str, cols, grid, flags) ->
 def _heatmap(ax, title, row_name, rows, col_name, cols, grid) -> None:
     import numpy as np
 
+    from matplotlib.colors import LogNorm
+
     a = np.array([[np.nan if s["mean"] is None else s["mean"] for s in row] for row in grid])
-    im = ax.imshow(a, cmap="viridis_r", aspect="auto", origin="lower")
+    pos = a[np.isfinite(a) & (a > 0)]
+    # floors span decades: a log colour scale once max/min > 20 (zeros, S = 1, take the lowest colour)
+    log = pos.size > 1 and pos.max() > 20 * pos.min()
+    shown = np.where(np.isfinite(a) & (a <= 0), pos.min() if pos.size else 0, a) if log else a
+    im = ax.imshow(shown, cmap="viridis_r", aspect="auto", origin="lower",
+                   norm=LogNorm(pos.min(), pos.max()) if log else None)
     ax.set_xticks(range(len(cols)), [str(c) for c in cols], fontsize=7)
     ax.set_yticks(range(len(rows)), [str(r) for r in rows], fontsize=7)
     ax.set_xlabel(col_name)
     ax.set_ylabel(row_name)
     ax.set_title(title, fontsize=8)
-    lo, hi = np.nanmin(a) if np.isfinite(a).any() else 0, np.nanmax(a) if np.isfinite(a).any() else 1
+    t = np.log10(np.maximum(shown, pos.min())) if log else shown
+    lo, hi = (np.nanmin(t), np.nanmax(t)) if np.isfinite(t).any() else (0, 1)
     for i in range(len(rows)):
         for j in range(len(cols)):
             v = a[i, j]
-            dark = np.isfinite(v) and hi > lo and (v - lo) / (hi - lo) > 0.5
+            dark = np.isfinite(v) and hi > lo and (t[i, j] - lo) / (hi - lo) > 0.5
             ax.text(j, i, "div." if not np.isfinite(v) else f"{v:.3g}", ha="center", va="center", fontsize=6,
                     color="w" if dark else "k")
     ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
@@ -309,6 +317,8 @@ def main(argv: Sequence[str] = ()) -> int:
     axes[2].grid(True, which="both", alpha=0.3)
     ax = axes[3]
     for k, S in enumerate(Ss):
+        if S == 1:  # plain GD: both losses ~0
+            continue
         m = [decomposition[f"S={S},tau={t}"]["sampled"]["mean"] for t in args.local_steps]
         lo = [decomposition[f"S={S},tau={t}"]["local"]["mean"] for t in args.local_steps]
         ax.plot(args.local_steps, [float("nan") if v is None else v for v in m], "o-", color=f"C{k}",
