@@ -19,9 +19,10 @@ of its initial error) has not reached its floor and is flagged. The data's condi
 how long that takes: the report gives λ_min and λ_max of the infinite-width NTK H^∞ (ξ = 1) and
 the rounds the slowest cell needs. On the 10-feature diabetes data λ_max/λ_min ≈ 300 and no
 constant step reaches the floor in K = 200 rounds (runs are step-limited: more local steps mean
-lower error); on the 128-feature stand-in λ_max/λ_min ≈ 4.4. K = 300 rounds (paper: 200) at
-η = 1.5, a step S = 1 (plain GD) still takes stably (η λ_max ≈ 1.6 < 2), is what the
-slowest cell (S = 8, τ = 1) needs to reach its floor at m = 4000.
+lower error); on the 128-feature stand-in λ_max/λ_min ≈ 4.4. The default step η = 1.5 is one
+S = 1 (plain GD) still takes stably (η λ_max ≈ 1.6 < 2); with it the slowest cell (S = 8, τ = 1)
+is at its floor from about round 150 at m = 4000, so K = 300 rounds (paper: 200) leave the last
+half of every run at its floor.
 
 Categorical masks draw each neuron's owner from Categorical(ξ): ``--xi-vectors`` adds runs with
 general probability vectors ξ ∈ R^S (e.g. 0.7:0.3); the full model is scaled by 1/S whatever ξ
