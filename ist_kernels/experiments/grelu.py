@@ -238,7 +238,7 @@ def main(argv: Sequence[str] = ()) -> int:
         lines += ["", f"GReLU ends lower than ReLU on {lower}/{len(finite)} seeds where both stayed finite "
                       f"({len(both) - len(finite)} seed(s) with a diverged run). Steps to a loss of {TARGET:g} x "
                       f"the initial one: GReLU {C.fmt(reach['GReLU'])}, ReLU {C.fmt(reach['ReLU'])} "
-                      "(a run that never gets there counts as diverged).", ""]
+                      "(a run that never gets there is counted under div.).", ""]
     lines += C.divergence_lines(divergences)
     tstats = {name: {"median_s": statistics.median(t), "min_s": min(t), "repeats": t} for name, t in times.items()}
     relu_med = tstats["relu"]["median_s"]
