@@ -16,9 +16,8 @@ training; the distributed trainer's counters equal these, python_tests/test_trai
 Steady state: each round's plan is exchanged to the next round's (the trainer's last round of a
 phase only averages, which moves less). Models at the papers' shapes (3x32x32 inputs, 100
 classes): LOFT on preact_resnet18 (paper 000 Table 1, PreResNet-18 CIFAR-100, total over the
-pre-training), ResIST on the basic-block PreActResNet-101 [3, 4, 23, 3] (paper 003 Table 1, GB per
-round; ``preact_resnet101_basic`` when ist_kernels.models has it, else built here from the same
-blocks) and on the bottleneck ``preact_resnet101``. Rank state: the largest parameters + buffers +
+pre-training), ResIST on the basic-block PreActResNet-101 [3, 4, 23, 3] (``preact_resnet101_basic``,
+paper 003 Table 1, GB per round) and on the bottleneck ``preact_resnet101``. Rank state: the largest parameters + buffers +
 SGD momentum a rank holds under decentralized storage, over the whole model's.
 """
 import argparse
@@ -37,13 +36,6 @@ from ist_kernels.partition import loft_plan, resist_plan  # noqa: E402
 GB = 1e9
 PAPER_003 = {2: (0.662, 0.454), 4: (1.325, 0.720), 8: (2.649, 1.289)}  # GB per round: local SGD, ResIST
 PAPER_000 = {2: (55.51, 40.03), 4: (111.03, 64.57)}  # GB over pretraining: local SGD, LOFT (C100)
-
-
-def basic_101(num_classes):
-    if hasattr(models, "preact_resnet101_basic"):
-        return models.preact_resnet101_basic(num_classes=num_classes), "preact_resnet101_basic"
-    model = models.ResNet(models.PreActBlock, [3, 4, 23, 3], num_classes=num_classes)
-    return model, "PreActBlock [3,4,23,3] (built here)"
 
 
 def measure(model, plan_of, S, rounds):
@@ -79,7 +71,7 @@ def main():
     args = ap.parse_args()
     with torch.device("meta"):  # shapes are all the accounting needs
         r18 = models.preact_resnet18(num_classes=100)
-        b101, b101_name = basic_101(100)
+        b101, b101_name = models.preact_resnet101_basic(num_classes=100), "preact_resnet101_basic"
         k101 = models.preact_resnet101(num_classes=100)
 
     def loft(model):

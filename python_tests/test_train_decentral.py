@@ -81,6 +81,17 @@ def test_exact_mode_depth3_ist_bit_for_bit_on_three_ranks(tmp_path):
     assert set((rows[:, None] * 16 + cols[None, :]).flatten().tolist()) <= set(w1.owners[0].tolist())
 
 
+def test_replicated_storage_stays_for_testing(tmp_path):
+    """--storage replicated: every rank holds the whole model (and says so), bit for bit the same run."""
+    args = [*IST, "--depth", 2, "--rounds", 2, "--shared", "exact", "--storage", "replicated"]
+    s_sum, s_model, s_hist = run(tmp_path / "sim", *args, "--simulate", 2)
+    d_sum, d_model, d_hist = run(tmp_path / "dist", *args, "--workers", 2)
+    assert_equal_states(s_model, d_model)
+    assert untimed(s_hist) == untimed(d_hist)
+    assert d_sum["storage"] == "replicated" and d_sum["rank_state_bytes"] > d_sum["full_state_bytes"] / 2
+    assert all(r["gather_bytes"] == 0 for r in d_hist)  # rank 0 holds the model: nothing to assemble
+
+
 @pytest.fixture(scope="module")
 def loft_dist(tmp_path_factory):
     out = tmp_path_factory.mktemp("loft") / "full"

@@ -160,6 +160,14 @@ __device__ __forceinline__ void scatter_item(const ScatterTarget& t, const Scatt
   auto owner = [&](const ScatterSegment& s, int32_t p, int l) {
     return reinterpret_cast<const Unit*>(global(s.update)) + ((o[l] * s.n + p) * t.row_units + c[l]);
   };
+  // The positions of this item's loads in segments j0 .. j0 + C - 1 (-1: not owned or past the end),
+  // all issued before any is used.
+  auto positions = [&](int64_t j0, int32_t (&p)[C][L]) {
+#pragma unroll
+    for (int q = 0; q < C; ++q)
+#pragma unroll
+      for (int l = 0; l < L; ++l) p[q][l] = j0 + q < t.seg_end ? __ldg(segments[j0 + q].pos + i[l]) : -1;
+  };
   auto put = [](Item& y, int l, const Unit& x) {
 #pragma unroll
     for (int e = 0; e < V; ++e) y.v[l * V + e] = x.v[e];
@@ -172,10 +180,7 @@ __device__ __forceinline__ void scatter_item(const ScatterTarget& t, const Scatt
     for (int l = 0; l < L; ++l) best_p[l] = -1, best_j[l] = 0;
     for (int64_t j0 = t.seg_begin; j0 < t.seg_end; j0 += C) {
       int32_t p[C][L];
-#pragma unroll
-      for (int q = 0; q < C; ++q)
-#pragma unroll
-        for (int l = 0; l < L; ++l) p[q][l] = j0 + q < t.seg_end ? __ldg(segments[j0 + q].pos + i[l]) : -1;
+      positions(j0, p);
 #pragma unroll
       for (int q = 0; q < C; ++q)
 #pragma unroll
@@ -211,10 +216,7 @@ __device__ __forceinline__ void scatter_item(const ScatterTarget& t, const Scatt
     for (int64_t j0 = t.seg_begin; j0 < t.seg_end; j0 += C) {
       int32_t p[C][L];
       Unit x[C][L];
-#pragma unroll
-      for (int q = 0; q < C; ++q)
-#pragma unroll
-        for (int l = 0; l < L; ++l) p[q][l] = j0 + q < t.seg_end ? __ldg(segments[j0 + q].pos + i[l]) : -1;
+      positions(j0, p);
 #pragma unroll
       for (int q = 0; q < C; ++q)
 #pragma unroll

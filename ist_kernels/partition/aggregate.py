@@ -8,6 +8,9 @@ import torch
 from torch import Tensor
 
 from .. import functional as F
+from ..ops._checks import check, check_index, check_type
+
+WHO = "aggregate_slices_"
 
 
 def aggregate_slices_(targets: Sequence[Tensor], target_ids: Sequence[int], updates: Sequence[Tensor],
@@ -24,7 +27,9 @@ def aggregate_slices_(targets: Sequence[Tensor], target_ids: Sequence[int], upda
       saw the most batches, and equals every owner's count when they agree. Computed in Python
       around the op (``scatter_reduce_(..., "amax")``): counters are a handful of elements.
 
-    Slices no segment owns keep their value. Everything is checked before anything is written.
+    Slices no segment owns keep their value. Everything is checked before anything is written;
+    errors follow the ops' policy (``ist_kernels.ops._checks``: IndexError out of range, TypeError
+    for a dtype, ValueError otherwise).
     """
     targets, target_ids, updates = list(targets), list(target_ids), list(updates)
     indices, dims = list(indices), list(dims)
@@ -32,13 +37,13 @@ def aggregate_slices_(targets: Sequence[Tensor], target_ids: Sequence[int], upda
     if not counters:
         F.slice_scatter_(targets, target_ids, updates, indices, dims, reduce="mean")
         return
-    if len(dims) != len(targets) or not len(target_ids) == len(updates) == len(indices):
-        raise ValueError(f"aggregate_slices_: expected one dim per target and one target id, update and "
-                         f"index list per segment, got {len(targets)} targets, {len(dims)} dims, "
-                         f"{len(target_ids)} target ids, {len(updates)} updates, {len(indices)} index lists")
+    check(len(dims) == len(targets) and len(target_ids) == len(updates) == len(indices), WHO,
+          f"expected one dim per target and one target id, update and index list per segment, got "
+          f"{len(targets)} targets, {len(dims)} dims, {len(target_ids)} target ids, {len(updates)} updates, "
+          f"{len(indices)} index lists")
     for j, t in enumerate(target_ids):
-        if not 0 <= t < len(targets):
-            raise ValueError(f"aggregate_slices_: target_ids[{j}] = {t} is out of range: there are {len(targets)} targets")
+        check_index(0 <= t < len(targets), WHO, f"target_ids[{j}] = {t} is out of range: there are "
+                    f"{len(targets)} targets")
     is_counter = set(counters)
     floating = [t for t in range(len(targets)) if t not in is_counter]
     renumber = {t: i for i, t in enumerate(floating)}
@@ -48,7 +53,8 @@ def aggregate_slices_(targets: Sequence[Tensor], target_ids: Sequence[int], upda
     for t in counters:
         segs = [j for j, u in enumerate(target_ids) if u == t]
         if segs:
-            maxima[t] = _owner_max(t, targets[t], dims[t], [updates[j] for j in segs], [indices[j] for j in segs], segs)
+            maxima[t] = _owner_max(t, targets[t], dims[t], [updates[j] for j in segs],
+                                   [indices[j] for j in segs], segs)
     if floating:
         F.slice_scatter_([targets[t] for t in floating], [renumber[target_ids[j]] for j in float_segs],
                          [updates[j] for j in float_segs], [indices[j] for j in float_segs],
@@ -60,23 +66,21 @@ def aggregate_slices_(targets: Sequence[Tensor], target_ids: Sequence[int], upda
 def _owner_max(t: int, target: Tensor, dim: int, updates: List[Tensor], indices: List[Tensor],
                segs: List[int]) -> Tensor:
     """``target`` with every owned slice replaced by the maximum over its owners' values."""
-    who = "aggregate_slices_"
-    if not -max(target.dim(), 1) <= dim < max(target.dim(), 1) or target.dim() == 0:
-        raise ValueError(f"{who}: targets[{t}] needs >= 1 dimension and dims[{t}] in range, got shape "
-                         f"{tuple(target.shape)} and dim {dim}")
+    check_index(target.dim() >= 1 and -target.dim() <= dim < target.dim(), WHO,
+                f"dims[{t}] = {dim} is out of range for targets[{t}] of shape {list(target.shape)}")
     d = dim % target.dim()
     size = target.shape[d]
     for j, u, idx in zip(segs, updates, indices):
         want = list(target.shape)
         want[d] = idx.numel()
-        if idx.dtype != torch.int64 or idx.dim() != 1:
-            raise ValueError(f"{who}: indices[{j}] must be a 1-D int64 tensor, got {idx.dtype} of shape "
-                             f"{tuple(idx.shape)}")
-        if u.dtype != target.dtype or list(u.shape) != want:
-            raise ValueError(f"{who}: updates[{j}] has dtype {u.dtype} and shape {list(u.shape)}; targets[{t}] "
-                             f"sliced by indices[{j}] needs {target.dtype} and {want}")
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= size):
-            raise ValueError(f"{who}: indices[{j}] holds values outside [0, {size}) (dim {d} of targets[{t}])")
+        check_type(idx.dtype == torch.int64, WHO, f"indices[{j}] must be int64, got {idx.dtype}")
+        check(idx.dim() == 1, WHO, f"indices[{j}] must be 1-D, got shape {list(idx.shape)}")
+        check_type(u.dtype == target.dtype, WHO, f"updates[{j}] has dtype {u.dtype} but targets[{t}] has "
+                   f"{target.dtype}")
+        check(list(u.shape) == want, WHO, f"updates[{j}] has shape {list(u.shape)} but targets[{t}] sliced "
+              f"along dim {d} by indices[{j}] needs {want}")
+        check_index(idx.numel() == 0 or (int(idx.min()) >= 0 and int(idx.max()) < size), WHO,
+                    f"indices[{j}] holds values outside [0, {size}) (dim {d} of targets[{t}])")
     src = torch.cat([u.to(target.device) for u in updates], d)
     idx = torch.cat([i.to(target.device) for i in indices])
     shape = [1] * target.dim()

@@ -204,13 +204,11 @@ class Masked(Method):
             loss += ctx.train_local(sub, opt, s, r)
             state[s] = (held_bytes(net, p, opt) if not ctx.decentralized else
                         self._decentral_state(s, trained, store) + held_bytes(opt))
-        if ctx.distributed:  # replicated storage: this rank's subnetwork into its replica, then exchanged
-            (s,) = self.workers
-            net.aggregate_(params, mine)
+        net.aggregate_(params, mine)  # distributed: this rank's subnetwork into its replica
+        if ctx.distributed:  # replicated storage: the replicas exchanged
             ex = Exchange(trained, storage="replicated", shared=ctx.cfg.shared, round=r + 1)
             ex(self._tensors())
             return loss, ex.last_stats.bytes_sent, state
-        net.aggregate_(params, mine)
         if S == 1:
             return loss, 0, state
         storage = "decentralized" if ctx.decentralized else "replicated"
