@@ -240,26 +240,6 @@ def test_categorical_xi_vector_bad_input(probs, match):
         partition.categorical_assignment(10, 2, balanced=True, probs=[0.5, 0.5])
 
 
-def test_simulated_categorical_xi_vector_aggregate_is_mean_of_subnetworks(gen):
-    # Appendix F: u_{k+1} = (1/p) Σ_l û^l holds for any partition, so the full model keeps 1/S
-    x = torch.randn(8, 3, generator=gen, dtype=torch.float64)
-    y = torch.randn(8, generator=gen, dtype=torch.float64)
-    m = SubnetMLP(3, 60, 1, generator=gen, dtype=torch.float64)
-    xi = [0.7, 0.2, 0.1]
-    assert simulated.selection_probability("categorical", 3, xi) == pytest.approx(1 / 3)
-    plan = simulated.sample_neurons(m, 3, "categorical", xi, gen)
-    assert sorted(torch.cat([p[0] for p in plan]).tolist()) == list(range(60))
-    params_list = m.extract_all(plan)
-    outs = []
-    for params, neurons in zip(params_list, plan):
-        simulated.local_train(m, params, neurons, x, y, 3, 0.1)
-        outs.append(m.subnet_forward(x, params, neurons).detach())
-    simulated.aggregate(m, params_list, plan)
-    torch.testing.assert_close(m(x, keep=1 / 3), torch.stack(outs).mean(0), rtol=1e-12, atol=1e-12)
-    hist = simulated.train(m, x, y, subnetworks=3, rounds=4, local_steps=2, lr=0.1, masks="categorical", xi=xi)
-    assert len(hist.errors) == 5 and all(math.isfinite(e) for e in hist.errors)
-
-
 def test_nonempty_probability_with_a_xi_vector():
     # n = 3 neurons, ξ = (0.7, 0.3): every subnetwork gets one unless all 3 go to the same one
     assert simulated.nonempty_probability("categorical", 3, 2, [0.7, 0.3]) == pytest.approx(1 - 0.7 ** 3 - 0.3 ** 3)

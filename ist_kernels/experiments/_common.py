@@ -24,26 +24,22 @@ JSON_DIGITS = 6  # significant digits of the floats in the JSON outputs
 
 # ---------------------------------------------------------------- options
 
-def ints(s: str) -> List[int]:
-    """A comma-separated list of integers (argparse type)."""
-    try:
-        out = [int(v) for v in s.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-    if not out:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return out
+def _number_list(cast: Callable[[str], Any], what: str) -> Callable[[str], List[Any]]:
+    def parse(s: str) -> List[Any]:
+        try:
+            out = [cast(v) for v in s.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}s, got {s!r}") from None
+        if not out:
+            raise argparse.ArgumentTypeError(f"expected at least one {what}")
+        return out
+    return parse
 
 
-def floats(s: str) -> List[float]:
-    """A comma-separated list of numbers (argparse type)."""
-    try:
-        out = [float(v) for v in s.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
-    if not out:
-        raise argparse.ArgumentTypeError("expected at least one number")
-    return out
+ints = _number_list(int, "integer")
+ints.__doc__ = "A comma-separated list of integers (argparse type)."
+floats = _number_list(float, "number")
+floats.__doc__ = "A comma-separated list of numbers (argparse type)."
 
 
 def parser(name: str, doc: str, seeds: Sequence[int] = (0, 1, 2), quick: str = "") -> argparse.ArgumentParser:
@@ -70,6 +66,23 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--dpi must be >= 10, got {args.dpi}")
     if any(s < 0 for s in args.seeds) or len(set(args.seeds)) != len(args.seeds):
         p.error(f"--seeds must be distinct integers >= 0, got {args.seeds}")
+
+
+def parse_args(p: argparse.ArgumentParser, argv: Sequence[str], quick: Dict[str, object],
+               positive: Sequence[str]) -> argparse.Namespace:
+    """Parse ``argv``; with ``--quick`` set each ``quick`` option (a value, or a function of the
+    parsed one) and keep the first two seeds; check the common options and that every option in
+    ``positive`` is >= 1."""
+    args = p.parse_args(list(argv))
+    if args.quick:
+        for name, value in quick.items():
+            setattr(args, name, value(getattr(args, name)) if callable(value) else value)
+        args.seeds = args.seeds[:2]
+    check_args(p, args)
+    for name in positive:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
 
 
 def summary_line(doc: str) -> str:

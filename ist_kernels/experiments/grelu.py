@@ -52,15 +52,8 @@ def parser() -> argparse.ArgumentParser:
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     p = parser()
-    args = p.parse_args(list(argv))
-    if args.quick:
-        args.n, args.d, args.width, args.steps = 20, 32, 64, 40
-        args.seeds = args.seeds[:2] if len(args.seeds) >= 2 else args.seeds
-        args.timing_repeats, args.timing_iters = 5, 3
-    C.check_args(p, args)
-    for name in ("n", "d", "depth", "width", "steps", "threads", "timing_repeats", "timing_iters"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    args = C.parse_args(p, argv, dict(n=20, d=32, width=64, steps=40, timing_repeats=5, timing_iters=3),
+                        ("n", "d", "depth", "width", "steps", "threads", "timing_repeats", "timing_iters"))
     if args.lr is None:
         args.lr = [default_lr(args)]
     if any(not lr > 0 for lr in args.lr):

@@ -65,15 +65,9 @@ def parser() -> argparse.ArgumentParser:
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     p = parser()
-    args = p.parse_args(list(argv))
-    if args.quick:
-        args.width, args.rounds, args.local_steps, args.dataset_size, args.batch_size = 4, 3, 2, 600, 16
-        args.seeds = args.seeds[:2]
-    C.check_args(p, args)
-    for name in ("dataset_size", "width", "workers", "rounds", "local_steps", "batch_size", "snapshot_every",
-                 "threads"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    args = C.parse_args(p, argv, dict(width=4, rounds=3, local_steps=2, dataset_size=600, batch_size=16),
+                        ("dataset_size", "width", "workers", "rounds", "local_steps", "batch_size",
+                         "snapshot_every", "threads"))
     if not 0 <= args.prune_ratio < 1 or not args.lr > 0:
         p.error("--prune-ratio must be in [0, 1) and --lr > 0")
     if args.data_path:

@@ -96,16 +96,9 @@ def parser() -> argparse.ArgumentParser:
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     p = parser()
-    args = p.parse_args(list(argv))
-    if args.quick:
-        args.width, args.n, args.rounds = 64, 20, 30
-        args.subnetworks, args.xi, args.local_steps, args.tau = [1, 2], [0.5, 0.9], [1, 2], 1
-        args.xi_vectors = args.xi_vectors[:2]
-        args.seeds = args.seeds[:2]
-    C.check_args(p, args)
-    for name in ("width", "n", "rounds", "tau", "features"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    args = C.parse_args(p, argv, dict(width=64, n=20, rounds=30, subnetworks=[1, 2], xi=[0.5, 0.9],
+                                      local_steps=[1, 2], tau=1, xi_vectors=lambda v: v[:2]),
+                        ("width", "n", "rounds", "tau", "features"))
     if min(args.subnetworks) < 1 or min(args.local_steps) < 1:
         p.error("--subnetworks and --local-steps must be >= 1")
     if any(not 0 < xi <= 1 for xi in args.xi):

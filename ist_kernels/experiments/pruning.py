@@ -54,14 +54,9 @@ def parser() -> argparse.ArgumentParser:
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     p = parser()
-    args = p.parse_args(list(argv))
-    if args.quick:
-        args.d, args.width, args.n_train, args.n_test, args.iters = 40, 8, 20, 50, 20
-        args.sigma_n, args.rates, args.seeds = args.sigma_n[:1], [0.0, 0.5, 0.9], args.seeds[:2]
-    C.check_args(p, args)
-    for name in ("d", "width", "n_train", "n_test", "iters", "threads"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    args = C.parse_args(p, argv, dict(d=40, width=8, n_train=20, n_test=50, iters=20, sigma_n=lambda v: v[:1],
+                                      rates=[0.0, 0.5, 0.9]),
+                        ("d", "width", "n_train", "n_test", "iters", "threads"))
     if any(not 0 <= r < 1 for r in args.rates) or 0.0 not in args.rates:
         p.error(f"--rates must lie in [0, 1) and include 0 (the dense model), got {args.rates}")
     args.rates = sorted(set(args.rates))
