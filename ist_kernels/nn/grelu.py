@@ -47,8 +47,8 @@ class GatedLinear(nn.Module):
         (default: the global one)."""
         linear_init_(self.weight, self.bias, generator)
 
-    def forward(self, x: Tensor, gates: Tensor) -> Tensor:
-        return functional.gated_linear(x, self.weight, gates, self.bias)
+    def forward(self, input: Tensor, gates: Tensor) -> Tensor:
+        return functional.gated_linear(input, self.weight, gates, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
