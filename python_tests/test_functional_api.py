@@ -78,7 +78,8 @@ def test_slice_gather_alias_warns_and_matches(gen):
 @pytest.mark.parametrize("reduce", ["copy", "sum", "mean"])
 def test_slice_scatter_alias_warns_and_matches(gen, reduce):
     targets, ids, idx, dims = _slices_case(gen)
-    updates = [torch.randn(s.shape, generator=gen, dtype=torch.float64) for s in F.gather_slices(targets, ids, idx, dims)]
+    shapes = [s.shape for s in F.gather_slices(targets, ids, idx, dims)]
+    updates = [torch.randn(shape, generator=gen, dtype=torch.float64) for shape in shapes]
     a, b = [t.clone() for t in targets], [t.clone() for t in targets]
     F.scatter_slices_(a, ids, updates, idx, dims, reduce)
     with pytest.warns(FutureWarning, match="slice_scatter_ is deprecated.*scatter_slices_"):

@@ -275,4 +275,5 @@ class SubnetMLP(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, width={self.width}, depth={self.depth}, "
-                f"out_features={self.out_features}, bias={self.hidden_biases is not None}, train_output={self.train_output}")
+                f"out_features={self.out_features}, bias={self.hidden_biases is not None}, "
+                f"train_output={self.train_output}")
