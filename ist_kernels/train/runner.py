@@ -7,6 +7,7 @@ import contextlib
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
@@ -22,6 +23,13 @@ from .models import build_model
 
 #: --precision -> the autocast dtype of the forward (fp32: no autocast)
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _autocasts(device_type: str, dtype: torch.dtype) -> bool:
+    """torch.autocast(device_type, dtype) is supported (an unsupported pair is disabled with a warning)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return bool(torch.autocast(device_type, dtype=dtype)._enabled)
 
 
 @dataclass
@@ -71,6 +79,12 @@ class RunContext:
         #: to it in global_model(), the trainer reads it, counted apart from the training bytes
         self.gather_bytes = 0
         self._scalers: Dict[int, Any] = {}  # worker -> torch.amp.GradScaler (--precision fp16)
+        dtype = AUTOCAST_DTYPES.get(cfg.precision)
+        if dtype is not None and not _autocasts(self.device.type, dtype):
+            from .config import ConfigError
+
+            raise ConfigError("precision", f"torch {torch.__version__} does not autocast {cfg.precision} on "
+                              f"{self.device.type}; use --precision fp32 or bf16")
 
     # who am I
     @property
@@ -176,7 +190,9 @@ class RunContext:
 
     def load_scaler_states(self, states: Dict[int, Dict[str, Any]]) -> None:
         for w, state in states.items():
-            self.grad_scaler(int(w)).load_state_dict(state)
+            scaler = self.grad_scaler(int(w))
+            if scaler is not None:  # (a checkpoint's precision is checked to be the run's)
+                scaler.load_state_dict(state)
 
     def backward_step(self, loss, optimizer, worker: int) -> None:
         """loss.backward() and optimizer.step(), through ``worker``'s gradient scaler under fp16 (a
