@@ -16,7 +16,8 @@ makes them on ours:
    ``triton_kernel_wrapper_functional`` nodes that Inductor compiles, autotunes and fuses around.
    The launcher knows it is being traced (``triton.common.tracing``): no data pointers, no device
    guard, and no autotune pre-hooks (Inductor refuses them), so the forward takes the pointer GEMM
-   instead of the TMA one there. CPU tensors are left to the C++ kernel (one op in the graph);
+   instead of the TMA one there. CPU tensors are left to the C++ kernel (one op in the graph), and
+   torch.export keeps the op whole, as it does a triton_op;
 
 plus the kernels' entry in ``torch._library.triton.triton_ops_to_kernels``, as ``triton_op`` makes,
 so the AOTAutograd cache key covers their source. With an older torch (no ``wrap_triton``) only
@@ -84,11 +85,20 @@ def _decomposition(launcher):
         if any(t not in (torch.Tensor, FunctionalTensor) and not issubclass(t, FakeTensor) for t in types):
             return NotImplemented  # another tensor subclass: its own rules first (as triton_op)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if not tensors or any(t.device.type != "cuda" for t in tensors):
+        if not tensors or any(t.device.type != "cuda" for t in tensors) or _exporting():
             return mode.__torch_dispatch__(func, types, args, kwargs)
         with mode, tracing():
             return launcher(*args, **kwargs)
     return rule
+
+
+def _exporting():
+    """torch.export keeps Triton ops whole (a serializable, backend-neutral program), as triton_op does."""
+    try:
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+    except ImportError:  # pragma: no cover (older torch)
+        return False
+    return custom_triton_ops_decomposition_disabled()
 
 
 def register_triton(qualname, launcher, kernels):
