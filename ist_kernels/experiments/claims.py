@@ -156,7 +156,7 @@ def rows_bytes(doc: Optional[Dict], method: str, model: str, claim: str) -> List
     """Paper 000/003 Table 1: the method's bytes per round over local SGD's, from bench_bytes.py's rows."""
     rows = [r for r in (doc or {}).get("rows", []) if r["method"] == method and r["model"] == model]
     if not rows:
-        return [[claim, "not run (python bench/bench_bytes.py)", "—"]]
+        return [[claim, "not run", "—"]]
     paper = [r for r in rows if r["paper_ratio"] is not None]
     close = sum(abs(r["ps_bytes_ratio"] - r["paper_ratio"]) <= RATIO_TOL for r in paper)
     meas = ("parameter-server bytes / local SGD's (the papers' convention), ours vs paper: "
