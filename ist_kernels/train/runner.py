@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint
+from .config import restart_count, under_torchrun
 from .datasets import ShardedData, _mix, augment_default, load_dataset
 from .methods import get_method
 from .models import build_model
@@ -218,6 +219,15 @@ def _barrier(world: World, what: str, r: int):
                         timeout=collective_timeout())
 
 
+def _crash_for_tests(r: int, world: World) -> None:
+    """Tests of elastic restarts only: with IST_TEST_FAIL_AT_ROUND=k the last rank of the first
+    attempt (TORCHELASTIC_RESTART_COUNT 0) dies before round k + 1, as a crashed machine would."""
+    at = os.environ.get("IST_TEST_FAIL_AT_ROUND")
+    if at is not None and r == int(at) and under_torchrun() and restart_count() == 0 and \
+            world.rank == world.world_size - 1:
+        os._exit(3)
+
+
 class RankStateError(RuntimeError):
     """A rank held more parameters, buffers and optimizer state than --max-rank-state-mb allows."""
 
@@ -279,6 +289,7 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
     bar = progress_bar(rounds, start, rank0 and cfg.progress, desc=f"{cfg.method} S={S}")
     cap = None if cfg.max_rank_state_mb is None else cfg.max_rank_state_mb * 1e6
     for r in range(start, end):
+        _crash_for_tests(r, world)
         t0 = time.perf_counter()
         res = method.run_round(r)
         if world.device.type == "cuda":
