@@ -220,11 +220,14 @@ def _barrier(world: World, what: str, r: int):
 
 
 def _crash_for_tests(r: int, world: World) -> None:
-    """Tests of elastic restarts only: with IST_TEST_FAIL_AT_ROUND=k the last rank of the first
-    attempt (TORCHELASTIC_RESTART_COUNT 0) dies before round k + 1, as a crashed machine would."""
+    """Tests of elastic restarts only: with IST_TEST_FAIL_AT_ROUND=k0,k1,... the last rank of
+    attempt n (TORCHELASTIC_RESTART_COUNT n) dies before round k_n + 1, as a crashed machine would."""
     at = os.environ.get("IST_TEST_FAIL_AT_ROUND")
-    if at is not None and r == int(at) and under_torchrun() and restart_count() == 0 and \
-            world.rank == world.world_size - 1:
+    if at is None or not under_torchrun() or world.rank != world.world_size - 1:
+        return
+    rounds = [int(k) for k in at.split(",")]
+    n = restart_count()
+    if n < len(rounds) and r == rounds[n]:
         os._exit(3)
 
 
