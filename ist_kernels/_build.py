@@ -6,6 +6,7 @@ another torch either fails to load (undefined symbols) or loads and crashes late
 into an ImportError here that says which torch each side has and how to rebuild (as
 torch_scatter does at import).
 """
+import importlib
 from typing import Optional
 
 import torch
@@ -44,7 +45,7 @@ def load_extension():
     """Import ``ist_kernels._C`` (registers the op schemas and the C++ kernels); ImportError saying
     how to rebuild when it is missing, does not load, or was built for another torch."""
     try:
-        from . import _C
+        _C = importlib.import_module(f"{__package__}._C")  # (`from . import _C` hides ModuleNotFoundError)
     except ImportError as e:
         if isinstance(e, ModuleNotFoundError) and e.name == f"{__package__}._C":
             raise ImportError(f"ist_kernels._C, the compiled extension, is not built. {_rebuild_hint()}.") from e
