@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import sys
+import time
 import traceback
 import uuid
 from typing import Any, Dict, List, Optional, Sequence
@@ -181,7 +182,12 @@ def _spawned(cfgs: List[TrainConfig]):
             status = 1
         else:
             report_failure(e, f"rank {rank}: ")
+        if isinstance(e, CollectiveError):  # a peer's failure is the cause: let the agent see that one first
+            time.sleep(PEER_GRACE_S)
         exit_worker(status)
+
+
+PEER_GRACE_S = 2.0  # a worker that saw a peer fail outlives it by this much (20 monitor intervals)
 
 
 _QUIET = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
@@ -220,7 +226,8 @@ def _spawn(cfgs: List[TrainConfig], s: int) -> List[Optional[Dict[str, Any]]]:
         with _quiet_launcher():
             results = elastic_launch(config, _spawned)(cfgs)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        killed = sorted(r for r, f in e.failures.items() if f.exitcode < 0)  # the cause, when one was killed
+        rank, failure = (killed[0], e.failures[killed[0]]) if killed else e.get_first_failure()
         restarts = f" (after {cfg.max_restarts} restart{'s' * (cfg.max_restarts > 1)})" if cfg.max_restarts else ""
         if failure.exitcode < 0:
             raise WorkerError(f"worker process {rank} (rank {rank}, pid {failure.pid}) was killed by "
