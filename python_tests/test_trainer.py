@@ -226,6 +226,19 @@ def test_config_files_and_flag_precedence(tmp_path):
     assert demo.method == "loft" and demo.rounds == 2 and demo.baseline and demo.prune_ratio == 0.5
 
 
+def test_demo_preset_yields_to_simulate(tmp_path):
+    # the preset's workers=2 is not the user's: --simulate S (flag or file) replaces it, no conflict
+    cfg = cli.build_config(["--demo", "--simulate", "4"])
+    assert (cfg.simulate, cfg.workers, cfg.num_workers, cfg.method) == (4, None, 4, "loft")
+    cfg.validate()
+    f = tmp_path / "c.yaml"
+    f.write_text("simulate: 3\n")
+    assert cli.build_config(["--demo", "--config", str(f)]).num_workers == 3
+    assert cli.build_config(["--demo"]).workers == 2  # the preset still applies where nothing overrides it
+    with pytest.raises(ConfigError, match="workers"):  # a conflict the user typed is still one
+        cli.build_config(["--demo", "--simulate", "4", "--workers", "2"]).validate()
+
+
 def test_method_registry_extension_point(tmp_path, monkeypatch):
     """A method registered from outside the package runs through the whole trainer."""
     from ist_kernels.train.methods.localsgd import LocalSGD

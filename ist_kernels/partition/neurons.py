@@ -53,33 +53,61 @@ def bernoulli_masks(
     return torch.rand(S, num_neurons, generator=generator) < xi
 
 
+def categorical_probabilities(probs, S: int, who: str = "categorical_assignment") -> Tensor:
+    """The float64 vector ξ of a categorical mask (paper 001 §3: neuron r goes to subnetwork l with
+    probability ξ_l), checked: S finite entries >= 0 summing to 1 (within 1e-6)."""
+    p = torch.as_tensor(probs, dtype=torch.float64).flatten().cpu()
+    if p.numel() != S:
+        raise ValueError(f"{who}: xi (categorical probabilities) must have S={S} entries, got {p.numel()}")
+    if not bool(torch.isfinite(p).all()) or bool((p < 0).any()) or abs(float(p.sum()) - 1.0) > 1e-6:
+        raise ValueError(f"{who}: xi (categorical probabilities) must be finite, >= 0 and sum to 1, "
+                         f"got {p.tolist()}")
+    return p
+
+
 def categorical_assignment(
-    num_neurons: int, S: int, generator: Optional[torch.Generator] = None, balanced: bool = False
+    num_neurons: int, S: int, generator: Optional[torch.Generator] = None, balanced: bool = False,
+    probs=None,
 ) -> Tensor:
     """The subnetwork (0..S-1) each neuron belongs to, int64 ``[num_neurons]``.
 
-    ``balanced=False``: each neuron i.i.d. Categorical(1/S · 1_S) (paper 001, Theorem 4), so the
-    subnetwork sizes are random (multinomial). ``balanced=True``: a random permutation dealt in
-    S near-equal chunks (sizes differ by at most one), as the IST code does.
+    ``balanced=False``: each neuron i.i.d. Categorical(ξ) (paper 001 §3), with ξ = ``probs`` (S
+    probabilities) or 1/S · 1_S (Theorem 4) when None, so the subnetwork sizes are random
+    (multinomial). ``balanced=True``: a random permutation dealt in S near-equal chunks (sizes
+    differ by at most one), as the IST code does; it takes no ``probs``.
     """
     _check("categorical_assignment", num_neurons, S)
     if balanced:
+        if probs is not None:
+            raise ValueError("categorical_assignment: balanced=True deals equal groups; it takes no probs (xi)")
         perm = torch.randperm(num_neurons, generator=generator)
         owner = torch.empty(num_neurons, dtype=torch.int64)
         # chunk c of the permutation is subnetwork c: sizes ceil/floor(num_neurons / S)
         owner[perm] = torch.arange(num_neurons) * S // max(num_neurons, 1)
         return owner
+    if probs is not None:
+        p = categorical_probabilities(probs, S)
+        if num_neurons == 0:
+            return torch.empty(0, dtype=torch.int64)
+        # inverse CDF of one uniform per neuron (the last edge is 1 exactly: rounding cannot
+        # give an owner S); an owner with ξ_l = 0 is never drawn
+        cdf = p.cumsum(0)
+        cdf[-1] = 1.0
+        u = torch.rand(num_neurons, generator=generator, dtype=torch.float64)
+        return torch.searchsorted(cdf, u, right=True).clamp_(max=S - 1)
     return torch.randint(0, S, (num_neurons,), generator=generator)
 
 
 def categorical_partition(
-    num_neurons: int, S: int, generator: Optional[torch.Generator] = None, balanced: bool = False
+    num_neurons: int, S: int, generator: Optional[torch.Generator] = None, balanced: bool = False,
+    probs=None,
 ) -> List[Tensor]:
     """S disjoint sorted int64 index lists covering every neuron exactly once.
 
-    See :func:`categorical_assignment` for the two ways of drawing the owner of each neuron.
+    See :func:`categorical_assignment` for the ways of drawing the owner of each neuron (``probs``:
+    the general categorical ξ vector).
     """
-    owner = categorical_assignment(num_neurons, S, generator, balanced)
+    owner = categorical_assignment(num_neurons, S, generator, balanced, probs)
     return masks_to_indices(owner.unsqueeze(0) == torch.arange(S).unsqueeze(1))
 
 

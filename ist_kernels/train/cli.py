@@ -108,7 +108,13 @@ def build_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
         file_values = load_config_file(ns["config"])
         demo = flags.get("demo", file_values.get("demo", False))
     if demo:
-        cfg.update(demo_preset(quick=flags.get("quick", False)), "the --demo preset")
+        preset = demo_preset(quick=flags.get("quick", False))
+        # the preset yields to what the user gave: --simulate S replaces the preset's worker count
+        # (both set S, and a preset value the user never typed must not conflict with theirs)
+        given = set(flags) | ({str(k).replace("-", "_") for k in file_values} if ns.get("config") else set())
+        if "simulate" in given:
+            preset.pop("workers")
+        cfg.update(preset, "the --demo preset")
     if ns.get("config"):
         cfg.update(file_values, ns["config"])
     cfg.update(flags, "flags")

@@ -23,6 +23,52 @@ def diabetes_regression(n: int = 100, generator: Optional[torch.Generator] = Non
     return x.to(dtype), y.to(dtype)
 
 
+def teacher_regression(n: int = 100, d: int = 128, generator: Optional[torch.Generator] = None,
+                       dtype=torch.float32, hidden: int = 16) -> Tuple[Tensor, Tensor]:
+    """A synthetic stand-in for paper 001 §5's data (the Communities and Crime subset: n = 100
+    samples, 128 features), in the setting of its Hypothesis 1: inputs x_i ~ N(0, I_d) scaled to
+    ‖x_i‖ = 1 (no two co-aligned), targets from a fixed random teacher
+    y_i = Σ_j v_j relu(√d ⟨u_j, x_i⟩) with ``hidden`` units, u_j ~ N(0, I_d / d), v_j ~ N(0, 1),
+    standardised (mean 0, std 1). Everything is drawn from ``generator``."""
+    if n < 1 or d < 1 or hidden < 1:
+        raise ValueError(f"teacher_regression: n, d and hidden must be >= 1, got {n}, {d}, {hidden}")
+    x = torch.randn(n, d, generator=generator, dtype=torch.float64)
+    x = x / x.norm(dim=1, keepdim=True)
+    u = torch.randn(hidden, d, generator=generator, dtype=torch.float64) / d ** 0.5
+    v = torch.randn(hidden, generator=generator, dtype=torch.float64)
+    y = torch.relu(d ** 0.5 * x @ u.T) @ v
+    y = (y - y.mean()) / y.std() if n > 1 else y - y.mean()
+    return x.to(dtype), y.to(dtype)
+
+
+def communities_regression(path: str, n: int = 100, dtype=torch.float32) -> Tuple[Tensor, Tensor]:
+    """The first n rows of the UCI Communities and Crime file ``communities.data`` (paper 001 §5;
+    nothing downloads: give the local file): its numeric predictive columns without missing
+    values ('?'), each row scaled to ‖x_i‖ = 1, the last column (ViolentCrimesPerPop)
+    standardised as the target. The first five columns (state, county, community, name, fold)
+    are not predictive and are dropped."""
+    import csv
+    import os
+
+    if not os.path.isfile(path):
+        raise ValueError(f"communities_regression: {path!r} is not a file (expected UCI communities.data)")
+    with open(path, newline="") as f:
+        rows = [r for r in csv.reader(f) if r]
+    if len(rows) < n or any(len(r) != len(rows[0]) for r in rows) or len(rows[0]) < 7:
+        raise ValueError(f"communities_regression: {path!r} must hold >= {n} rows of one length >= 7 "
+                         "(5 non-predictive columns, features, the target last)")
+    rows = rows[:n]
+    cols = [j for j in range(5, len(rows[0]) - 1) if all(r[j].strip() != "?" for r in rows)]
+    try:
+        x = torch.tensor([[float(r[j]) for j in cols] for r in rows], dtype=torch.float64)
+        y = torch.tensor([float(r[-1]) for r in rows], dtype=torch.float64)
+    except ValueError as e:
+        raise ValueError(f"communities_regression: {path!r} has a non-numeric value: {e}") from None
+    x = x / x.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    y = (y - y.mean()) / y.std() if n > 1 else y - y.mean()
+    return x.to(dtype), y.to(dtype)
+
+
 def signal_noise(n: int, d: int, sigma_n: float, *, num_classes: int = 2, mu: float = 1.0,
                  signed: bool = False, swap_patches: bool = True,
                  generator: Optional[torch.Generator] = None, dtype=torch.float32) -> Tuple[Tensor, Tensor]:

@@ -7,13 +7,14 @@ The pieces are separate so that a distributed trainer can reuse them: :func:`sam
 write-back into the full model).
 """
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Sequence
 
 import torch
 from torch import Tensor
 
 from ..nn.subnet import SubnetMLP
-from ..partition.neurons import bernoulli_masks, categorical_partition, masks_to_indices, round_generator
+from ..partition.neurons import (bernoulli_masks, categorical_partition, categorical_probabilities,
+                                 masks_to_indices, round_generator)
 
 # bernoulli: each subnetwork keeps each neuron with probability xi (paper 001 §4); categorical: each
 # neuron's owner drawn uniformly, so group sizes are multinomial (paper 001, Theorem 4); balanced:
@@ -30,26 +31,44 @@ def regression_loss(pred: Tensor, y: Tensor) -> Tensor:
     return 0.5 * (pred - y.reshape(pred.shape)).square().sum()
 
 
-def selection_probability(masks: str, S: int, xi: Optional[float]) -> float:
-    """ξ: the probability that a subnetwork selects a neuron (categorical: 1/S)."""
+def selection_probability(masks: str, S: int, xi) -> float:
+    """ξ: the probability that a subnetwork selects a neuron, the full model's output scale
+    (paper 001 §4). Categorical: 1/S for any ξ vector (``xi``: None for the uniform 1/S · 1_S,
+    or S probabilities): every neuron has exactly one owner, so u = (1/S) Σ_l û^l (Appendix F)."""
     if masks == "bernoulli":
         if xi is None:
             raise ValueError("bernoulli masks need xi (the selection probability)")
         return float(xi)
     if masks in ("categorical", "balanced"):
+        if xi is not None:
+            if masks == "balanced":
+                raise ValueError("balanced groups have equal sizes; they take no xi (categorical probabilities)")
+            categorical_probabilities(xi, S, "selection_probability")
         return 1.0 / S
     raise ValueError(f"masks must be one of {MASKS}, got {masks!r}")
 
 
-def nonempty_probability(masks: str, num_neurons: int, S: int, xi: Optional[float] = None) -> float:
+def nonempty_probability(masks: str, num_neurons: int, S: int, xi=None) -> float:
     """The probability that one layer's draw of ``masks`` over ``num_neurons`` neurons gives each of
-    the S subnetworks at least one neuron (exact; inclusion-exclusion for the categorical draw)."""
+    the S subnetworks at least one neuron (exact; inclusion-exclusion for the categorical draw).
+    With a categorical ξ vector: Σ_K (-1)^|K| (1 − Σ_{l∈K} ξ_l)^n over the sets K of subnetworks
+    left empty, exact for S <= 16; beyond, the positive lower bound 1 − Σ_l (1 − ξ_l)^n."""
     selection_probability(masks, S, xi)  # checks masks and xi
     n = num_neurons
     if masks == "balanced":
         return 1.0 if n >= S else 0.0
     if masks == "bernoulli":
         return (1.0 - (1.0 - xi) ** n) ** S
+    if xi is not None:
+        q = categorical_probabilities(xi, S).tolist()
+        if n < S or min(q) == 0.0:
+            return 0.0
+        if S > 16:
+            return max(1.0 - sum((1.0 - v) ** n for v in q), 5e-324)
+        from itertools import combinations
+
+        total = sum((-1) ** k * max(0.0, 1.0 - sum(c)) ** n for k in range(S + 1) for c in combinations(q, k))
+        return min(1.0, max(total, 5e-324))
     from fractions import Fraction
     from math import comb
 
@@ -57,16 +76,17 @@ def nonempty_probability(masks: str, num_neurons: int, S: int, xi: Optional[floa
     return float(Fraction(sum((-1) ** k * comb(S, k) * (S - k) ** n for k in range(S + 1)), S ** n))
 
 
-def _draw(masks: str, n: int, S: int, xi: Optional[float], generator) -> List[Tensor]:
+def _draw(masks: str, n: int, S: int, xi, generator) -> List[Tensor]:
     if masks == "bernoulli":
         return masks_to_indices(bernoulli_masks(n, S, xi, generator))
-    return categorical_partition(n, S, generator, balanced=masks == "balanced")
+    return categorical_partition(n, S, generator, balanced=masks == "balanced", probs=xi)
 
 
-def sample_neurons(model: SubnetMLP, S: int, masks: str, xi: Optional[float],
+def sample_neurons(model: SubnetMLP, S: int, masks: str, xi,
                    generator: torch.Generator) -> List[List[Tensor]]:
     """Algorithm 1 line 3: the neurons of each of the S subnetworks, one sorted index list per
-    hidden layer (layers drawn independently, in order), from ``generator``.
+    hidden layer (layers drawn independently, in order), from ``generator``. ``xi``: Bernoulli,
+    the selection probability; categorical, None (uniform) or the vector of S probabilities.
 
     An empty subnetwork is never trained (it would only move the shared output layer): a layer's
     draw that leaves some subnetwork without a neuron is drawn again from the same generator, so
@@ -154,10 +174,11 @@ def train_round(model: SubnetMLP, x: Tensor, y: Tensor, neurons_list, local_step
 
 
 def train(model: SubnetMLP, x: Tensor, y: Tensor, *, subnetworks: int, rounds: int, local_steps: int,
-          lr: float, masks: str = "bernoulli", xi: Optional[float] = None, seed: int = 0,
+          lr: float, masks: str = "bernoulli", xi=None, seed: int = 0,
           loss_fn: Callable[[Tensor, Tensor], Tensor] = regression_loss, progress=None) -> History:
     """Algorithm 1: K = ``rounds`` global iterations of S = ``subnetworks`` subnetworks with
-    ``masks`` ("bernoulli" with selection probability ``xi``, or "categorical"), τ =
+    ``masks`` ("bernoulli" with selection probability ``xi``, or "categorical" with ``xi`` None
+    for ξ = 1/S · 1_S or a vector of S probabilities), τ =
     ``local_steps`` GD steps of size ``lr`` each. Round k's masks come from
     ``round_generator(seed, k)``. The training error is measured on the full model scaled by ξ."""
     keep = selection_probability(masks, subnetworks, xi)

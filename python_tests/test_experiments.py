@@ -1,0 +1,252 @@
+"""The papers' experiments (ist_kernels.experiments): every experiment's --quick run writes its JSON,
+markdown and PNG with finite numbers; the shared statistics and divergence records; the data and
+ξ vectors they need. References are written from the math here or in python_tests/reference.py."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from ist_kernels import partition
+from ist_kernels.experiments import _common as C, claims
+from ist_kernels.experiments.__main__ import available, main, overview
+from ist_kernels.nn import SubnetMLP
+from ist_kernels.train import data, simulated
+
+EXPERIMENTS = ["grelu", "loft", "masked", "pruning"]
+
+
+def _numbers(obj, path="$"):
+    """Every number in a parsed JSON document, with its path."""
+    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+        return
+    if isinstance(obj, (int, float)):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _numbers(v, f"{path}.{k}")
+    else:
+        for i, v in enumerate(obj):
+            yield from _numbers(v, f"{path}[{i}]")
+
+
+def _load_json(path):
+    def bad(name):
+        raise AssertionError(f"{path}: non-standard JSON constant {name}")
+
+    with open(path) as f:
+        return json.load(f, parse_constant=bad)
+
+
+def _run_quick(name, out, *extra):
+    assert main([name, "--quick", "--out", str(out), *extra]) == 0
+    files = {ext: out / f"{name}.{ext}" for ext in ("json", "md", "png")}
+    for ext, f in files.items():
+        assert f.is_file() and os.path.getsize(f) > 100, f
+    assert files["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = _load_json(files["json"])
+    nums = list(_numbers(doc))
+    assert nums and all(math.isfinite(v) for _, v in nums)
+    assert doc["experiment"] == name and doc["seeds"] == [0, 1] and doc["divergences"] == []
+    _check_claims(out, name)
+    return doc, files["md"].read_text()
+
+
+PAPER = {"loft": "000", "masked": "001", "pruning": "002", "grelu": "004"}
+
+
+def _check_claims(folder, name):
+    """The claims table from a folder holding only ``name``'s JSON: its paper's rows carry a
+    measurement and a verdict, every other experiment's rows say "not run"."""
+    rows = [[c.strip() for c in r.strip().strip("|").split(" | ")] for r in claims.table(str(folder)).splitlines()[2:]]
+    assert rows and all(len(r) == 3 for r in rows)
+    mine = [r for r in rows if r[0].startswith(PAPER[name])]
+    assert mine and all(r[1] != "not run" and r[2] in VERDICTS for r in mine)
+    others = [r for r in rows if r[0][:3] in set(PAPER.values()) - {PAPER[name]}]
+    assert others and all(r[1] == "not run" for r in others)
+
+
+VERDICTS = {"holds", "mostly holds", "mixed", "does not hold", "does not hold on CPU",
+            "mild pruning holds; threshold differs", "not measured"}
+
+
+def test_help_lists_every_experiment_and_its_options(capsys):
+    assert set(EXPERIMENTS) <= set(available())
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out == overview() + "\n"
+    for name in EXPERIMENTS:
+        assert f"  {name} " in out and "--seeds" in out and "--quick" in out
+    for opt in ("--timing-repeats", "--xi-vectors", "--init-std", "--prune-ratio", "--data-path"):
+        assert opt in out
+    assert main([]) == 2 and main(["no_such_experiment"]) == 2
+    assert "no_such_experiment" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- one quick run per experiment (CI)
+def test_grelu_quick(tmp_path):
+    doc, md = _run_quick("grelu", tmp_path)
+    assert len(doc["runs"]) == 2 and doc["lrs"] == [doc["default_lr"]]
+    for run in doc["runs"]:
+        for net in ("GReLU", "ReLU"):
+            losses = run[net]["losses"]
+            assert run[net]["diverged_at"] == -1 and len(losses) == 41 and losses[-1] < losses[0]
+    t = doc["timing"]
+    assert set(t) == {"grelu_cached", "grelu_recomputed", "relu"}
+    for v in t.values():  # interleaved repeats: median and min of the same samples
+        assert len(v["repeats"]) == 5 and v["min_s"] == min(v["repeats"]) and v["min_s"] <= v["median_s"]
+    assert "median ms" in md and "No run diverged" in md
+
+
+def test_grelu_reports_divergence_with_its_lr(tmp_path):
+    assert main(["grelu", "--quick", "--seeds", "0", "--lr", "50", "--out", str(tmp_path)]) == 0
+    doc = _load_json(tmp_path / "grelu.json")
+    div = doc["divergences"]
+    assert div and all(d["lr"] == 50 and d["seed"] == 0 and d["step"] >= 1 for d in div)
+    run = doc["runs"][0]
+    for d in div:  # the losses after the divergence are null, before it finite
+        losses = run[d["what"]]["losses"]
+        assert losses[d["step"]:] == [None] * (len(losses) - d["step"])
+        assert all(v is not None for v in losses[:d["step"]])
+    assert "diverged" in (tmp_path / "grelu.md").read_text() and "lr 50" in (tmp_path / "grelu.md").read_text()
+
+
+def test_masked_quick(tmp_path):
+    doc, md = _run_quick("masked", tmp_path)
+    assert doc["floor_reached"]["of"] == len(doc["runs"]) == 2 * (4 + 4 + 2)
+    for r in doc["runs"]:
+        assert len(r["errors"]) == 31 and r["floor"] >= 0 and 0 <= r["local"] <= r["sampled"] + 1e-9
+    assert {tuple(v["xi"]) for v in doc["xi_vectors"]} == {(0.5, 0.5), (0.7, 0.3)}
+    assert set(doc["trends"]) == {"bernoulli_more_S_lower", "bernoulli_larger_xi_lower",
+                                  "categorical_more_tau_higher", "categorical_more_S_higher"}
+    assert doc["ntk"]["lambda_min"]["mean"] > 0 and "Fig. 2c" in md
+
+
+def test_pruning_quick(tmp_path):
+    doc, md = _run_quick("pruning", tmp_path)
+    assert doc["rates"] == [0.0, 0.5, 0.9] and doc["init_std"] == [0.1]
+    for r in doc["runs"]:
+        assert 0 <= r["train_error"] <= 1 and 0 <= r["test_error"] <= 1 and r["noise_spread"] > 0
+    assert "over-pruning" in md
+
+
+def test_loft_quick(tmp_path):
+    doc, md = _run_quick("loft", tmp_path)
+    assert set(doc["summary"]) == {"digits", "synthetic_cifar10"}
+    for cell in doc["cells"]:
+        for m in ("loft", "localsgd"):
+            assert cell["runs"][m]["rounds"] == [0, 1, 2, 3]
+            assert ("pairwise" in cell[m]) == (cell["seed"] == 0)  # Figure 1's matrices: the first seed's
+            for k, mat in cell[m].get("pairwise", {}).items():
+                assert all(mat[i][i] == 0 for i in range(4))  # a ranking is at distance 0 from itself
+                assert [row[-1] for row in mat] == cell[m]["to_final"][k]
+            assert all(curve[-1] == 0 for curve in cell[m]["to_final"].values())
+        for k, curve in cell["loft_vs_dense"].items():
+            assert curve[0] == 0  # both runs start from the same initial model
+    assert "chance" in md
+
+
+def test_claims_table_goes_into_the_readme_between_its_markers(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\nbefore\n{claims.START}\nold table\n{claims.END}\nafter\n")
+    assert claims.main(["--results", str(tmp_path), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    table = claims.table(str(tmp_path))
+    assert text == f"# title\n\nbefore\n{claims.START}\n{table}\n{claims.END}\nafter\n"
+    assert (tmp_path / "claims.md").read_text().endswith(table + "\n") and table in capsys.readouterr().out
+    readme.write_text("no markers\n")
+    with pytest.raises(ValueError, match="claims:start"):
+        claims.update_readme(str(readme), table)
+
+
+# ---------------------------------------------------------------- shared pieces
+def test_stats_trend_and_divergence_helpers():
+    s = C.stats([1.0, 2.0, 3.0, float("nan"), None])
+    assert (s["mean"], s["std"], s["n"], s["n_diverged"]) == (2.0, 1.0, 3, 2)
+    assert C.stats([None])["mean"] is None and C.fmt(C.stats([None])) == "diverged"
+    assert C.diverged_at([1.0, 2.0, 3.0]) is None
+    assert C.diverged_at([1.0, 0.5, float("inf")]) == 2 and C.diverged_at([1.0, 2e6]) == 1
+    a, b, z = C.stats([1.0, 1.1, 0.9]), C.stats([2.0, 2.1, 1.9]), C.stats([0.0, 0.0])
+    assert C.significant(a, b) and not C.significant(a, C.stats([1.05, 1.0, 0.95]))
+    grid = [[a, b], [b, a], [z, z]]
+    assert C.trend(grid, 1, +1) == {"hits": 1, "significant": 1, "pairs": 2}  # the tie (0, 0) is left out
+    assert C.trend(grid, 0, -1) == {"hits": 3, "significant": 3, "pairs": 4}
+    assert C.jsonable({"x": (1.0, float("nan")), 2: torch.tensor([1.5])}) == {"x": [1.0, None], "2": [1.5]}
+
+
+def test_ntk_eigenvalues_match_a_monte_carlo_estimate(gen):
+    from ist_kernels.experiments.masked import ntk_eigenvalues
+
+    x = torch.randn(7, 5, generator=gen, dtype=torch.float64)
+    x = x / x.norm(dim=1, keepdim=True)
+    w = torch.randn(400000, 5, generator=gen, dtype=torch.float64)
+    on = (x @ w.T >= 0).double()  # H^∞_ij = E_w ⟨x_i, x_j⟩ 1{⟨w, x_i⟩ ≥ 0, ⟨w, x_j⟩ ≥ 0}
+    h = (x @ x.T) * (on @ on.T) / w.shape[0]
+    ev = torch.linalg.eigvalsh(h)
+    lo, hi = ntk_eigenvalues(x)
+    assert abs(lo - ev[0].item()) < 5e-3 and abs(hi - ev[-1].item()) < 5e-3
+
+
+# ---------------------------------------------------------------- data of the experiments
+def test_teacher_regression(gen):
+    x, y = data.teacher_regression(50, 128, torch.Generator().manual_seed(3))
+    x2, y2 = data.teacher_regression(50, 128, torch.Generator().manual_seed(3))
+    assert torch.equal(x, x2) and torch.equal(y, y2) and x.shape == (50, 128) and y.shape == (50,)
+    torch.testing.assert_close(x.norm(dim=1), torch.ones(50))
+    assert abs(y.mean().item()) < 1e-5 and abs(y.std().item() - 1) < 1e-5
+    with pytest.raises(ValueError, match="n, d and hidden"):
+        data.teacher_regression(0, 128)
+
+
+def test_communities_regression_reads_the_uci_layout(tmp_path):
+    rows = ["1,2,3,Town,1,0.5,?,0.25,0.1", "4,5,6,City,2,0.0,0.3,0.75,0.9", "7,8,9,Ville,3,1.0,0.2,0.5,0.4"]
+    f = tmp_path / "communities.data"
+    f.write_text("\n".join(rows) + "\n")
+    x, y = data.communities_regression(str(f), n=3, dtype=torch.float64)
+    raw = torch.tensor([[0.5, 0.25], [0.0, 0.75], [1.0, 0.5]], dtype=torch.float64)  # '?' column dropped
+    torch.testing.assert_close(x, raw / raw.norm(dim=1, keepdim=True))
+    t = torch.tensor([0.1, 0.9, 0.4], dtype=torch.float64)
+    torch.testing.assert_close(y, (t - t.mean()) / t.std())
+    with pytest.raises(ValueError, match="must hold >= 5 rows"):
+        data.communities_regression(str(f), n=5)
+    with pytest.raises(ValueError, match="is not a file"):
+        data.communities_regression(str(tmp_path / "missing"), n=3)
+    f.write_text("1,2,3,T,1,abc,0.2\n")
+    with pytest.raises(ValueError, match="non-numeric"):
+        data.communities_regression(str(f), n=1)
+
+
+# ---------------------------------------------------------------- general categorical ξ (paper 001 §3)
+def test_categorical_xi_vector_frequencies(gen):
+    xi = [0.6, 0.0, 0.3, 0.1]
+    owner = partition.categorical_assignment(50000, 4, gen, probs=xi)
+    freq = torch.bincount(owner, minlength=4).double() / 50000
+    # std of each frequency <= sqrt(0.25/50000) = 0.0022; 0.015 is > 6 standard deviations
+    assert (freq - torch.tensor(xi, dtype=torch.float64)).abs().max() < 0.015 and freq[1] == 0
+    parts = partition.categorical_partition(1001, 4, gen, probs=xi)
+    assert torch.equal(torch.sort(torch.cat(parts)).values, torch.arange(1001)) and parts[1].numel() == 0
+    assert partition.categorical_assignment(0, 3, gen, probs=[0.2, 0.3, 0.5]).numel() == 0
+
+
+@pytest.mark.parametrize("probs,match", [([0.5, 0.5], "S=3 entries"), ([0.5, 0.6, -0.1], ">= 0"),
+                                         ([0.2, 0.2, 0.2], "sum to 1"), ([float("nan"), 0.5, 0.5], "finite")])
+def test_categorical_xi_vector_bad_input(probs, match):
+    with pytest.raises(ValueError, match=match):
+        partition.categorical_assignment(10, 3, probs=probs)
+    with pytest.raises(ValueError, match="xi"):
+        simulated.selection_probability("categorical", 3, probs)
+    with pytest.raises(ValueError, match="balanced"):
+        partition.categorical_assignment(10, 2, balanced=True, probs=[0.5, 0.5])
+
+
+def test_nonempty_probability_with_a_xi_vector():
+    # n = 3 neurons, ξ = (0.7, 0.3): every subnetwork gets one unless all 3 go to the same one
+    assert simulated.nonempty_probability("categorical", 3, 2, [0.7, 0.3]) == pytest.approx(1 - 0.7 ** 3 - 0.3 ** 3)
+    uniform = simulated.nonempty_probability("categorical", 9, 4)
+    assert simulated.nonempty_probability("categorical", 9, 4, [0.25] * 4) == pytest.approx(uniform, rel=1e-12)
+    assert simulated.nonempty_probability("categorical", 50, 3, [0.5, 0.5, 0.0]) == 0.0
+    assert simulated.nonempty_probability("categorical", 2, 3, [0.2, 0.3, 0.5]) == 0.0
+    with pytest.raises(ValueError, match="cannot give each"):
+        simulated.sample_neurons(SubnetMLP(3, 20, 1), 3, "categorical", [0.5, 0.5, 0.0], torch.Generator())
+
