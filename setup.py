@@ -55,7 +55,7 @@ def extensions():
     if not debug:
         cxx.append("-fopenmp")
     nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
-    sources = _sources("csrc/ops.cpp") + _sources("csrc/cpu/*.cpp")
+    sources = _sources("csrc/*.cpp") + _sources("csrc/cpu/*.cpp")  # ops.cpp (schemas), autocast.cpp
     include_dirs = [os.path.join(HERE, "csrc")]
     kwargs = dict(
         name="ist_kernels._C",

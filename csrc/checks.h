@@ -20,6 +20,13 @@
 
 namespace ist {
 
+// Declared first thing in every kernel: the ATen calls inside (at::mm, at::addmm, ...) never autocast
+// by themselves, so a kernel's output dtype is its inputs' dtype, as its fake kernel says, however it
+// is reached. Autocast is applied once, outside, by the ops' autocast kernels (csrc/autocast.cpp).
+struct NoAutocast {
+  c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};
+};
+
 inline void check_gate_mask(const at::Tensor& mask, const char* op) {
   TORCH_CHECK_VALUE(mask.dim() >= 1, op, ": mask must have at least 1 dimension (features last), got a 0-d tensor");
   const auto t = mask.scalar_type();

@@ -246,9 +246,6 @@ for op, build, w_pos, check in (("subnet_linear", subnet_args, 1, check_subnet_f
             rf"{name} must not repeat an index, but {name}\[2\] = 2 repeats {name}\[0\]", (CPP, TRITON))
         add(op, name, "valid", replace(build, pos, strided_list(3, 1, 0, junk=2**40)), None, paths=(CPP, TRITON),
             check=check, note="strided (issue 10 item 3)")
-    # fp16 is a CUDA (Triton) dtype only; a meta weight may stand for CUDA, so only the C++ path
-    add(op, "weight", "dtype", replace(build, w_pos, lambda a, p=w_pos: a[p].half()), TypeError,
-        r"weight must be float32, float64,? (or )?bfloat16 on (the CPU|cpu)", (CPP,), note="fp16 on the CPU")
     add(op, "weight", "dtype", replace(build, w_pos, lambda a, p=w_pos: a[p].int()), TypeError,
         r"weight must be .*float32", GEMM)
 add("subnet_linear", "bias", "shape", replace(subnet_args, 2, rnd(5)), ValueError, r"bias must have shape \[6\]", GEMM)

@@ -263,7 +263,7 @@ def test_gated_linear(data, backend):
 def test_subnet_linear(data, backend):
     gen = generator(data)
     small = backend != "cpp"
-    dtype = data.draw(st.sampled_from({"cpp": [torch.float32, torch.float64, torch.bfloat16],
+    dtype = data.draw(st.sampled_from({"cpp": GEMM_CPU_DTYPES,
                                        "gather-gemm": GEMM_CPU_DTYPES, "triton": TRITON_DTYPES}[backend]), label="dtype")
     N = data.draw(st.integers(0, 40 if not small else 24), label="N")
     K = data.draw(st.integers(0, 40 if not small else 24), label="K")

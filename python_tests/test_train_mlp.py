@@ -319,8 +319,6 @@ BAD = [
     (["--method", "masked", "--option", "kappa=-1"], "'options.kappa'", "positive"),
     (["--method", "grelu", "--option", "subnetworks=sometimes"], "'options.subnetworks'", "boolean"),
     (["--method", "grelu", "--model", "resnet18"], "'model'", "GReLU"),
-    (["--method", "ist", "--precision", "bf16"], "'precision'", "fp32"),
-    (["--method", "grelu", "--precision", "bf16"], "'precision'", "fp32"),
 ]
 
 

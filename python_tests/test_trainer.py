@@ -166,7 +166,7 @@ BAD = [
     (["--lr", "-1"], "'lr'"),
     (["--lr", "abc"], "'lr'"),
     (["--rounds", "2.5"], "'rounds'"),
-    (["--precision", "fp16"], "'precision'"),
+    (["--precision", "fp8"], "'precision'"),
     (["--method", "nope"], "'method'"),
     (["--dataset", "mnist"], "'dataset'"),
     (["--model", "nonexistent_net"], "'model'"),

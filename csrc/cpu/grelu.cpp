@@ -183,6 +183,7 @@ void mask_rows(const T* src, int64_t s0, int64_t s1, const int32_t* gates, T* ds
 
 std::tuple<at::Tensor, at::Tensor> relu_gates(const at::Tensor& x, const at::Tensor& weight,
                                               const std::optional<at::Tensor>& bias) {
+  const NoAutocast no_autocast;
   check_grelu_linear("relu_gates", x, weight, bias);
   const int64_t N = weight.size(0);
   auto z = linear_rows(rows_of(x), weight, bias);  // [M, N], contiguous
@@ -195,6 +196,7 @@ std::tuple<at::Tensor, at::Tensor> relu_gates(const at::Tensor& x, const at::Ten
 
 at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                         const at::Tensor& gates) {
+  const NoAutocast no_autocast;
   check_grelu_linear("gated_linear", x, weight, bias);
   const int64_t N = weight.size(0);
   check_grelu_gates("gated_linear", gates, x, N);
@@ -211,6 +213,7 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& weight, const std
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_linear_backward(const at::Tensor& grad_out, const at::Tensor& x,
                                                                      const at::Tensor& weight, const at::Tensor& gates,
                                                                      const c10::List<bool>& mask) {
+  const NoAutocast no_autocast;
   const char* op = "gated_linear_backward";
   check_grelu_linear(op, x, weight, std::nullopt);
   const std::array<bool, 3> output_mask = check_output_mask(mask, op);

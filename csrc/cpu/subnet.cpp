@@ -38,8 +38,8 @@ struct Subnet {
 
 void check_dtype(const at::Tensor& t, const char* op, const char* name) {
   const auto d = t.scalar_type();
-  TORCH_CHECK_TYPE(d == at::kFloat || d == at::kDouble || d == at::kBFloat16, op, ": ", name,
-                   " must be float32, float64 or bfloat16 on the CPU, got ", d);
+  TORCH_CHECK_TYPE(d == at::kFloat || d == at::kDouble || d == at::kBFloat16 || d == at::kHalf, op, ": ", name,
+                   " must be float32, float64, bfloat16 or float16 on the CPU, got ", d);
 }
 
 Subnet check_subnet(const char* op, const at::Tensor& x, const at::Tensor& weight,
@@ -127,6 +127,7 @@ std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
 
 at::Tensor subnet_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& cols) {
+  const NoAutocast no_autocast;
   const Subnet s = check_subnet("subnet_linear", x, weight, bias, rows, cols);
   // Inside the kernel nothing is differentiated (autograd is registered around the op); the
   // inputs are detached because at::parallel_for's worker threads have their own grad mode.
@@ -136,7 +137,7 @@ at::Tensor subnet_linear(const at::Tensor& x, const at::Tensor& weight, const st
   auto y = at::empty({M, s.Nr}, x.options());
   if (M == 0 || s.Nr == 0) return y.view(with_last(x.sizes(), s.Nr));
 
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, weight.scalar_type(), "subnet_linear", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, weight.scalar_type(), "subnet_linear", [&] {
     // b[rows], compact (Nr values: small).
     at::Tensor b;
     if (bias.has_value()) {
@@ -173,6 +174,7 @@ at::Tensor subnet_linear(const at::Tensor& x, const at::Tensor& weight, const st
 std::tuple<at::Tensor, at::Tensor, at::Tensor> subnet_linear_backward(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& rows,
     const std::optional<at::Tensor>& cols, const c10::List<bool>& mask) {
+  const NoAutocast no_autocast;
   constexpr const char* op = "subnet_linear_backward";
   const Subnet s = check_subnet(op, x, weight, std::nullopt, rows, cols);
   const std::array<bool, 3> output_mask = check_output_mask(mask, op);
@@ -190,7 +192,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> subnet_linear_backward(
   const auto opts = weight.options();
   at::Tensor grad_x = at::empty({0}, opts), grad_weight = at::empty({0}, opts), grad_bias = at::empty({0}, opts);
 
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, weight.scalar_type(), "subnet_linear_backward", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, weight.scalar_type(), "subnet_linear_backward", [&] {
     const scalar_t* w = weight.const_data_ptr<scalar_t>();
     const int64_t sN = weight.stride(0), sK = weight.stride(1);
 

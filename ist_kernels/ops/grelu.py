@@ -1,5 +1,6 @@
 """relu_gates / gated_linear / gated_linear_backward (GReLU, paper 004 §2.1, §4.4): fake kernels,
-autograd, and the Triton kernels as the CUDA backend (the CPU backend is csrc/cpu/grelu.cpp).
+autograd, and the CUDA backend: the Triton kernels (an ATen composition without triton; see
+ops/_cuda.py). The CPU backend is csrc/cpu/grelu.cpp; autocast, csrc/autocast.cpp.
 
 Gradients:
 * gated_linear: x, weight and bias, through the gated_linear_backward op (g' = g ⊙ G applied
@@ -11,6 +12,7 @@ Gradients:
 import torch
 
 from ._checks import check_gated_linear_backward, check_grelu_gates, check_grelu_linear, gate_words
+from ._cuda import HAS_TRITON, register_composition, register_triton, warn_no_triton
 
 _ops = torch.ops.ist_kernels
 
@@ -71,14 +73,17 @@ def _relu_gates_grad(ctx, grad_out, grad_gates):
 torch.library.register_autograd("ist_kernels::relu_gates", _relu_gates_grad, setup_context=_relu_gates_setup)
 
 
-# ---- CUDA backend: Triton (guarded: the package imports without triton)
-try:
+# ---- CUDA backend: the Triton kernels, traceable by torch.compile where torch allows (ops/_cuda.py);
+# without triton, the ATen composition of ist_kernels/cuda/grelu.py.
+_OPS = ("relu_gates", "gated_linear", "gated_linear_backward")
+if HAS_TRITON:
     from ..triton import grelu as _triton_grelu
-except ImportError:  # pragma: no cover
-    _triton_grelu = None
 
-if _triton_grelu is not None:
-    torch.library.register_kernel("ist_kernels::relu_gates", "cuda", _triton_grelu.relu_gates)
-    torch.library.register_kernel("ist_kernels::gated_linear", "cuda", _triton_grelu.gated_linear)
-    torch.library.register_kernel("ist_kernels::gated_linear_backward", "cuda",
-                                  _triton_grelu.gated_linear_backward)
+    for _name in _OPS:
+        register_triton(f"ist_kernels::{_name}", getattr(_triton_grelu, _name), _triton_grelu.TRITON_KERNELS)
+else:
+    from ..cuda import grelu as _aten_grelu
+
+    warn_no_triton(_OPS, "cuBLAS GEMMs with separate gate passes")
+    for _name in _OPS:
+        register_composition(f"ist_kernels::{_name}", getattr(_aten_grelu, _name))

@@ -8,9 +8,10 @@ the Triton gathered-load GEMMs (ist_kernels/triton/subnet.py) are the alternativ
 import torch
 
 from ._checks import check, check_index_list, check_output_mask, check_same_device, check_type
+from ._cuda import register_composition
 
 # dtypes each backend implements.
-CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # csrc/cpu/subnet.cpp
+CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # csrc/cpu/subnet.cpp
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # CUDA (cuda/ and triton/subnet.py)
 
 
@@ -91,8 +92,8 @@ torch.library.register_autograd("ist_kernels::subnet_linear", _backward, setup_c
 # this beats the in-kernel gather of ist_kernels/triton/subnet.py, which stays as the Triton variant).
 from ..cuda import subnet as _cuda  # noqa: E402
 
-torch.library.register_kernel("ist_kernels::subnet_linear", "cuda", _cuda.subnet_linear)
-torch.library.register_kernel("ist_kernels::subnet_linear_backward", "cuda", _cuda.subnet_linear_backward)
+register_composition("ist_kernels::subnet_linear", _cuda.subnet_linear)
+register_composition("ist_kernels::subnet_linear_backward", _cuda.subnet_linear_backward)
 
 # The Triton variant (ist_kernels/triton/subnet.py; tested and benchmarked, not registered), given
 # index lists it can read: its kernels load entry p of an index list at base + p (unit stride), so

@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "cosine", "step")
 BACKENDS = ("auto", "gloo", "nccl")
 STORAGES = ("decentralized", "replicated")
@@ -98,7 +98,7 @@ class TrainConfig:
     # run
     seed: int = _opt(0, "seed of the model initialisation, data shards and plans")
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
-    precision: str = _opt("fp32", "fp32, or bf16 (autocast)")
+    precision: str = _opt("fp32", "fp32, or bf16 / fp16 (autocast of the forward; fp16 with a gradient scaler)")
     eval_interval: int = _opt(1, "evaluate every this many rounds (0: only before the first and after the last)")
     out_dir: Optional[str] = _opt(None, "output folder (default runs/<method>-<model>-<dataset>-S<S>)")
     checkpoint_dir: Optional[str] = _opt(None, "checkpoint folder (default <out_dir>/checkpoints)")

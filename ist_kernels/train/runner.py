@@ -7,6 +7,7 @@ import contextlib
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
@@ -20,6 +21,16 @@ from .config import restart_count, under_torchrun
 from .datasets import ShardedData, _mix, augment_default, load_dataset
 from .methods import get_method
 from .models import build_model
+
+#: --precision -> the autocast dtype of the forward (fp32: no autocast)
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _autocasts(device_type: str, dtype: torch.dtype) -> bool:
+    """torch.autocast(device_type, dtype) is supported (an unsupported pair is disabled with a warning)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return bool(torch.autocast(device_type, dtype=dtype)._enabled)
 
 
 @dataclass
@@ -68,6 +79,13 @@ class RunContext:
         #: bytes this process sent assembling the full model (evaluation, the final save); methods add
         #: to it in global_model(), the trainer reads it, counted apart from the training bytes
         self.gather_bytes = 0
+        self._scalers: Dict[int, Any] = {}  # worker -> torch.amp.GradScaler (--precision fp16)
+        dtype = AUTOCAST_DTYPES.get(cfg.precision)
+        if dtype is not None and not _autocasts(self.device.type, dtype):
+            from .config import ConfigError
+
+            raise ConfigError("precision", f"torch {torch.__version__} does not autocast {cfg.precision} on "
+                              f"{self.device.type}; use --precision fp32 or bf16")
 
     # who am I
     @property
@@ -150,9 +168,44 @@ class RunContext:
         return lr
 
     def autocast(self):
-        if self.cfg.precision == "bf16":
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        """The forward's autocast region: --precision bf16 / fp16 (every op of the package autocasts,
+        csrc/autocast.cpp); a no-op for fp32. Losses are computed in fp32 (:meth:`loss`)."""
+        dtype = AUTOCAST_DTYPES.get(self.cfg.precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def grad_scaler(self, worker: int) -> Optional["torch.amp.GradScaler"]:
+        """--precision fp16: ``worker``'s gradient scaler (fp16 gradients underflow without one; on
+        CUDA and on the CPU, both of which torch supports), kept across rounds so its scale carries
+        over although optimizers are fresh every round, and checkpointed (:meth:`scaler_states`).
+        None for fp32 / bf16."""
+        if self.cfg.precision != "fp16":
+            return None
+        if worker not in self._scalers:
+            self._scalers[worker] = torch.amp.GradScaler(self.device.type)
+        return self._scalers[worker]
+
+    def scaler_states(self) -> Dict[int, Dict[str, Any]]:
+        return {w: s.state_dict() for w, s in self._scalers.items()}
+
+    def load_scaler_states(self, states: Dict[int, Dict[str, Any]]) -> None:
+        for w, state in states.items():
+            scaler = self.grad_scaler(int(w))
+            if scaler is not None:  # (a checkpoint's precision is checked to be the run's)
+                scaler.load_state_dict(state)
+
+    def backward_step(self, loss, optimizer, worker: int) -> None:
+        """loss.backward() and optimizer.step(), through ``worker``'s gradient scaler under fp16 (a
+        step whose gradients overflowed is skipped and the scale lowered, as torch.amp does)."""
+        scaler = self.grad_scaler(worker)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+            return
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
 
     def loss(self, out, y):
         if self.dataset.task == "classification":
@@ -174,8 +227,7 @@ class RunContext:
             with self.autocast():
                 out = model(x)
             loss = self.loss(out, y)
-            loss.backward()
-            optimizer.step()
+            self.backward_step(loss, optimizer, worker)
             total += loss.detach()
         return float(total)
 
@@ -255,6 +307,7 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
         payload = checkpoint.restore(ckpt_dir, world.rank, world.world_size, cfg, method)
         start, history = payload["round"], payload.get("history", [])
         train_time, wall0 = payload["train_time"], payload["wall_time"]
+        ctx.load_scaler_states(payload.get("grad_scalers", {}))
         if start > rounds:
             from .config import ConfigError
 
@@ -329,7 +382,8 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
         if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == end:
             checkpoint.save(ckpt_dir, done, world.rank, world.world_size, {
                 "config": cfg.to_dict(), "num_workers": S, "method": method.state_dict(),
-                "rng": checkpoint.rng_state(), "history": log.history if rank0 else [],
+                "rng": checkpoint.rng_state(), "grad_scalers": ctx.scaler_states(),
+                "history": log.history if rank0 else [],
                 "train_time": train_time, "wall_time": rec["wall_time"]},
                 barrier=lambda what: _barrier(world, what, done),
                 manifest={"storage": cfg.storage if S > 1 else "single",

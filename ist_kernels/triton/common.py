@@ -1,7 +1,10 @@
 """Pieces every Triton GEMM in ist_kernels shares."""
+import contextlib
 import os
+import threading
 from typing import Callable, NamedTuple, Optional, Sequence
 
+import torch
 import triton
 import triton.language as tl
 
@@ -14,6 +17,34 @@ AUTOTUNE = os.environ.get("IST_KERNELS_AUTOTUNE", "1") != "0"
 
 
 _CHOSEN = {}  # kernel -> (its autotune configs, its pinned config), filled by tuned()
+
+# torch.library.wrap_triton (torch >= 2.6): launches torch.compile can trace (ist_kernels/ops/_cuda.py)
+_wrap_triton = getattr(torch.library, "wrap_triton", None)
+_STATE = threading.local()
+
+
+def launch(kernel):
+    """``kernel`` ready for ``kernel[grid](...)``: every launch goes through wrap_triton where torch
+    has it, so under torch.compile the launch is traced into the graph; eager launches are direct
+    (ops/_cuda.py switches wrap_triton off around the eager kernels)."""
+    return kernel if _wrap_triton is None else _wrap_triton(kernel)
+
+
+@contextlib.contextmanager
+def tracing():
+    """Marks the launchers as traced by torch.compile (fake tensors): they then read no data
+    pointers, enter no device guard, and launch no kernel whose autotune configs have pre-hooks
+    (Inductor refuses those)."""
+    before = getattr(_STATE, "tracing", False)
+    _STATE.tracing = True
+    try:
+        yield
+    finally:
+        _STATE.tracing = before
+
+
+def is_tracing() -> bool:
+    return getattr(_STATE, "tracing", False)
 
 
 def tuned(kernel, configs, key, pinned):

@@ -25,7 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..ops._checks import (check, check_gated_linear_backward, check_grelu_gates,
                           check_grelu_linear, gate_words)
 
-from .common import INTERPRET as _INTERPRET, HopperKernel, grouped_tile, tuned
+from .common import INTERPRET as _INTERPRET, HopperKernel, grouped_tile, is_tracing, launch, tuned
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -241,8 +241,8 @@ def _pick(tuned, plain):
 
 
 def _on(t):
-    """Launch on t's GPU (Triton launches on the current device)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    """Launch on t's GPU (Triton launches on the current device); traced, Inductor's code guards it."""
+    return torch.cuda.device(t.device) if t.is_cuda and not is_tracing() else contextlib.nullcontext()
 
 
 def _precision(t):
@@ -283,7 +283,7 @@ def _cublas_then_pass(x2, weight, bias, g2, relu_gates):
         M, N = z.shape
         tile = INTERPRET_GATE_GRAD_TILE if _INTERPRET else GATE_GRAD_TILE
         if M > 0 and N > 0:
-            _relu_pack[(triton.cdiv(M, tile["BM"]), triton.cdiv(N, tile["BN"]))](
+            launch(_relu_pack)[(triton.cdiv(M, tile["BM"]), triton.cdiv(N, tile["BN"]))](
                 z, g2, M, N, z.stride(0), z.stride(1), g2.stride(0), g2.stride(1), num_warps=4, **tile)
         return z
     return gate_grad(z, g2, want_out=True, want_db=False, out=z)[0]
@@ -318,7 +318,7 @@ def _launch_tma(x2, weight, bias, g2, out, relu_gates):
     sms = _num_sms(x2)
     kernel = _fwd_tma_tuned if _fwd_tma_tuned is not None else _linear_gates_fwd_tma
     grid = lambda meta: (min(sms, triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"])),)  # noqa: E731
-    kernel[grid](
+    launch(kernel)[grid](
         x_desc, w_desc, bias if bias is not None else out, g2, out, M, N, K,
         bias.stride(0) if bias is not None else 0, g2.stride(0), g2.stride(1), out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None, RELU_GATES=relu_gates, PRECISION=_precision(x2), ACC=_acc(x2), NUM_SMS=sms,
@@ -342,12 +342,12 @@ def _forward(op, x, weight, bias, gates, relu_gates):
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M > 0 and N > 0:
         with _on(x):
-            if USE_TMA and _tma_ok(x2, weight):
+            if USE_TMA and not is_tracing() and _tma_ok(x2, weight):  # traced: the pointer kernel
                 _launch_tma(x2, weight, bias, g2, out, relu_gates)
             else:
                 kernel, cfg = _pick(_fwd_tuned, _linear_gates_fwd)
                 grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
-                kernel[grid](
+                launch(kernel)[grid](
                     x2, weight, bias if bias is not None else out, g2, out, M, N, K,
                     x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
                     bias.stride(0) if bias is not None else 0, g2.stride(0), g2.stride(1),
@@ -384,7 +384,7 @@ def gate_grad(grad_out, gates, want_out=True, want_db=True, out=None):
     partials = torch.empty((tiles_m, N), dtype=part, device=g2.device) if want_db else None
     if M > 0 and N > 0 and (want_out or want_db):
         with _on(g2):
-            _gate_grad[(tiles_m, triton.cdiv(N, tile["BN"]))](
+            launch(_gate_grad)[(tiles_m, triton.cdiv(N, tile["BN"]))](
                 g2, G2, out if want_out else g2, partials if want_db else g2, M, N,
                 g2.stride(0), g2.stride(1), G2.stride(0), G2.stride(1),
                 out.stride(0) if want_out else 0, out.stride(1) if want_out else 0,
@@ -420,6 +420,10 @@ def gated_linear_backward(grad_out, x, weight, gates, output_mask):
         if want_db:
             db = db_full
     return dx, dw, db
+
+
+#: every kernel the launchers above may run (the AOTAutograd cache key covers their source: ops/_cuda.py)
+TRITON_KERNELS = (_linear_gates_fwd, _linear_gates_fwd_tma, _gate_grad, _relu_pack)
 
 
 # ---------------------------------------------------------------------------------------- sm_90a report

@@ -45,8 +45,7 @@ class DDP(Method):
             with ctx.autocast():
                 out = self.net(x)
             loss = ctx.loss(out, y)
-            loss.backward()
-            self.optimizer.step()
+            ctx.backward_step(loss, self.optimizer, worker=ctx.local_workers[0])
             total += loss.detach() * len(batches)  # the mean of the workers' losses, once per worker
         n = len(ctx.local_workers)
         sent = tau * (n * self._bytes_per_step["grads"] + (self._bytes_per_step["buffers"] if ctx.rank == 0 else 0))

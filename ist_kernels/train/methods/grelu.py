@@ -75,9 +75,6 @@ class GReLU(Method):
         super().validate(cfg)
         if cfg.model != "mlp":
             raise ConfigError("model", f"method 'grelu' trains a GReLU MLP (model mlp), got {cfg.model!r}")
-        if cfg.precision != "fp32":
-            raise ConfigError("precision", "method 'grelu' runs the GReLU ops (relu_gates, gated_linear), which "
-                              "do not autocast (inputs and weights share one dtype); use --precision fp32")
         if boolean(cfg.options.get("subnetworks", False)) and (cfg.width or 128) < cfg.num_workers:
             raise ConfigError("width", f"subnetworks=true partitions {cfg.width or 128} rows into "
                               f"{cfg.num_workers} groups; use width >= workers")

@@ -125,9 +125,6 @@ class Masked(Method):
                               f"without neurons with probability {1 - p:.3g}; an empty subnetwork is never "
                               f"trained (such draws are re-drawn), so raise the width"
                               + (" or xi" if masks == "bernoulli" else ""))
-        if cfg.precision != "fp32":
-            raise ConfigError("precision", f"method {cls.name!r} runs subnet_linear, which does not autocast "
-                              f"(its inputs and weights share one dtype); use --precision fp32")
 
     def __init__(self, ctx):
         super().__init__(ctx)

@@ -1,0 +1,278 @@
+"""Autocast, end to end (issue 11 item 1): every GEMM-shaped op casts its floating inputs to the
+autocast dtype (csrc/autocast.cpp), its kernels never re-enter autocast themselves (so the real
+output dtype is the fake kernel's), and every module trains under autocast, forward and backward,
+eager and compiled, within the autocast dtype's tolerance of the float64 reference of the math
+(python_tests/reference.py). CPU bf16 here; CUDA bf16 / fp16 in the GPU suite."""
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import reference as ref
+from conftest import requires_cuda
+from ist_kernels.nn import GatedLinear, GReLUMLP, MaskedConv2d, MaskedLinear, SubnetMLP
+
+ops = torch.ops.ist_kernels
+_gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+AMP = [pytest.param("cpu", torch.bfloat16, id="cpu-bf16"),
+       pytest.param("cuda", torch.bfloat16, marks=_gpu, id="cuda-bf16"),
+       pytest.param("cuda", torch.float16, marks=_gpu, id="cuda-fp16")]
+COMPILED = [pytest.param(False, id="eager"), pytest.param(True, id="compiled")]
+# Largest error allowed, relative to the reference's largest magnitude: a few roundings of the
+# autocast dtype (8 significant bits for bf16, 11 for fp16) on inputs, products and outputs.
+TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+def assert_amp_close(got, want, dtype, what):
+    """``got`` (computed under autocast) is within TOL[dtype] of the float64 ``want``, relative to
+    ``want``'s largest magnitude (elementwise relative errors are meaningless where want ~ 0)."""
+    assert got.shape == want.shape, what
+    scale = want.abs().max().item() if want.numel() else 0.0
+    err = (got.double() - want.double()).abs().max().item() if want.numel() else 0.0
+    assert err <= TOL[dtype] * max(scale, 1e-6), f"{what}: max error {err:.3g} vs scale {scale:.3g}"
+
+
+def randn(*shape, gen, device, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen, dtype=dtype).to(device)
+
+
+def maybe_compile(fn, compiled):
+    return torch.compile(fn, fullgraph=True, dynamic=False) if compiled else fn
+
+
+def under_autocast(fn, device, dtype):
+    """fn run inside torch.autocast(device, dtype) (inside the function, so a compiled fn traces it)."""
+    def run(*args):
+        with torch.autocast(device, dtype):
+            return fn(*args)
+    return run
+
+
+def gates_agree(got_words, pre, dtype, what):
+    """Gates computed under autocast equal pack(pre > 0) of the float64 pre-activations ``pre``
+    wherever |pre| is clear of the autocast dtype's rounding (near 0 the sign may flip)."""
+    on = ref.unpack_gates(got_words, pre.shape[-1])
+    clear = pre.abs() > TOL[dtype] * pre.abs().max()
+    assert torch.equal(on[clear], (pre > 0)[clear]), what
+    assert clear.float().mean() > 0.5, what  # the comparison covered most gates
+
+
+# ------------------------------------------------------------------------------------------- ops
+@pytest.mark.parametrize("compiled", COMPILED)
+@pytest.mark.parametrize("device,dtype", AMP)
+def test_relu_gates(device, dtype, compiled, gen):
+    x, w, b = randn(4, 3, 37, gen=gen, device=device), randn(45, 37, gen=gen, device=device), \
+        randn(45, gen=gen, device=device)
+    # x already in the autocast dtype (an earlier autocast layer's output), weight and bias fp32
+    out, gates = maybe_compile(under_autocast(ops.relu_gates, device, dtype), compiled)(x.to(dtype), w, b)
+    assert out.dtype == dtype and gates.dtype == torch.int32
+    want, _ = ref.relu_gates(x, w, b)
+    assert_amp_close(out, want, dtype, "relu_gates out")
+    gates_agree(gates, ref._linear64(x, w, b), dtype, "relu_gates gates")
+
+
+@pytest.mark.parametrize("compiled", COMPILED)
+@pytest.mark.parametrize("device,dtype", AMP)
+def test_gated_linear_forward_backward(device, dtype, compiled, gen):
+    x = randn(5, 37, gen=gen, device=device).requires_grad_()
+    w = randn(45, 37, gen=gen, device=device).requires_grad_()
+    b = randn(45, gen=gen, device=device).requires_grad_()
+    gates = ref.pack_gates(torch.rand(5, 45, generator=gen) > 0.4).to(device)
+    y = maybe_compile(under_autocast(ops.gated_linear, device, dtype), compiled)(x, w, b, gates)
+    assert y.dtype == dtype
+    assert_amp_close(y, ref.gated_linear(x.detach(), w.detach(), b.detach(), gates), dtype, "gated_linear")
+    g = randn(5, 45, gen=gen, device=device)
+    y.backward(g.to(dtype))
+    want = ref.gated_linear_backward(g, x.detach(), w.detach(), gates)
+    for t, wt, name in zip((x, w, b), want, ("grad_x", "grad_weight", "grad_bias")):
+        assert t.grad.dtype == torch.float32, name  # autograd casts back to the leaf's dtype
+        assert_amp_close(t.grad, wt, dtype, name)
+
+
+@pytest.mark.parametrize("compiled", COMPILED)
+@pytest.mark.parametrize("device,dtype", AMP)
+def test_subnet_linear_forward_backward(device, dtype, compiled, gen):
+    x = randn(2, 3, 6, gen=gen, device=device).requires_grad_()
+    w = randn(11, 9, gen=gen, device=device).requires_grad_()
+    b = randn(11, gen=gen, device=device).requires_grad_()
+    rows = torch.tensor([7, 0, 3, 10], device=device)
+    cols = torch.tensor([8, 2, 5, 0, 1, 4], device=device)  # int64 index lists: never cast
+    y = maybe_compile(under_autocast(ops.subnet_linear, device, dtype), compiled)(x, w, b, rows, cols)
+    assert y.dtype == dtype
+    assert_amp_close(y, ref.subnet_linear(x.detach(), w.detach(), b.detach(), rows, cols), dtype, "subnet_linear")
+    g = randn(2, 3, 4, gen=gen, device=device)
+    y.backward(g.to(dtype))
+    want = ref.subnet_linear_backward(g, x.detach(), w.detach(), rows, cols)
+    for t, wt, name in zip((x, w, b), want, ("grad_x", "grad_weight", "grad_bias")):
+        assert t.grad.dtype == torch.float32, name
+        assert_amp_close(t.grad, wt, dtype, name)
+
+
+@pytest.mark.parametrize("device,dtype", AMP)
+def test_backward_ops_autocast(device, dtype, gen):
+    """The backward ops called inside an autocast region (a backward run there, or a user calling
+    them) cast like the forwards; integer gates / index lists and the output mask pass through."""
+    x, w = randn(5, 37, gen=gen, device=device), randn(45, 37, gen=gen, device=device)
+    g = randn(5, 45, gen=gen, device=device)
+    gates = ref.pack_gates(torch.rand(5, 45, generator=gen) > 0.5).to(device)
+    with torch.autocast(device, dtype):
+        got = ops.gated_linear_backward(g, x, w, gates, [True, True, True])
+    for t, wt, name in zip(got, ref.gated_linear_backward(g, x, w, gates), ("grad_x", "grad_weight", "grad_bias")):
+        assert t.dtype == dtype, name
+        assert_amp_close(t, wt, dtype, f"gated_linear_backward {name}")
+    rows, cols = torch.tensor([44, 3, 9], device=device), None
+    g = randn(5, 3, gen=gen, device=device)
+    with torch.autocast(device, dtype):
+        got = ops.subnet_linear_backward(g.to(dtype), x, w, rows, cols, [True, True, False])
+    want = ref.subnet_linear_backward(g, x, w, rows, cols)
+    assert got[2].numel() == 0
+    for t, wt, name in zip(got[:2], want[:2], ("grad_x", "grad_weight")):
+        assert t.dtype == dtype, name
+        assert_amp_close(t, wt, dtype, f"subnet_linear_backward {name}")
+
+
+def test_float64_and_disabled_autocast_untouched(gen):
+    """float64 tensors are not cast (as torch's own autocast ops), and autocast(enabled=False) is a no-op."""
+    x, w = randn(4, 9, gen=gen, device="cpu", dtype=torch.float64), randn(6, 9, gen=gen, device="cpu",
+                                                                         dtype=torch.float64)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert ops.subnet_linear(x, w, None, None, None).dtype == torch.float64
+    with torch.autocast("cpu", torch.bfloat16, enabled=False):
+        assert ops.relu_gates(x.float(), w.float(), None)[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("op", ["relu_gates", "gated_linear", "gated_linear_backward", "subnet_linear",
+                                "subnet_linear_backward"])
+def test_autocast_kernels_registered(op):
+    for key in ("AutocastCPU", "AutocastCUDA"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"ist_kernels::{op}", key), (op, key)
+
+
+def test_cpu_kernels_never_reenter_autocast(gen):
+    """Reaching a CPU kernel with autocast on but bypassing the op's autocast kernel (the dispatcher
+    state a kernel sees when called from another kernel): its ATen GEMMs must not autocast, or its
+    output dtype would differ from its inputs' (and from the fake kernel's)."""
+    x, w, b = randn(5, 7, gen=gen, device="cpu"), randn(9, 7, gen=gen, device="cpu"), randn(9, gen=gen, device="cpu")
+    gates = ref.pack_gates(torch.rand(5, 9, generator=gen) > 0.5)
+    cpu = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+    with torch.autocast("cpu", torch.bfloat16):
+        outs = [ops.relu_gates.default.redispatch(cpu, x, w, b)[0],
+                ops.gated_linear.default.redispatch(cpu, x, w, b, gates),
+                *ops.gated_linear_backward.default.redispatch(cpu, x.new_ones(5, 9), x, w, gates, [True] * 3),
+                ops.subnet_linear.default.redispatch(cpu, x, w, b, None, None),
+                *ops.subnet_linear_backward.default.redispatch(cpu, x.new_ones(5, 9), x, w, None, None, [True] * 3)]
+    assert [o.dtype for o in outs] == [torch.float32] * len(outs)
+
+
+# --------------------------------------------------------------------------------------- modules
+def _train_step(module, call, device, dtype, compiled, gen, out_shape):
+    """Forward under autocast (eager or compiled) and backward of a random cotangent; returns
+    (output, cotangent)."""
+    y = maybe_compile(under_autocast(call, device, dtype), compiled)()
+    assert y.dtype == dtype
+    g = randn(*out_shape, gen=gen, device=device)
+    y.backward(g.to(dtype))
+    for p in module.parameters():
+        assert p.grad is not None and p.grad.dtype == p.dtype == torch.float32
+    return y, g
+
+
+def _ref_grads(params64, out64, g):
+    return torch.autograd.grad(out64, params64, g.double())
+
+
+def _leaf64(t):
+    return t.detach().double().requires_grad_()
+
+
+@pytest.mark.parametrize("compiled", COMPILED)
+@pytest.mark.parametrize("device,dtype", AMP)
+def test_gated_linear_module(device, dtype, compiled, gen):
+    layer = GatedLinear(37, 45, bias=True).to(device)
+    x = randn(6, 37, gen=gen, device=device)
+    gates = ref.pack_gates(torch.rand(6, 45, generator=gen) > 0.5).to(device)
+    y, g = _train_step(layer, lambda: layer(x, gates), device, dtype, compiled, gen, (6, 45))
+    w64, b64 = _leaf64(layer.weight), _leaf64(layer.bias)
+    want = ref.gated_linear(x, w64, b64, gates)
+    assert_amp_close(y, want, dtype, "GatedLinear")
+    for p, wg, name in zip((layer.weight, layer.bias), _ref_grads([w64, b64], want, g), ("weight", "bias")):
+        assert_amp_close(p.grad, wg, dtype, f"GatedLinear grad {name}")
+
+
+@pytest.mark.parametrize("compiled", COMPILED)
+@pytest.mark.parametrize("device,dtype", AMP)
+def test_grelu_mlp(device, dtype, compiled, gen):
+    """The issue's failing case: GReLUMLP under autocast. The gates are a discontinuous function of
+    the frozen network, so the reference runs on the gates the autocast forward used, and those
+    gates are checked against the float64 ones wherever the sign is clear of bf16 rounding."""
+    net = GReLUMLP(in_features=11, width=40, depth=2, out_features=3, generator=gen).to(device)
+    x = randn(7, 11, gen=gen, device=device)
+    y, g = _train_step(net, lambda: net(x), device, dtype, compiled, gen, (7, 3))
+    with torch.autocast(device, dtype):
+        words = net.compute_gates(x)  # [7, L, words]
+    on = ref.unpack_gates(words, 40)
+    # float64 pre-activations of the frozen network, layer by layer
+    z = torch.relu(x.double() @ net.C.double().T)
+    for k in range(2):
+        pre = z @ net.psi[k].double().T
+        gates_agree(words[:, k], pre, dtype, f"GReLUMLP gates of layer {k + 1}")
+        z = torch.relu(pre)
+    weights = [_leaf64(layer.weight) for layer in net.layers]
+    want = ref.grelu_mlp(x, net.C, net.psi, weights, net.B, gates=on)
+    assert_amp_close(y, want, dtype, "GReLUMLP")
+    for layer, wg in zip(net.layers, _ref_grads(weights, want, g)):
+        assert_amp_close(layer.weight.grad, wg, dtype, "GReLUMLP grad W_k")
+
+
+@pytest.mark.parametrize("compiled", COMPILED)
+@pytest.mark.parametrize("device,dtype", AMP)
+def test_subnet_mlp(device, dtype, compiled, gen):
+    net = SubnetMLP(in_features=9, width=24, out_features=3, depth=2, bias=True, train_output=True,
+                    generator=gen).to(device)
+    neurons = [torch.tensor([0, 3, 4, 9, 17, 23], device=device), torch.tensor([1, 2, 8, 20], device=device)]
+    x = randn(5, 9, gen=gen, device=device)
+    y, g = _train_step(net, lambda: net(x, neurons), device, dtype, compiled, gen, (5, 3))
+    hw = [_leaf64(w) for w in net.hidden_weights]
+    hb = [_leaf64(b) for b in net.hidden_biases]
+    ow, ob = _leaf64(net.output_weight), _leaf64(net.output_bias)
+    want = ref.neurons_subnet_mlp(x, hw, hb, ow, ob, neurons, net.scale)
+    assert_amp_close(y, want, dtype, "SubnetMLP")
+    params = [*net.hidden_weights, *net.hidden_biases, net.output_weight, net.output_bias]
+    for i, (p, wg) in enumerate(zip(params, _ref_grads([*hw, *hb, ow, ob], want, g))):
+        assert_amp_close(p.grad, wg, dtype, f"SubnetMLP grad of parameter {i}")
+
+
+@pytest.mark.parametrize("compiled", COMPILED)
+@pytest.mark.parametrize("device,dtype", AMP)
+@pytest.mark.parametrize("kind", ["linear", "conv2d"])
+def test_masked_layers(kind, device, dtype, compiled, gen):
+    if kind == "linear":
+        layer = MaskedLinear(13, 10, p=0.4, generator=gen).to(device)
+        x, out_shape = randn(6, 13, gen=gen, device=device), (6, 10)
+        math = lambda w, b: TF.linear(x.double(), w * layer.mask.double(), b)  # noqa: E731
+    else:
+        layer = MaskedConv2d(3, 5, 3, padding=1, p=0.4, generator=gen).to(device)
+        x, out_shape = randn(2, 3, 6, 5, gen=gen, device=device), (2, 5, 6, 5)
+        math = lambda w, b: TF.conv2d(x.double(), w * layer.mask.double(), b, padding=1)  # noqa: E731
+    y, g = _train_step(layer, lambda: layer(x), device, dtype, compiled, gen, out_shape)
+    w64, b64 = _leaf64(layer.weight), _leaf64(layer.bias)
+    want = math(w64, b64)
+    assert_amp_close(y, want, dtype, f"Masked {kind}")
+    gw, gb = _ref_grads([w64, b64], want, g)
+    assert_amp_close(layer.weight.grad, gw, dtype, f"Masked {kind} grad weight")
+    assert torch.all(layer.weight.grad[~layer.mask.bool()] == 0)  # pruned entries get no gradient
+    assert_amp_close(layer.bias.grad, gb, dtype, f"Masked {kind} grad bias")
+
+
+@requires_cuda
+def test_cuda_fp16_grelu_train_step_with_grad_scaler(gen):
+    """fp16 on CUDA: a GReLUMLP step through torch.amp.GradScaler gives finite fp32 gradients."""
+    net = GReLUMLP(in_features=11, width=64, depth=2, out_features=3, generator=gen).cuda()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cuda")
+    x, y = torch.randn(32, 11, device="cuda"), torch.randint(0, 3, (32,), device="cuda")
+    with torch.autocast("cuda", torch.float16):
+        loss = TF.cross_entropy(net(x).float(), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.isfinite(p.grad).all() for p in net.parameters())
