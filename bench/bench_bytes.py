@@ -2,6 +2,8 @@
 decentralized storage vs local SGD, for S = 2..8.
 
     python bench/bench_bytes.py [--rounds 4] [--out bench/results/bytes.md]
+writes the table to ``--out`` and the same rows as JSON next to it (``bytes.json``), which
+``python -m ist_kernels.experiments.claims`` reads for the papers' communication claims.
 
 Counted with the trainer's own accounting, from the plans the methods draw (no process group, no
 training; the distributed trainer's counters equal these, python_tests/test_train_*.py check it):
@@ -21,6 +23,7 @@ paper 003 Table 1, GB per round) and on the bottleneck ``preact_resnet101``. Ran
 SGD momentum a rank holds under decentralized storage, over the whole model's.
 """
 import argparse
+import json
 import os
 import sys
 
@@ -85,11 +88,14 @@ def main():
                ("ResIST", b101_name, b101, resist(b101), PAPER_003, every),
                ("ResIST min_depth=4", b101_name, b101, resist(b101, 4), PAPER_003, (8,)),
                ("ResIST", "preact_resnet101 (bottleneck)", k101, resist(k101), {}, every)]
-    rows = []
+    rows, records = [], []
     for method, name, model, plan_of, paper, sizes in configs:
         for S in sizes:
             m = measure(model, plan_of, S, args.rounds)
             p = paper.get(S)
+            records.append(dict(method=method, model=name, S=S, bytes_ratio=m["wire"] / m["lsgd_wire"],
+                                ps_bytes_ratio=m["ps"] / m["lsgd_ps"], paper_ratio=p[1] / p[0] if p else None,
+                                rank_state_ratio=m["state"]))
             rows.append(
                 f"| {method} | {name} | {S} | {m['wire'] / GB:.4f} | {m['lsgd_wire'] / GB:.4f} | "
                 f"**{m['wire'] / m['lsgd_wire']:.3f}** | {m['ps'] / GB:.4f} | {m['lsgd_ps'] / GB:.4f} | "
@@ -110,7 +116,11 @@ def main():
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines))
-    print(f"\nwritten to {args.out}")
+    json_path = os.path.join(os.path.dirname(args.out), "bytes.json")
+    with open(json_path, "w") as f:
+        json.dump(dict(rounds=args.rounds, rows=records), f, indent=1)
+        f.write("\n")
+    print(f"\nwritten to {args.out} and {json_path}")
 
 
 if __name__ == "__main__":

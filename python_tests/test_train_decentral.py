@@ -160,11 +160,14 @@ def _dying_rank(rank, S, args, port, outdir):
             return original(self, r)
 
         Masked.run_round = run_round
+    # this process is one rank, as torchrun starts it
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(S), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     cfg = cli.build_config(args)
     cfg.validate()
     t0 = time.perf_counter()
     try:
-        _run_rank([cfg], rank, S, rank, f"tcp://127.0.0.1:{port}")
+        _run_rank([cfg], rank, S, rank)
     except Exception as e:  # noqa: BLE001 - the message is what the test checks
         with open(os.path.join(outdir, f"err{rank}.txt"), "w") as f:
             f.write(f"{time.perf_counter() - t0}\n{type(e).__name__}: {e}")

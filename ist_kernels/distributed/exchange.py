@@ -341,12 +341,14 @@ def _check_covered(entries: List[Entry], mask: Tensor, what: str, hint: str) -> 
 
 def plan_fingerprint(plan: SlicePlan) -> int:
     """A 32-bit checksum of a plan (names, dims, owner indices), equal on ranks that derived the same plan."""
+    import ctypes
     import zlib
 
     h = zlib.crc32(repr((plan.num_subnetworks, [(t.name, t.dim) for t in plan.tensors])).encode())
     for t in plan.partitioned:
         for o in t.owners:
-            h = zlib.crc32(o.detach().to("cpu", torch.int64).contiguous().numpy().tobytes(), h)
+            o = o.detach().to("cpu", torch.int64).contiguous()
+            h = zlib.crc32(ctypes.string_at(o.data_ptr(), o.nbytes), h)  # the raw bytes, without numpy
             h = zlib.crc32(b"|", h)
     return h
 

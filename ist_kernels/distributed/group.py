@@ -88,8 +88,21 @@ def init_process_group(
     kwargs = dict(backend=backend, init_method=init_method, timeout=_timeout)
     if rank is not None:
         kwargs.update(rank=rank, world_size=world_size)
+    elif init_method == "env://" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        kwargs = dict(backend=backend, store=_attempt_store(_timeout), rank=int(os.environ["RANK"]),
+                      world_size=int(os.environ["WORLD_SIZE"]), timeout=_timeout)
     dist.init_process_group(**kwargs)
     return dist.group.WORLD
+
+
+def _attempt_store(timeout: timedelta) -> dist.Store:
+    """The elastic agent's store (torchrun, ``ist-train --workers``), under a prefix of its own per
+    restart. The agent keeps one store across restarts of the workers, and env:// would read the
+    addresses the previous attempt's ranks published there: a rank that arrives first then dials a
+    dead peer (gloo: "Connection refused") instead of waiting for the restarted one."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/ist_kernels/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def destroy_process_group() -> None:

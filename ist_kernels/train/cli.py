@@ -19,36 +19,69 @@ import sys
 import typing
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .config import ConfigError, TrainConfig, demo_preset, load_config_file, under_torchrun
+from .config import (CHOICES, GROUPS, ConfigError, TrainConfig, demo_preset, load_config_file, restart_count,
+                     under_torchrun)
+
+
+def _show(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (list, tuple, dict)):
+        return " ".join(map(str, value)) or "none"
+    return "none" if value is None else str(value)
+
+
+def _dynamic_choices() -> Dict[str, Sequence[str]]:
+    """Names known only at run time (registries); --help lists them too."""
+    from .datasets import available_datasets
+    from .methods import available_methods
+
+    return {"method": available_methods(), "dataset": available_datasets()}
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ist-train", description=__doc__.split("\n\n")[0],
-        epilog="launch: torchrun --nproc_per_node=S -m ist_kernels.train ... | ist-train --workers S ... "
-               "(starts S local processes) | ist-train --simulate S ... (one process)")
+        epilog="launch: torchrun --nproc-per-node=S [--max-restarts N] -m ist_kernels.train ... | "
+               "ist-train --workers S [--max-restarts N] ... (starts S local processes through torch's elastic "
+               "launcher) | ist-train --simulate S ... (one process). Precedence: defaults < --demo < --config < "
+               "flags.")
     p.add_argument("--config", help="YAML (.yaml/.yml) or TOML (.toml) file of options")
     p.add_argument("--list-methods", action="store_true", help="print the available methods and exit")
     p.add_argument("--list-datasets", action="store_true", help="print the available datasets and exit")
     hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        tp = hints[f.name]
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        base = args[0] if typing.get_origin(tp) is typing.Union else tp
-        help_ = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
-        if f.name == "options":
-            p.add_argument("--option", dest="options", action="append", metavar="KEY=VALUE", help=help_,
-                           default=argparse.SUPPRESS)
-        elif base is bool:
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_,
-                           default=argparse.SUPPRESS)
-        elif typing.get_origin(base) in (list, List):
-            p.add_argument(flag, dest=f.name, nargs="+", type=str, help=help_, default=argparse.SUPPRESS)
-        else:
-            p.add_argument(flag, dest=f.name, type=str, help=help_, default=argparse.SUPPRESS,
-                           metavar=f.name.upper() if f.name != "simulate" else "S")
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    choices = {**CHOICES, **_dynamic_choices()}
+    for title, names in GROUPS.items():
+        g = p.add_argument_group(title)
+        for name in names:
+            f = fields[name]
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            _add_option(g, f, hints[name], default, choices.get(name))
     return p
+
+
+def _add_option(g, f: dataclasses.Field, tp, default, choices: Optional[Sequence[str]]) -> None:
+    """One TrainConfig field as a flag. Flags default to SUPPRESS (only what was given overrides the
+    lower layers); the help shows the field's default and its choices (validated by TrainConfig)."""
+    flag = "--" + f.name.replace("_", "-")
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    base = args[0] if typing.get_origin(tp) is typing.Union else tp
+    help_ = f.metadata.get("help", "")
+    if "default" not in help_:  # some say what None means themselves
+        help_ += f" (default: {_show(default)})"
+    help_ = help_.replace("%", "%%")  # argparse formats help with %
+    if f.name == "options":
+        g.add_argument("--option", dest="options", action="append", metavar="KEY=VALUE", help=help_,
+                       default=argparse.SUPPRESS)
+    elif base is bool:
+        g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_,
+                       default=argparse.SUPPRESS)
+    elif typing.get_origin(base) in (list, List):
+        g.add_argument(flag, dest=f.name, nargs="+", type=str, help=help_, default=argparse.SUPPRESS)
+    else:
+        metavar = "{" + ",".join(choices) + "}" if choices else f.name.upper() if f.name != "simulate" else "S"
+        g.add_argument(flag, dest=f.name, type=str, help=help_, default=argparse.SUPPRESS, metavar=metavar)
 
 
 def _parse_options(items: Sequence[str]) -> Dict[str, Any]:
@@ -111,11 +144,30 @@ def _run_configs(cfg: TrainConfig) -> List[TrainConfig]:
     return [main, _baseline_config(cfg)]
 
 
+def _after_restart(runs: List[TrainConfig], root: str) -> List[TrainConfig]:
+    """torchrun restarted the workers (rank 0 decides; :func:`ist_kernels.train.launch.resume_after_restart`
+    tells the other ranks). When an earlier attempt of this job claimed the output folder, each run
+    continues from its latest checkpoint, or starts again replacing that attempt's outputs; a folder
+    this job never claimed is checked as on a first start (never resumed or replaced by surprise)."""
+    from .launch import resume_if_checkpointed
+    from .output import claimed_by, job_id
+
+    if claimed_by(root) != job_id():
+        return runs
+    out = []
+    for c in runs:
+        c2 = resume_if_checkpointed(c)
+        out.append(c2 if c2.resume else dataclasses.replace(c, overwrite=True))
+    return out
+
+
 def _validate_and_run(argv) -> Tuple[TrainConfig, Optional[List[Dict[str, Any]]]]:
     """Validate (ConfigError), lock and check the output folder, run, write the comparison table;
     returns the config and the summaries (None on a rank > 0 under torchrun)."""
     cfg = build_config(argv)
     runs = _run_configs(cfg)
+    if under_torchrun() and int(os.environ["RANK"]) == 0 and restart_count() > 0:
+        runs = _after_restart(runs, cfg.resolved_out_dir())
     for c in runs:
         c.validate()
     from .checkpoint import atomic_json

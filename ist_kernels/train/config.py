@@ -19,6 +19,23 @@ BACKENDS = ("auto", "gloo", "nccl")
 STORAGES = ("decentralized", "replicated")
 SHARED = ("all_reduce", "exact")
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # larger values overflow the backends' millisecond timeouts
+# the values an option takes, where they are a fixed list (--help shows them)
+CHOICES = {"precision": PRECISIONS, "lr_schedule": LR_SCHEDULES, "backend": BACKENDS, "storage": STORAGES,
+           "shared": SHARED}
+# --help's sections: every option of TrainConfig in exactly one
+GROUPS = {
+    "data": ("dataset", "data_path", "augment", "dataset_size"),
+    "model": ("model", "width", "depth"),
+    "method": ("method", "prune_ratio", "options", "storage", "shared", "baseline"),
+    "training": ("local_steps", "rounds", "epochs", "batch_size", "eval_batch_size", "lr", "lr_schedule",
+                 "lr_warmup_rounds", "lr_milestones", "lr_gamma", "momentum", "nesterov", "weight_decay", "seed",
+                 "precision", "eval_interval"),
+    "distributed": ("workers", "simulate", "device", "backend", "timeout_s", "max_restarts", "max_rank_state_mb",
+                    "threads"),
+    "output": ("out_dir", "checkpoint_dir", "checkpoint_interval", "resume", "overwrite", "stop_after", "progress",
+               "plots"),
+    "presets": ("demo", "quick"),
+}
 
 
 class ConfigError(ValueError):
@@ -52,6 +69,8 @@ class TrainConfig:
     simulate: int = _opt(0, "train S workers/subnetworks one after another in one process (0: off)")
     backend: str = _opt("auto", "torch.distributed backend: auto (nccl on CUDA, gloo on CPU), gloo, nccl")
     timeout_s: float = _opt(600.0, "collective timeout in seconds, at most 604800 (7 days)")
+    max_restarts: int = _opt(0, "--workers S: restart the workers this many times after a failure; a restarted "
+                             "run continues from its latest checkpoint (under torchrun: torchrun's --max-restarts)")
     storage: str = _opt("decentralized", "subnetwork methods: decentralized (a rank holds only its subnetwork and "
                         "the shared tensors; the full model is assembled only to evaluate or save) or replicated "
                         "(every rank holds the full model; for testing)")
@@ -169,6 +188,12 @@ class TrainConfig:
         if under_torchrun() and self.workers is not None and self.workers != int(os.environ["WORLD_SIZE"]):
             raise ConfigError("workers", f"is {self.workers} but torchrun started WORLD_SIZE="
                               f"{os.environ['WORLD_SIZE']} processes")
+        if self.max_restarts < 0:
+            raise ConfigError("max_restarts", f"must be >= 0, got {self.max_restarts}")
+        if self.max_restarts and (under_torchrun() or self.simulate or self.num_workers == 1):
+            raise ConfigError("max_restarts", "restarts the workers of --workers S (S > 1); under torchrun pass "
+                              "torchrun's own --max-restarts" if under_torchrun() else
+                              "restarts the workers of --workers S (S > 1); this run has no worker processes")
         if self.rounds is not None and self.epochs is not None:
             raise ConfigError("rounds", "give rounds or epochs, not both")
         if self.rounds is not None and self.rounds < 1:
@@ -235,6 +260,11 @@ class TrainConfig:
 
 def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+
+
+def restart_count() -> int:
+    """How many times torch's elastic agent (torchrun, or ``--workers S``) restarted this worker group."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) if under_torchrun() else 0
 
 
 def _positive_int(cfg, name):

@@ -2,8 +2,10 @@
 
 - under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR set): this process is one worker;
   the default process group is initialised from the environment (multi-node works the same way);
-- ``--workers S`` (S > 1) otherwise: start S local processes with torch.multiprocessing (spawn),
-  gloo on CPU, NCCL when there are S GPUs;
+- ``--workers S`` (S > 1) otherwise: start S local processes through torch.distributed's elastic
+  launcher (what torchrun runs: a c10d rendezvous on a port the OS assigns, held while the workers
+  run, so no port race), gloo on CPU, NCCL when there are S GPUs; ``--max-restarts N`` restarts
+  the workers after a failure;
 - ``--simulate S``: one process trains the S workers one after another;
 - S = 1: one process, no process group.
 
@@ -11,29 +13,38 @@ Failures end the run with one line per process that saw them and a status (:func
 2 for an invalid option found late (e.g. an unreadable data file), 1 for a checkpoint that cannot
 be used, a collective whose peer died or stalled (it names the collective, round and rank), or a
 worker that was killed; other exceptions are bugs and keep their traceback. With ``--workers S``
-the launcher watches its workers: when one ends badly the others get a few seconds to report what
-they saw, then are stopped, and the launcher names the worker that failed first.
+the launcher (the elastic agent) watches its workers: when one ends badly the others are stopped
+and the launcher names the worker that failed first.
+
+Restarts (torchrun ``--max-restarts``, ``ist-train --workers S --max-restarts N``): a restarted
+worker group continues from its latest checkpoint by itself (:func:`resume_after_restart`); with
+no checkpoint yet it starts again at round 0.
 """
 from __future__ import annotations
 
-import json
+import contextlib
+import dataclasses
 import logging
+import math
 import os
-import socket
 import sys
+import time
+import traceback
+import uuid
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from ..distributed import CollectiveError, destroy_process_group, init_process_group
-from .config import TrainConfig, under_torchrun
+from .config import TrainConfig, restart_count, under_torchrun
 from .runner import World, train
 
 
-def resolve_device(cfg: TrainConfig, local_rank: int, processes: int) -> torch.device:
+def resolve_device(cfg: TrainConfig, local_rank: int, processes: int, spawned: bool = False) -> torch.device:
+    """``spawned``: a worker of ``--workers S`` (it sees torchrun's environment too)."""
     d = cfg.device
     if d == "auto":
-        use_cuda = torch.cuda.is_available() and (processes == 1 or under_torchrun()
+        use_cuda = torch.cuda.is_available() and (processes == 1 or (under_torchrun() and not spawned)
                                                   or torch.cuda.device_count() >= processes)
         d = "cuda" if use_cuda else "cpu"
     if d == "cpu":
@@ -49,35 +60,64 @@ def resolve_backend(cfg: TrainConfig, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _set_threads(cfg: TrainConfig, processes: int) -> None:
+def _set_threads(cfg: TrainConfig, processes: int, spawned: bool = False) -> None:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    elif processes > 1 and not under_torchrun():  # S local processes share this machine's cores
+    elif processes > 1 and (spawned or not under_torchrun()):  # S local processes share this machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
 
 
-def _run_rank(cfgs: List[TrainConfig], rank: int, world_size: int, local_rank: int, init_method: Optional[str]):
-    """One worker process: one process group for all the runs (the main run and its baseline)."""
+def resume_if_checkpointed(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` continuing from the latest checkpoint in its folder when there is one (a restarted
+    worker group), else ``cfg`` starting at round 0."""
+    from .checkpoint import read_latest
+
+    if cfg.resume or read_latest(cfg.resolved_checkpoint_dir()) is None:
+        return cfg
+    return dataclasses.replace(cfg, resume=True, overwrite=False)
+
+
+def resume_after_restart(cfgs: List[TrainConfig], rank: int, device: torch.device,
+                         spawned: bool) -> List[TrainConfig]:
+    """After an elastic restart (TORCHELASTIC_RESTART_COUNT > 0) every rank takes rank 0's decision
+    (resume or start again, per run), sent with a broadcast: rank 0 decided it under the output
+    folder's lock (torchrun: :func:`ist_kernels.train.cli`; ``--workers S``: here, as the launcher
+    holds the lock for the whole job)."""
+    n = restart_count()
+    if n == 0:
+        return cfgs
+    if rank == 0 and spawned:
+        cfgs = [resume_if_checkpointed(c) for c in cfgs]
+    from ..distributed.group import collective_timeout, wait_collective
+
+    flags = torch.tensor([int(c.resume) for c in cfgs], dtype=torch.int64, device=device)
+    wait_collective(lambda: torch.distributed.broadcast(flags, 0, async_op=True),
+                    name="broadcast (resume after restart)", round=-1, timeout=collective_timeout())
+    cfgs = [c if c.resume == bool(v) else dataclasses.replace(c, resume=bool(v), overwrite=False)
+            for c, v in zip(cfgs, flags.tolist())]
+    if rank == 0:
+        from .checkpoint import latest_round
+
+        where = [f"{c.method}: round {latest_round(c.resolved_checkpoint_dir())}" if c.resume else
+                 f"{c.method}: round 0 (no checkpoint)" for c in cfgs]
+        print(f"ist-train: restart {n}: continuing from {', '.join(where)}", file=sys.stderr, flush=True)
+    return cfgs
+
+
+def _run_rank(cfgs: List[TrainConfig], rank: int, world_size: int, local_rank: int, spawned: bool = False):
+    """One worker process (torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, ...): one process
+    group for all the runs (the main run and its baseline)."""
     cfg = cfgs[0]
-    device = resolve_device(cfg, local_rank, world_size)
+    device = resolve_device(cfg, local_rank, world_size, spawned)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    _set_threads(cfg, world_size)
+    _set_threads(cfg, world_size, spawned)
     # The package's process group: created once, cfg.timeout_s for every collective of
     # ist_kernels.distributed and of the trainer (a dead or stalled rank raises CollectiveError).
-    if init_method is None:  # torchrun: env://
-        init_process_group(resolve_backend(cfg, device), timeout=cfg.timeout_s)
-    else:
-        init_process_group(resolve_backend(cfg, device), timeout=cfg.timeout_s, init_method=init_method,
-                           rank=rank, world_size=world_size)
+    init_process_group(resolve_backend(cfg, device), timeout=cfg.timeout_s)  # env://
     group_ok = True
     try:
+        cfgs = resume_after_restart(cfgs, rank, device, spawned)
         world = World(rank, world_size, local_rank, simulated=False, device=device)
         return [train(c, world) for c in cfgs]
     except CollectiveError:
@@ -130,41 +170,73 @@ def exit_worker(status: int) -> None:
     os._exit(status)
 
 
-def _spawned(local_rank: int, cfgs: List[TrainConfig], world_size: int, init_method: str):
+def _spawned(cfgs: List[TrainConfig]):
+    """A worker of ``--workers S`` (started by the elastic agent, with torchrun's environment)."""
+    rank = int(os.environ["RANK"])
     try:
-        _run_rank(cfgs, local_rank, world_size, local_rank, init_method)
+        return _run_rank(cfgs, rank, int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]), spawned=True)
     except Exception as e:
         status = failure_status(e)
-        if status is None:
-            raise  # torch.multiprocessing hands the traceback to the launcher
-        report_failure(e, f"rank {local_rank}: ")
+        if status is None:  # a bug: its traceback is the report
+            traceback.print_exc()
+            status = 1
+        else:
+            report_failure(e, f"rank {rank}: ")
+        if isinstance(e, CollectiveError):  # a peer's failure is the cause: let the agent see that one first
+            time.sleep(PEER_GRACE_S)
         exit_worker(status)
 
 
-GRACE_S = 5.0  # seconds the other workers get to report their own error after one failed
+PEER_GRACE_S = 2.0  # a worker that saw a peer fail outlives it by this much (20 monitor intervals)
 
 
-def _spawn(cfgs: List[TrainConfig], s: int) -> None:
-    import torch.multiprocessing as mp
+_QUIET = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 
-    ctx = mp.start_processes(_spawned, args=(cfgs, s, f"tcp://127.0.0.1:{_free_port()}"), nprocs=s,
-                             join=False, start_method="spawn")
-    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
-    level = spawn_log.level
-    spawn_log.setLevel(logging.ERROR)  # its "terminating process ..." warnings: we say what happened
+
+@contextlib.contextmanager
+def _quiet_launcher():
+    """Silence the elastic agent's and torch.multiprocessing's log lines (rendezvous, "Terminating
+    process ...", the failed worker's traceback): the workers and :func:`_spawn` say what happened."""
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name.startswith(_QUIET)]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
     try:
-        while not ctx.join(grace_period=GRACE_S):
-            pass
-    except mp.ProcessExitedException as e:
-        i = e.error_index
-        if e.signal_name:
-            raise WorkerError(f"worker process {i} (rank {i}, pid {e.error_pid}) was killed by {e.signal_name}; "
-                              f"the other workers were stopped. Continue from the last checkpoint with --resume") from None
-        raise WorkerError(f"worker process {i} (rank {i}) exited with status {e.exit_code}",
-                          exit_code=e.exit_code if e.exit_code in (1, 2) else 1,
-                          reported=e.exit_code in (1, 2)) from None
+        yield
     finally:
-        spawn_log.setLevel(level)
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _spawn(cfgs: List[TrainConfig], s: int) -> List[Optional[Dict[str, Any]]]:
+    """Run ``cfgs`` on S local worker processes through torch.distributed's elastic launcher (as
+    ``torchrun --standalone --nproc-per-node S``); returns rank 0's summaries."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    cfg = cfgs[0]
+    join_s = max(1, math.ceil(cfg.timeout_s))
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=s, run_id=f"ist-train-{uuid.uuid4()}",
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # a store on a port the OS assigns, held by this process
+        rdzv_configs={"join_timeout": join_s}, rdzv_timeout=join_s, max_restarts=cfg.max_restarts,
+        monitor_interval=0.1, start_method="spawn")
+    try:
+        with _quiet_launcher():
+            results = elastic_launch(config, _spawned)(cfgs)
+    except ChildFailedError as e:
+        killed = sorted(r for r, f in e.failures.items() if f.exitcode < 0)  # the cause, when one was killed
+        rank, failure = (killed[0], e.failures[killed[0]]) if killed else e.get_first_failure()
+        restarts = f" (after {cfg.max_restarts} restart{'s' * (cfg.max_restarts > 1)})" if cfg.max_restarts else ""
+        if failure.exitcode < 0:
+            raise WorkerError(f"worker process {rank} (rank {rank}, pid {failure.pid}) was killed by "
+                              f"{failure.signal_name()}{restarts}; the other workers were stopped. Continue from "
+                              f"the last checkpoint with --resume") from None
+        raise WorkerError(f"worker process {rank} (rank {rank}) exited with status {failure.exitcode}{restarts}",
+                          exit_code=failure.exitcode if failure.exitcode in (1, 2) else 1,
+                          reported=failure.exitcode in (1, 2)) from None
+    return results[0]
 
 
 def launch(cfgs: Sequence[TrainConfig]) -> List[Optional[Dict[str, Any]]]:
@@ -173,15 +245,9 @@ def launch(cfgs: Sequence[TrainConfig]) -> List[Optional[Dict[str, Any]]]:
     cfgs = list(cfgs)
     cfg = cfgs[0]
     if under_torchrun():
-        return _run_rank(cfgs, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                         int(os.environ["LOCAL_RANK"]), None)
+        return _run_rank(cfgs, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]))
     if cfg.simulate or cfg.num_workers == 1:
         _set_threads(cfg, 1)
         world = World(simulated=bool(cfg.simulate), device=resolve_device(cfg, 0, 1))
         return [train(c, world) for c in cfgs]
-    _spawn(cfgs, cfg.num_workers)
-    out = []
-    for c in cfgs:
-        with open(os.path.join(c.resolved_out_dir(), "summary.json")) as f:
-            out.append(json.load(f))
-    return out
+    return _spawn(cfgs, cfg.num_workers)

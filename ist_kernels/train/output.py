@@ -53,7 +53,7 @@ class OutputLock:
                 self._fds.append(fd)
                 os.ftruncate(fd, 0)
                 os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                         "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+                                         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "job": job_id()}).encode())
         except BaseException:
             self.release()
             raise
@@ -63,11 +63,30 @@ class OutputLock:
         self.release()
 
     def release(self) -> None:
+        # the holder's record stays in the file: a restarted torchrun job recognises its folder by it
         while self._fds:
             fd = self._fds.pop()
-            os.ftruncate(fd, 0)
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+
+def job_id() -> Optional[str]:
+    """Under torchrun: this job, the same in every restart of its workers (the host and pid of rank
+    0's elastic agent, and the rendezvous id); None otherwise."""
+    from .config import under_torchrun
+
+    if not under_torchrun():
+        return None
+    return f"{socket.gethostname()}:{os.getppid()}:{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+
+
+def claimed_by(folder: str) -> Optional[str]:
+    """The job (:func:`job_id`) that last held ``folder``'s lock, None when unknown."""
+    try:
+        with open(os.path.join(folder, LOCK_FILE)) as f:
+            return json.loads(f.read() or "{}").get("job")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _describe(holder: str) -> str:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint
+from .config import restart_count, under_torchrun
 from .datasets import ShardedData, _mix, augment_default, load_dataset
 from .methods import get_method
 from .models import build_model
@@ -270,6 +271,18 @@ def _barrier(world: World, what: str, r: int):
                         timeout=collective_timeout())
 
 
+def _crash_for_tests(r: int, world: World) -> None:
+    """Tests of elastic restarts only: with IST_TEST_FAIL_AT_ROUND=k0,k1,... the last rank of
+    attempt n (TORCHELASTIC_RESTART_COUNT n) dies before round k_n + 1, as a crashed machine would."""
+    at = os.environ.get("IST_TEST_FAIL_AT_ROUND")
+    if at is None or not under_torchrun() or world.rank != world.world_size - 1:
+        return
+    rounds = [int(k) for k in at.split(",")]
+    n = restart_count()
+    if n < len(rounds) and r == rounds[n]:
+        os._exit(3)
+
+
 class RankStateError(RuntimeError):
     """A rank held more parameters, buffers and optimizer state than --max-rank-state-mb allows."""
 
@@ -332,6 +345,7 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
     bar = progress_bar(rounds, start, rank0 and cfg.progress, desc=f"{cfg.method} S={S}")
     cap = None if cfg.max_rank_state_mb is None else cfg.max_rank_state_mb * 1e6
     for r in range(start, end):
+        _crash_for_tests(r, world)
         t0 = time.perf_counter()
         res = method.run_round(r)
         if world.device.type == "cuda":

@@ -405,7 +405,7 @@ def gated_linear_backward(grad_out, x, weight, gates, output_mask):
     the K loop of Triton dx/dW GEMMs) ran at 0.50-0.64x the unmasked torch linear fwd+bwd on an H100
     (bench/results/h100-baseline.md): the unpack+multiply sat on the main loop's critical path and
     dW needed a transposed masked tile. The pass costs one read and one write of grad_out."""
-    N = check_gated_linear_backward(grad_out, x, weight, gates, output_mask)
+    check_gated_linear_backward(grad_out, x, weight, gates, output_mask)
     _device_ok("gated_linear_backward", x)
     want_dx, want_dw, want_db = (bool(v) for v in output_mask)
     x2 = _rows(x)
