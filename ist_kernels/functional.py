@@ -252,7 +252,7 @@ def gated_linear(input: Tensor, weight: Tensor, gates: Tensor, bias: Optional[Te
     output feature, e.g. from :func:`relu_gates`), ``bias`` ``[N]`` or None. Returns ``[..., N]``.
     Differentiable in input, weight and bias.
 
-    The order was ``(x, weight, bias, gates)`` before 0.2; that call (an int32 tensor where the
+    The order was formerly ``(x, weight, bias, gates)``; that call (an int32 tensor where the
     bias goes) still works for one release, with a ``FutureWarning``."""
     if isinstance(bias, Tensor) and bias.dtype == torch.int32 and (gates is None or gates.dtype != torch.int32):
         warnings.warn("gated_linear(x, weight, bias, gates) is deprecated: the order is now "

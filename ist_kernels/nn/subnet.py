@@ -39,7 +39,7 @@ class SubnetMLP(nn.Module):
     neurons and an output layer of ``out_features`` (fixed ±1 weights unless ``train_output``).
 
     The constructor order is ``(in_features, width, depth, out_features)``, as :class:`GReLUMLP`
-    (before 0.2 it was ``(in_features, width, out_features, depth=1)``; a call that leaves
+    (formerly ``(in_features, width, out_features, depth=1)``; a call that leaves
     ``out_features`` out raises a TypeError that says so).
 
     Args:
@@ -58,8 +58,8 @@ class SubnetMLP(nn.Module):
         super().__init__()
         if depth is None or out_features is None:
             raise TypeError("SubnetMLP: depth and out_features are required; the order is "
-                            "SubnetMLP(in_features, width, depth, out_features) (it was (in_features, width, "
-                            "out_features, depth=1) before 0.2)")
+                            "SubnetMLP(in_features, width, depth, out_features) (formerly (in_features, width, "
+                            "out_features, depth=1))")
         if depth < 1 or width < 1 or in_features < 1 or out_features < 1:
             raise ValueError("SubnetMLP: in_features, width, depth and out_features must be >= 1, got "
                              f"{in_features}, {width}, {depth}, {out_features}")
