@@ -80,7 +80,9 @@ _VALIDATED = _ValidatedIndices()
 def subnet_linear(x, weight, bias=None, rows=None, cols=None):
     """y = x W[rows][:, cols]ᵀ + b[rows]; x [..., len(cols)] -> y [..., len(rows)]."""
     Nr, Kc = _checked("subnet_linear", x, weight, bias, rows, cols)
-    b = None if bias is None else (bias if rows is None else bias.index_select(0, rows))
+    # a contiguous bias keeps linear on its one-rounding addmm path: with a strided one torch (CPU,
+    # bf16, 1-D x) adds the bias to an already rounded product (two roundings, property test)
+    b = None if bias is None else (bias.contiguous() if rows is None else bias.index_select(0, rows))
     return torch.nn.functional.linear(x, _compact(weight, rows, cols), b)
 
 
