@@ -1,7 +1,11 @@
 import os
+import socket
+import time
+from typing import Tuple
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 # Triton kernels run on CPU tensors under the interpreter when there is no GPU. This must be set
 # before any Triton kernel is defined, i.e. before ist_kernels is imported.
@@ -59,3 +63,38 @@ def gen():
     """A fresh, seeded generator per test: fresh random inputs, reproducible failures."""
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     return g
+
+
+# ---- multi-process failure tests: ranks that must stop with an error (never hang)
+def free_port() -> int:
+    """A TCP port free now on 127.0.0.1, for a test's env:// rendezvous (as torchrun's MASTER_PORT)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn_ranks_until(fn, args, nprocs: int, seconds: float) -> None:
+    """Run ``fn(rank, *args)`` on ``nprocs`` spawned processes, wait at most ``seconds`` for all of
+    them, and kill any still running (a hang fails the test's later checks, not the session)."""
+    ctx = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + seconds
+    for p in ctx.processes:
+        p.join(max(deadline - time.monotonic(), 0.1))
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+
+
+def write_rank_error(folder: str, rank: int, took: float, msg: str) -> None:
+    """What a rank's error says and how long it took to come (read back by :func:`rank_error`)."""
+    with open(os.path.join(folder, f"err{rank}.txt"), "w") as f:
+        f.write(f"{took}\n{msg}")
+
+
+def rank_error(folder, rank: int, missing: str) -> Tuple[float, str]:
+    """(seconds, message) of ``rank``'s error; fails with ``missing`` when the rank wrote none."""
+    path = os.path.join(folder, f"err{rank}.txt")
+    assert os.path.exists(path), missing
+    with open(path) as f:
+        took, msg = f.read().split("\n", 1)
+    return float(took), msg

@@ -8,7 +8,6 @@ One spawn per world size (2, 3, 4) runs every case; failures spawn their own sma
 """
 import math
 import os
-import socket
 import time
 import zlib
 
@@ -30,6 +29,7 @@ from ist_kernels.distributed import (
     ps_bytes,
 )
 from ist_kernels.partition import SlicePlan, TensorSlices, aggregate_slices_
+from conftest import free_port, rank_error, spawn_ranks_until, write_rank_error
 
 EPS = torch.finfo(torch.float32).eps
 
@@ -504,9 +504,7 @@ def _failing_worker(rank, S, store, outdir, mode, timeout, port):
         try:
             local = Exchange(plan, nxt, spec, round=rnd)(local)
         except CollectiveError as e:
-            took = time.perf_counter() - t0
-            with open(os.path.join(outdir, f"err{rank}.txt"), "w") as f:
-                f.write(f"{took}\n{e}")
+            write_rank_error(outdir, rank, time.perf_counter() - t0, str(e))
             os._exit(0)
         plan = nxt
     os._exit(0)
@@ -515,24 +513,11 @@ def _failing_worker(rank, S, store, outdir, mode, timeout, port):
 @pytest.mark.parametrize("mode,S", [("exit", 3), ("stall", 2)])
 def test_dead_or_stalled_rank_raises_within_timeout(mode, S, tmp_path):
     timeout = 5.0
-    port = 0
-    if mode == "stall":
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-    ctx = mp.spawn(_failing_worker, args=(S, str(tmp_path / "store"), str(tmp_path), mode, timeout, port),
-                   nprocs=S, join=False)
-    deadline = time.monotonic() + 90
-    for p in ctx.processes:
-        p.join(max(deadline - time.monotonic(), 0.1))
-    for p in ctx.processes:
-        if p.is_alive():
-            p.kill()
+    port = free_port() if mode == "stall" else 0
+    spawn_ranks_until(_failing_worker, (S, str(tmp_path / "store"), str(tmp_path), mode, timeout, port), S, 90)
     for r in range(S - 1):
-        path = tmp_path / f"err{r}.txt"
-        assert path.exists(), f"rank {r} did not raise CollectiveError ({mode})"
-        took, msg = path.read_text().split("\n", 1)
-        assert float(took) < timeout + 5, (took, msg)
+        took, msg = rank_error(tmp_path, r, f"rank {r} did not raise CollectiveError ({mode})")
+        assert took < timeout + 5, (took, msg)
         assert "round 2" in msg and ("all_to_all_single" in msg or "all_reduce" in msg), msg
 
 

@@ -10,9 +10,9 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from ist_kernels.train import checkpoint, cli
+from conftest import free_port, rank_error, spawn_ranks_until, write_rank_error
 from train_helpers import assert_equal_states, run as _run, untimed
 
 BASE = ["--dataset", "digits", "--batch-size", "8", "--local-steps", "2", "--no-progress", "--no-plots",
@@ -169,32 +169,18 @@ def _dying_rank(rank, S, args, port, outdir):
     try:
         _run_rank([cfg], rank, S, rank)
     except Exception as e:  # noqa: BLE001 - the message is what the test checks
-        with open(os.path.join(outdir, f"err{rank}.txt"), "w") as f:
-            f.write(f"{time.perf_counter() - t0}\n{type(e).__name__}: {e}")
+        write_rank_error(outdir, rank, time.perf_counter() - t0, f"{type(e).__name__}: {e}")
     os._exit(0)
 
 
 def test_killed_rank_ends_the_others_with_a_clear_message(tmp_path):
-    import socket
-
     S, timeout = 3, 20
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     args = [*BASE, *IST, "--rounds", 4, "--workers", S, "--timeout-s", timeout, "--out-dir", str(tmp_path / "run")]
     args = list(map(str, args))
-    ctx = mp.spawn(_dying_rank, args=(S, args, port, str(tmp_path)), nprocs=S, join=False)
-    deadline = time.monotonic() + 120
-    for p in ctx.processes:
-        p.join(max(deadline - time.monotonic(), 0.1))
-    for p in ctx.processes:
-        if p.is_alive():
-            p.kill()
+    spawn_ranks_until(_dying_rank, (S, args, free_port(), str(tmp_path)), S, 120)
     for r in range(S - 1):
-        path = tmp_path / f"err{r}.txt"
-        assert path.exists(), f"rank {r} did not stop with an error"
-        took, msg = path.read_text().split("\n", 1)
+        took, msg = rank_error(tmp_path, r, f"rank {r} did not stop with an error")
         assert msg.startswith("CollectiveError:") and "(round 2)" in msg and f"rank {r} of {S}" in msg, msg
         assert "a peer died" in msg
         assert float(re.search(r"after ([0-9.]+) s", msg).group(1)) <= timeout  # the collective's own wait
-        assert float(took) < 60 + timeout, took
+        assert took < 60 + timeout, took
