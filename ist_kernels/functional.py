@@ -341,12 +341,6 @@ def _deprecated(old: str, new: str, fn):
     return alias
 
 
-def _slice_gather(sources: Sequence[Tensor], source_ids: Sequence[int], indices: Sequence[Tensor],
-                  dims: Sequence[int], out: Optional[Tensor] = None) -> Tensor:
-    """The gather as one flat 1-D buffer (one dtype): every segment flattened row-major, concatenated."""
-    return _gather_flat(sources, source_ids, indices, dims, out)
-
-
 slice_gather = _deprecated("slice_gather", "gather_slices (segments; out= a flat buffer for the flat form)",
-                           _slice_gather)
+                           _gather_flat)
 slice_scatter_ = _deprecated("slice_scatter_", "scatter_slices_", scatter_slices_)
