@@ -15,8 +15,7 @@ import weakref
 
 import torch
 
-from ..ops._checks import check_output_mask
-from ..ops._checks import check_index_list
+from ..ops._checks import check_index_list, check_output_mask
 from ..ops.subnet import TRITON_DTYPES, check_grad_out, check_subnet
 
 
