@@ -59,10 +59,13 @@ DEVICES = ["cpu", CUDA_PARAM]
 
 
 @pytest.fixture
-def gen():
-    """A fresh, seeded generator per test: fresh random inputs, reproducible failures."""
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    return g
+def gen(request):
+    """A fresh, seeded generator per test: fresh random inputs, reproducible failures. The seed is
+    printed (pytest shows it with a failure); ``IST_TEST_SEED=<seed>`` replays it."""
+    seed = os.environ.get("IST_TEST_SEED")
+    seed = int(seed) if seed else int.from_bytes(os.urandom(4), "little")
+    print(f"{request.node.nodeid}: gen seeded {seed} (replay: IST_TEST_SEED={seed})")
+    return torch.Generator().manual_seed(seed)
 
 
 # ---- multi-process failure tests: ranks that must stop with an error (never hang)
