@@ -92,8 +92,8 @@ def test_gated_linear_forward_backward(device, dtype, compiled, gen):
     y = maybe_compile(under_autocast(ops.gated_linear, device, dtype), compiled)(x, w, b, gates)
     assert y.dtype == dtype
     assert_amp_close(y, ref.gated_linear(x.detach(), w.detach(), b.detach(), gates), dtype, "gated_linear")
-    g = randn(5, 45, gen=gen, device=device)
-    y.backward(g.to(dtype))
+    g = randn(5, 45, gen=gen, device=device).to(dtype)  # the reference gets the cotangent the backward gets
+    y.backward(g)
     want = ref.gated_linear_backward(g, x.detach(), w.detach(), gates)
     for t, wt, name in zip((x, w, b), want, ("grad_x", "grad_weight", "grad_bias")):
         assert t.grad.dtype == torch.float32, name  # autograd casts back to the leaf's dtype
@@ -111,8 +111,8 @@ def test_subnet_linear_forward_backward(device, dtype, compiled, gen):
     y = maybe_compile(under_autocast(ops.subnet_linear, device, dtype), compiled)(x, w, b, rows, cols)
     assert y.dtype == dtype
     assert_amp_close(y, ref.subnet_linear(x.detach(), w.detach(), b.detach(), rows, cols), dtype, "subnet_linear")
-    g = randn(2, 3, 4, gen=gen, device=device)
-    y.backward(g.to(dtype))
+    g = randn(2, 3, 4, gen=gen, device=device).to(dtype)  # the reference gets the cotangent the backward gets
+    y.backward(g)
     want = ref.subnet_linear_backward(g, x.detach(), w.detach(), rows, cols)
     for t, wt, name in zip((x, w, b), want, ("grad_x", "grad_weight", "grad_bias")):
         assert t.grad.dtype == torch.float32, name
@@ -178,11 +178,14 @@ def test_cpu_kernels_never_reenter_autocast(gen):
 # --------------------------------------------------------------------------------------- modules
 def _train_step(module, call, device, dtype, compiled, gen, out_shape):
     """Forward under autocast (eager or compiled) and backward of a random cotangent; returns
-    (output, cotangent)."""
+    (output, cotangent). The cotangent is drawn in the autocast dtype, as the output's gradient
+    is, so the float64 reference differentiates with the very values the backward got (a
+    reference with the unrounded one would charge the test's own rounding of g to the module:
+    a bias gradient Σ g over 60 positions cancels to far below Σ|g|, and it did)."""
     y = maybe_compile(under_autocast(call, device, dtype), compiled)()
     assert y.dtype == dtype
-    g = randn(*out_shape, gen=gen, device=device)
-    y.backward(g.to(dtype))
+    g = randn(*out_shape, gen=gen, device=device).to(dtype)
+    y.backward(g)
     for p in module.parameters():
         assert p.grad is not None and p.grad.dtype == p.dtype == torch.float32
     return y, g
