@@ -22,9 +22,10 @@ COMPILED = [pytest.param(False, id="eager"), pytest.param(True, id="compiled")]
 TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 
-def assert_amp_close(got, want, dtype, what, bound=None):
+def assert_amp_close(got, want, dtype, what, bound=None, scale=None):
     """``got`` (computed under autocast) is within TOL[dtype] of the float64 ``want``, relative to
-    ``want``'s largest magnitude (elementwise relative errors are meaningless where want ~ 0).
+    ``want``'s largest magnitude (elementwise relative errors are meaningless where want ~ 0), or
+    to ``scale`` where given (the Σ|terms| of a last sum whose result may cancel below its terms).
 
     ``bound`` (want's shape), where given, is the same computation on absolute values (the Σ|terms|
     of every sum, the rounding-error bound of a chain of sums): each element's error must then be
@@ -38,7 +39,8 @@ def assert_amp_close(got, want, dtype, what, bound=None):
         assert not excess.numel() or excess.reshape(-1)[i] <= 0, (
             f"{what}: error {diff.reshape(-1)[i]:.3g} at element {i} vs bound {bound.reshape(-1)[i]:.3g}")
         return
-    scale = want.abs().max().item() if want.numel() else 0.0
+    if scale is None:
+        scale = want.abs().max().item() if want.numel() else 0.0
     err = diff.max().item() if want.numel() else 0.0
     assert err <= TOL[dtype] * max(scale, 1e-6), f"{what}: max error {err:.3g} vs scale {scale:.3g}"
 
@@ -92,8 +94,8 @@ def test_gated_linear_forward_backward(device, dtype, compiled, gen):
     y = maybe_compile(under_autocast(ops.gated_linear, device, dtype), compiled)(x, w, b, gates)
     assert y.dtype == dtype
     assert_amp_close(y, ref.gated_linear(x.detach(), w.detach(), b.detach(), gates), dtype, "gated_linear")
-    g = randn(5, 45, gen=gen, device=device)
-    y.backward(g.to(dtype))
+    g = randn(5, 45, gen=gen, device=device).to(dtype)  # the reference gets the cotangent the backward gets
+    y.backward(g)
     want = ref.gated_linear_backward(g, x.detach(), w.detach(), gates)
     for t, wt, name in zip((x, w, b), want, ("grad_x", "grad_weight", "grad_bias")):
         assert t.grad.dtype == torch.float32, name  # autograd casts back to the leaf's dtype
@@ -111,8 +113,8 @@ def test_subnet_linear_forward_backward(device, dtype, compiled, gen):
     y = maybe_compile(under_autocast(ops.subnet_linear, device, dtype), compiled)(x, w, b, rows, cols)
     assert y.dtype == dtype
     assert_amp_close(y, ref.subnet_linear(x.detach(), w.detach(), b.detach(), rows, cols), dtype, "subnet_linear")
-    g = randn(2, 3, 4, gen=gen, device=device)
-    y.backward(g.to(dtype))
+    g = randn(2, 3, 4, gen=gen, device=device).to(dtype)  # the reference gets the cotangent the backward gets
+    y.backward(g)
     want = ref.subnet_linear_backward(g, x.detach(), w.detach(), rows, cols)
     for t, wt, name in zip((x, w, b), want, ("grad_x", "grad_weight", "grad_bias")):
         assert t.grad.dtype == torch.float32, name
@@ -178,11 +180,14 @@ def test_cpu_kernels_never_reenter_autocast(gen):
 # --------------------------------------------------------------------------------------- modules
 def _train_step(module, call, device, dtype, compiled, gen, out_shape):
     """Forward under autocast (eager or compiled) and backward of a random cotangent; returns
-    (output, cotangent)."""
+    (output, cotangent). The cotangent is drawn in the autocast dtype, as the output's gradient
+    is, so the float64 reference differentiates with the very values the backward got (a
+    reference with the unrounded one would charge the test's own rounding of g to the module:
+    a bias gradient Σ g over 60 positions cancels to far below Σ|g|, and it did)."""
     y = maybe_compile(under_autocast(call, device, dtype), compiled)()
     assert y.dtype == dtype
-    g = randn(*out_shape, gen=gen, device=device)
-    y.backward(g.to(dtype))
+    g = randn(*out_shape, gen=gen, device=device).to(dtype)
+    y.backward(g)
     for p in module.parameters():
         assert p.grad is not None and p.grad.dtype == p.dtype == torch.float32
     return y, g
@@ -230,9 +235,19 @@ def test_grelu_mlp(device, dtype, compiled, gen):
         z = torch.relu(pre)
     weights = [_leaf64(layer.weight) for layer in net.layers]
     want = ref.grelu_mlp(x, net.C, net.psi, weights, net.B, gates=on)
-    assert_amp_close(y, want, dtype, "GReLUMLP")
-    for layer, wg in zip(net.layers, _ref_grads(weights, want, g)):
-        assert_amp_close(layer.weight.grad, wg, dtype, "GReLUMLP grad W_k")
+    # The 3-layer chain's outputs and gradients cancel (7 rows, 3 outputs) far below the terms
+    # summed, so max|want| says nothing of the rounding. The output's error is held to the Σ|terms|
+    # of its last sum B h_L (the scale of h_L's rounding that B carries to it); each gradient
+    # element to its own rounding-error bound, the network on absolute values (C x's relu dropped:
+    # bf16 may take either side of its kink, moving h_0 by a rounding) differentiated with |g|.
+    # (That bound of the output is ~300x its error, too loose to see a wrong gate.)
+    h_last = ref.grelu_mlp(x, net.C, net.psi, weights, torch.eye(net.width, dtype=torch.float64), gates=on)
+    assert_amp_close(y, want, dtype, "GReLUMLP", scale=(h_last.abs() @ net.B.double().abs().T).max().item())
+    abs_weights = [w.detach().abs().requires_grad_() for w in weights]
+    out_bound = ref.grelu_mlp(x.abs(), net.C.abs(), net.psi, abs_weights, net.B.abs(), gates=on)
+    grad_bounds = torch.autograd.grad(out_bound, abs_weights, g.double().abs())
+    for layer, wg, bd in zip(net.layers, _ref_grads(weights, want, g), grad_bounds):
+        assert_amp_close(layer.weight.grad, wg, dtype, "GReLUMLP grad W_k", bound=bd)
 
 
 @pytest.mark.parametrize("compiled", COMPILED)

@@ -24,6 +24,13 @@ def ref_forward(net, x, gates=None):
                          net.C_bias, net.psi_bias, biases, net.B_bias)
 
 
+def _abs_linear(h, weight, bias):
+    """``h @ |weight|.T + |bias|`` for a bound ``h`` of a layer's input: the Σ|terms| of the layer's
+    sums, so a chain of them on absolute values bounds the chain's rounding error (as reference.py's
+    error bounds)."""
+    return h @ weight.detach().abs().T + (0 if bias is None else bias.detach().abs())
+
+
 def relu_mlp(d, m, depth, out, bias, gen, dtype=torch.float64):
     mods = [nn.Linear(d, m, bias=bias), nn.ReLU()]
     for _ in range(depth):
@@ -196,12 +203,22 @@ def test_to_relu_is_equivalent(bias, gen):
     with torch.no_grad():
         y_relu, y = relu_net(x), net(x)
         assert ((y_relu - y).norm(dim=1).max() / y.norm(dim=1).pow(2).mean().sqrt()).item() <= 1e-8
-        # Every intermediate feature map matches: ReLU pre-activation of layer k = GReLU h_k.
+        # Every intermediate feature map matches: ReLU pre-activation of layer k = GReLU h_k, to
+        # the float64 rounding of both chains (the few SGD steps may blow the features up by many
+        # orders, and W̃_k with them): elementwise within a few γ_{m+1} of their Σ|terms| bounds.
+        gates = net.compute_gates(x)
+        feats = net._features(x, gates, torch.float64)
+        on = ref.unpack_gates(gates, m)
         h = relu_net[:2](x)
-        feats = net._features(x, net.compute_gates(x), torch.float64)
+        habs = gabs = _abs_linear(x.abs(), net.C, net.C_bias) * (feats[0] > 0)  # ReLU(C x + c), both chains
         for k in range(1, L + 1):
             u = relu_net[2 * k](h)
-            torch.testing.assert_close(u, feats[k], rtol=1e-8, atol=1e-9)
+            uabs = _abs_linear(habs, relu_net[2 * k].weight, relu_net[2 * k].bias)
+            gabs = _abs_linear(gabs, net.layers[k - 1].weight, net.layers[k - 1].bias) * on[:, k - 1]
+            tol = 4 * (m + 1) * torch.finfo(torch.float64).eps * (uabs + gabs)
+            excess = (u - feats[k]).abs() - tol
+            assert (excess <= 0).all(), f"layer {k}: error exceeds {tol.flatten()[excess.argmax()]:.3g} by {excess.max():.3g}"
+            habs = uabs * (u > 0)
             h = torch.relu(u)
     # Beyond the train set the two networks differ (the equivalence holds on x_train only).
     x_new = torch.randn(n, d, generator=gen, dtype=torch.float64)
