@@ -79,10 +79,13 @@ _VALIDATED = _ValidatedIndices()
 def subnet_linear(x, weight, bias=None, rows=None, cols=None):
     """y = x W[rows][:, cols]ᵀ + b[rows]; x [..., len(cols)] -> y [..., len(rows)]."""
     Nr, Kc = _checked("subnet_linear", x, weight, bias, rows, cols)
-    # a contiguous bias keeps linear on its one-rounding addmm path: with a strided one torch (CPU,
-    # bf16, 1-D x) adds the bias to an already rounded product (two roundings, property test)
+    # linear takes its one-rounding addmm path (bias added in the GEMM's accumulation) only for a
+    # 2-D x and a contiguous bias: for other x (a strided 1-D or 3-D one, say) or a strided bias,
+    # torch adds the bias to the product already rounded to bf16/fp16 (two roundings: an error of
+    # u |x w| instead of u |y|, property test). So x goes in as [M, len(cols)], as in the backward.
     b = None if bias is None else (bias.contiguous() if rows is None else bias.index_select(0, rows))
-    return torch.nn.functional.linear(x, _compact(weight, rows, cols), b)
+    y = torch.nn.functional.linear(x.reshape(x.shape[:-1].numel(), Kc), _compact(weight, rows, cols), b)
+    return y.view(*x.shape[:-1], Nr)
 
 
 def subnet_linear_backward(grad_out, x, weight, rows=None, cols=None, output_mask=(True, True, True)):
