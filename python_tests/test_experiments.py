@@ -124,6 +124,11 @@ def test_masked_quick(tmp_path):
     assert set(doc["trends"]) == {"bernoulli_more_S_lower", "bernoulli_larger_xi_lower",
                                   "categorical_more_tau_higher", "categorical_more_S_higher"}
     assert doc["ntk"]["lambda_min"]["mean"] > 0 and "Fig. 2c" in md
+    bm = doc["bernoulli_model"]  # the ξ trend's noise model: one prediction per Bernoulli cell
+    assert [len(row) for row in bm["predicted"]] == [len(row) for row in doc["bernoulli"]["floor"]]
+    assert all(c["mean"] is None or c["mean"] >= 0 for row in bm["predicted"] for c in row)
+    assert 0 <= bm["agree"] <= bm["pairs"] and len(bm["peak_xi"]) == len(doc["bernoulli"]["S"])
+    assert "ξ trend is mixed" in md
 
 
 def test_pruning_quick(tmp_path):
@@ -206,6 +211,32 @@ def test_ntk_eigenvalues_match_a_monte_carlo_estimate(gen):
         # se ≤ max_w vᵀ B_w v / (2 √n) ≤ 7 / (2 √n) = 5.5e-3; measured 1e-4 to 3e-3.
         se = ((on * vec[:, k, None]).T @ x).square().sum(1).std().item() / n ** 0.5
         assert abs(ev[k].item() - want) < 6 * se, (k, ev[k].item(), want, se)
+
+
+def test_noise_floor_is_the_fixed_point_of_the_aggregation_recursion(gen):
+    """masked.noise_floor: simulate the linearised round it models, e' = (1 − c) e − c · mean_l n_l
+    over S independent noise vectors with E‖n‖² = N, c = θ(1 − ρ), and feed the measured window
+    means back (floor = E‖e‖², sampled = ½ E‖e + n‖², local = ρ² · sampled): it returns the
+    simulated floor, so the formula and the way it reads N and ρ from the measurements agree."""
+    from ist_kernels.experiments.masked import noise_floor
+
+    for S, xi, rho, N in [(1, 0.5, 0.4, 0.2), (4, 0.3, 0.6, 0.3), (8, 0.9, 0.17, 0.05)]:
+        c = (1 - (1 - xi) ** S) * (1 - rho)
+        n, rounds, burn = 50, 20000, 200
+        noise = torch.randn(rounds, S, n, generator=gen, dtype=torch.float64) * math.sqrt(N / n)
+        e, floors, sampled = torch.zeros(n, dtype=torch.float64), [], []
+        for k in range(rounds):
+            if k >= burn:
+                floors.append(e.square().sum())
+                sampled.append(0.5 * (e + noise[k]).square().sum(1).mean())
+            e = (1 - c) * e - c * noise[k].mean(0)
+        f = {"floor": float(torch.stack(floors).mean()), "sampled": float(torch.stack(sampled).mean())}
+        f["local"] = rho ** 2 * f["sampled"]
+        assert noise_floor(S, xi, f) == pytest.approx(f["floor"], rel=0.05), (S, xi)
+        assert f["floor"] == pytest.approx(c * N / (S * (2 - c)), rel=0.05)  # the closed form itself
+    # by hand: θ = ξ = 0.5, ρ = √(0.03/0.12) = 0.5, c = 0.25, E‖û − u‖² = 2·0.12 − 0.04 = 0.2
+    assert noise_floor(1, 0.5, {"floor": 0.04, "sampled": 0.12, "local": 0.03}) == pytest.approx(0.25 * 0.2 / 1.75)
+    assert noise_floor(2, 0.5, {"floor": None, "sampled": None, "local": None}) is None  # a diverged run
 
 
 # ---------------------------------------------------------------- data of the experiments

@@ -96,6 +96,14 @@ def rows_masked(doc: Optional[Dict]) -> List[List[str]]:
             meas += (f". S={S} floors {floors}; why: the subnetworks' loss after their τ local steps "
                      f"falls with τ ({loc}) and the aggregate is their mean (Appendix F), so more local steps lower "
                      "the floor")
+        bm = doc.get("bernoulli_model")
+        if key == "bernoulli_larger_xi_lower" and bm and bm["pairs"]:
+            peaks = ", ".join("—" if x is None else f"{x:g}" for x in bm["peak_xi"])
+            meas += (f". Why: the floor is highest at ξ = {peaks} for S = "
+                     f"{', '.join(str(S) for S in doc['bernoulli']['S'])}: sampling noise E‖û − u‖² falls with ξ "
+                     "while the aggregate's step c = θ(1 − ρ) grows with it, and a one-round noise model, floor = "
+                     f"c·E‖û − u‖²/(S(2 − c)) with nothing fitted, predicts measured/predicted = "
+                     f"{_pm(bm['ratio'], '.2f')} and the direction in {bm['agree']}/{bm['pairs']} pairs at their floor")
         rows.append([claim, meas, _verdict(t["hits"], t["pairs"])])
     return rows
 
