@@ -333,7 +333,7 @@ def test_missing_rank_file_named(checkpointed, tmp_path, capsys):
     assert rc == 1 and "round-000002-rank-0.pt' is missing" in _error_line(err), err
 
 
-def test_rng_states_round_trip_through_weights_only_load(tmp_path):
+def test_rng_states_round_trip_through_weights_only_load(tmp_path, global_rngs):
     random.seed(3)
     np.random.seed(4)
     torch.manual_seed(5)
