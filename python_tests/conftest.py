@@ -68,6 +68,20 @@ def gen(request):
     return torch.Generator().manual_seed(seed)
 
 
+@pytest.fixture
+def global_rngs():
+    """For a test that seeds the global generators (random, numpy, torch's CPU one): puts back their
+    states afterwards, so that the tests after it do not all draw one fixed stream."""
+    import random
+
+    import numpy as np
+
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    yield
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+
 # ---- multi-process failure tests: ranks that must stop with an error (never hang)
 def free_port() -> int:
     """A TCP port free now on 127.0.0.1, for a test's env:// rendezvous (as torchrun's MASTER_PORT)."""

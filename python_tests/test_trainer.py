@@ -484,7 +484,7 @@ def test_demo_quick(tmp_path):
     assert (tmp_path / "summary.md").is_file() and (tmp_path / "accuracy.png").is_file()
 
 
-def test_context_seeds_models_and_generators():
+def test_context_seeds_models_and_generators(global_rngs):
     from ist_kernels.train.runner import RunContext, World
 
     cfg = TrainConfig(seed=3, width=8).validate()
