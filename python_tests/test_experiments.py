@@ -222,7 +222,7 @@ def test_noise_floor_is_the_fixed_point_of_the_aggregation_recursion(gen):
 
     for S, xi, rho, N in [(1, 0.5, 0.4, 0.2), (4, 0.3, 0.6, 0.3), (8, 0.9, 0.17, 0.05)]:
         c = (1 - (1 - xi) ** S) * (1 - rho)
-        n, rounds, burn = 50, 20000, 200
+        n, rounds, burn = 50, 6000, 200
         noise = torch.randn(rounds, S, n, generator=gen, dtype=torch.float64) * math.sqrt(N / n)
         e, floors, sampled = torch.zeros(n, dtype=torch.float64), [], []
         for k in range(rounds):
