@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as tnf
 
 import ist_kernels.functional as F
+
 from conftest import DEVICE, record, run
 
 CPU_PROBLEMS = [((512, 512, 512), torch.float32), ((512, 512, 512), torch.bfloat16), ((1024, 1024, 1024), torch.float32)]

@@ -21,8 +21,9 @@ import torch
 
 import ist_kernels.functional as F
 import ist_kernels.models as M
-from conftest import DEVICE, record, run
 from ist_kernels.partition import loft_plan, resist_plan
+
+from conftest import DEVICE, record, run
 
 CPU = DEVICE == "cpu"
 ROUNDS_PER_CASE = 5 if CPU else 20

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import ist_kernels.functional as F
+
 from conftest import DEVICE, record, run
 
 S = 4

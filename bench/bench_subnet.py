@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as TF
 
 import ist_kernels.functional as F
+
 from conftest import DEVICE, record, run
 
 KEEP = [2, 4, 8]  # keep 1/2, 1/4, 1/8 of the rows and of the cols

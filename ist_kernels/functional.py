@@ -20,8 +20,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .ops import _checks
-from .ops import slices as _slices
+from .ops import _checks, slices as _slices
 
 __all__ = [
     "pack_gates",

@@ -1,6 +1,5 @@
 # ---- Filter distance between rankings of filters (paper 000 §3.1, Figure 1) ---------------------
-from typing import Dict as _Dict, Mapping as _Mapping, Optional as _Optional, Sequence as _Sequence
-from typing import Union as _Union
+from typing import Dict as _Dict, Mapping as _Mapping, Optional as _Optional, Sequence as _Sequence, Union as _Union
 
 import torch as _torch
 from torch import Tensor as _Tensor, nn as _nn

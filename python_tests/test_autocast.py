@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as TF
 
+from ist_kernels.nn import GatedLinear, GReLUMLP, MaskedConv2d, MaskedLinear, SubnetMLP
+
 import reference as ref
 from conftest import requires_cuda
-from ist_kernels.nn import GatedLinear, GReLUMLP, MaskedConv2d, MaskedLinear, SubnetMLP
 
 ops = torch.ops.ist_kernels
 _gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import ist_kernels.functional as F
+
 import reference as ref
 
 ops = torch.ops.ist_kernels

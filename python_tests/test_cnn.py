@@ -8,12 +8,17 @@ from torch import nn
 
 import ist_kernels.functional as F
 import ist_kernels.models as M
-import reference as ref
-from conftest import DEVICES
-from ist_kernels.metrics import (filter_distance, layer_filter_distances, pairwise_filter_distances,
-                                 plot_filter_distances)
+from ist_kernels.metrics import (
+    filter_distance,
+    layer_filter_distances,
+    pairwise_filter_distances,
+    plot_filter_distances,
+)
 from ist_kernels.partition import SlicePlan, loft_plan, resist_plan
 from ist_kernels.prune import filters_to_keep, prune_filters
+
+import reference as ref
+from conftest import DEVICES
 
 
 def _x(gen, n=2, c=3, hw=8, dtype=torch.float64, device="cpu"):
@@ -619,11 +624,15 @@ def test_prune_filters(make, ratio, gen):
     n_pruned = sum(p.numel() for p in pruned.parameters())
     n_full = sum(p.numel() for p in model.parameters())
     assert (n_pruned < n_full) == (ratio > 0)
-    x = _x(gen)
+    # 4 images of 16x16: the last stage's train-mode BN normalises over 4·2·2 values per channel. Over
+    # 2 values at 1x1 (8x8 input) a channel whose two values nearly agree (|a − b| ~ √eps) has a gain
+    # up to 1/√eps ≈ 316, and the float64 rounding differences of the pruned vs zero-filled
+    # convolutions can grow past 1e-7 (seen once in ~1000 seeds, global RNG unseeded; 0 in 5000 seeded runs).
+    x = _x(gen, n=4, hw=16)
     for train in (False, True):
         zeroed.train(train)
         pruned.train(train)
-        tol = 1e-7 if train else 1e-10  # train-mode BN over 2 samples amplifies rounding
+        tol = 1e-7 if train else 1e-10  # train-mode BN divides by batch statistics: a gain over eval mode
         torch.testing.assert_close(pruned(x), zeroed(x), rtol=tol, atol=tol)
 
 

@@ -10,9 +10,10 @@ import textwrap
 import pytest
 import torch
 
+from ist_kernels.cuda import grelu as aten_grelu
+
 import reference as ref
 from conftest import requires_cuda, requires_triton
-from ist_kernels.cuda import grelu as aten_grelu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRELU_OPS = ("relu_gates", "gated_linear", "gated_linear_backward")

@@ -29,6 +29,7 @@ from ist_kernels.distributed import (
     ps_bytes,
 )
 from ist_kernels.partition import SlicePlan, TensorSlices, aggregate_slices_
+
 from conftest import free_port, rank_error, spawn_ranks_until, write_rank_error
 
 EPS = torch.finfo(torch.float32).eps

@@ -31,8 +31,8 @@ import torch
 
 from ist_kernels.train import checkpoint, cli
 from ist_kernels.train.output import LOCK_FILE
-from train_helpers import TINY_MLP, assert_equal_states, outputs, untimed
-from train_helpers import run as _run
+
+from train_helpers import TINY_MLP, assert_equal_states, outputs, run as _run, untimed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "python_tests", "fault_worker.py")

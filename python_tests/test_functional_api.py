@@ -10,6 +10,7 @@ import torch
 import ist_kernels
 import ist_kernels.functional as F
 import ist_kernels.nn
+
 import reference as ref
 
 FUNCTIONS = ["pack_gates", "unpack_gates", "gather_slices", "scatter_slices_", "owner_average_", "relu_gates",

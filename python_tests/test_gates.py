@@ -2,9 +2,9 @@ import pytest
 import torch
 
 import ist_kernels.functional as F
+
 import reference as ref
 from conftest import BAD_INPUT, DEVICES
-
 
 SHAPES = [(1, 1), (7, 31), (33, 32), (5, 33), (129, 70), (2, 3, 100), (0, 40), (4, 0)]
 

@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 import ist_kernels.functional as F
+from ist_kernels.nn import GatedLinear, GReLUMLP
+
 import reference as ref
 from conftest import DEVICES
-from ist_kernels.nn import GatedLinear, GReLUMLP
 
 
 def perturb_(net, gen, scale=0.3):

@@ -17,8 +17,8 @@ import pytest
 
 from ist_kernels.train import cli
 from ist_kernels.train.config import CHOICES, GROUPS, ConfigError, TrainConfig
-from train_helpers import TINY_MLP, assert_equal_states, outputs, untimed
-from train_helpers import run as _run
+
+from train_helpers import TINY_MLP, assert_equal_states, outputs, run as _run, untimed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCALSGD = [*TINY_MLP, "--method", "localsgd", "--device", "cpu", "--rounds", "4", "--checkpoint-interval", "2"]

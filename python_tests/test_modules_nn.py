@@ -14,8 +14,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import ist_kernels.functional as F
-from conftest import DEVICES
 from ist_kernels.nn import GatedLinear, GReLUMLP, MaskedConv2d, MaskedLinear, SubnetMLP
+
+from conftest import DEVICES
 
 NAMES = ["GatedLinear", "GReLUMLP", "SubnetMLP", "MaskedLinear", "MaskedConv2d"]
 P = 0.5  # pruning rate of the masked layers
@@ -254,8 +255,8 @@ def _worker(rank, store, outdir):
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                                 timeout=timedelta(seconds=60))
         try:
-            from torch.distributed.fsdp import fully_shard
             from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
 
             mesh = init_device_mesh("cpu", (WORLD,))
         except ImportError as e:  # pragma: no cover (torch < 2.6)

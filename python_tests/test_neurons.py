@@ -8,12 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import reference as ref
-from conftest import DEVICES
 from ist_kernels import partition
 from ist_kernels.nn import MaskedConv2d, MaskedLinear, SubnetMLP
 from ist_kernels.prune import random_prune_
 from ist_kernels.train import simulated
+
+import reference as ref
+from conftest import DEVICES
 
 torch.set_num_threads(1)  # tiny shapes: threads only add overhead on the shared CI cores
 

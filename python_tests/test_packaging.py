@@ -5,9 +5,9 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 import torch
 
 import ist_kernels

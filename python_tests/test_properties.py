@@ -16,10 +16,14 @@ import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, note  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import (  # noqa: E402
+    given,
+    note,
+    strategies as st,  # noqa: E402
+)
 
 import ist_kernels.functional as F  # noqa: E402
+
 import reference as ref  # noqa: E402
 from conftest import HAS_CUDA, HAS_TRITON  # noqa: E402
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ist_kernels.functional as F
+
 import reference as ref
 from conftest import BAD_INPUT, DEVICES
 

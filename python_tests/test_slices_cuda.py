@@ -4,11 +4,12 @@ than one chunk, and the no-sync property of host index lists. References: python
 (float64, written from the math). The CPU paths are covered by test_slices.py."""
 import pytest
 import torch
+from test_slices import TOL, rand
 
 import ist_kernels.functional as F
+
 import reference as ref
 from conftest import requires_cuda
-from test_slices import TOL, rand
 
 ops = torch.ops.ist_kernels
 

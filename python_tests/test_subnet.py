@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as TF
 
 import ist_kernels.functional as F
+
 import reference as ref
 from conftest import BAD_INPUT, DEVICES, HAS_CUDA, HAS_TRITON, requires_cuda, requires_triton
 

@@ -10,6 +10,7 @@ import torch
 
 from ist_kernels.partition import loft_plan, resist_plan
 from ist_kernels.train import cli
+
 from train_helpers import assert_equal_states, outputs, run as _run, untimed
 
 TINY = ["--dataset", "digits", "--width", "4", "--batch-size", "8", "--local-steps", "2", "--no-progress",

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ist_kernels.train import checkpoint, cli
+
 from conftest import free_port, rank_error, spawn_ranks_until, write_rank_error
 from train_helpers import assert_equal_states, run as _run, untimed
 

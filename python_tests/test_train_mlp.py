@@ -12,6 +12,7 @@ import torch
 from ist_kernels.train import cli
 from ist_kernels.train.config import ConfigError, TrainConfig
 from ist_kernels.train.datasets import ShardedData, _mix, load_dataset
+
 from train_helpers import TINY_MLP, assert_equal_states, run as _run, untimed
 
 TINY = [*TINY_MLP, "--shared", "exact"]  # bit for bit (the default ring all_reduce: ulps)

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from train_helpers import TINY_MLP, run
-
 from ist_kernels.train import checkpoint, cli
+
+from train_helpers import TINY_MLP, run
 
 CNN = ["--dataset", "digits", "--width", "4", "--batch-size", "8", "--local-steps", "2", "--no-progress",
        "--no-plots", "--threads", "1", "--eval-interval", "2"]

@@ -15,6 +15,7 @@ from ist_kernels.train import checkpoint, cli, datasets, methods
 from ist_kernels.train.config import ConfigError, TrainConfig
 from ist_kernels.train.output import read_metrics
 from ist_kernels.train.runner import lr_at
+
 from train_helpers import TINY_MLP, outputs, run as _run, untimed
 
 TINY = TINY_MLP

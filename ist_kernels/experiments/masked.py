@@ -208,7 +208,6 @@ def _table(title: str, row_name: str, rows, col_name: str, cols, grid, flags) ->
 
 def _heatmap(ax, title, row_name, rows, col_name, cols, grid) -> None:
     import numpy as np
-
     from matplotlib.colors import LogNorm
 
     a = np.array([[np.nan if s["mean"] is None else s["mean"] for s in row] for row in grid])

@@ -19,8 +19,16 @@ import sys
 import typing
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .config import (CHOICES, GROUPS, ConfigError, TrainConfig, demo_preset, load_config_file, restart_count,
-                     under_torchrun)
+from .config import (
+    CHOICES,
+    GROUPS,
+    ConfigError,
+    TrainConfig,
+    demo_preset,
+    load_config_file,
+    restart_count,
+    under_torchrun,
+)
 
 
 def _show(value) -> str:

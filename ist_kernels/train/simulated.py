@@ -13,8 +13,13 @@ import torch
 from torch import Tensor
 
 from ..nn.subnet import SubnetMLP
-from ..partition.neurons import (bernoulli_masks, categorical_partition, categorical_probabilities,
-                                 masks_to_indices, round_generator)
+from ..partition.neurons import (
+    bernoulli_masks,
+    categorical_partition,
+    categorical_probabilities,
+    masks_to_indices,
+    round_generator,
+)
 
 # bernoulli: each subnetwork keeps each neuron with probability xi (paper 001 §4); categorical: each
 # neuron's owner drawn uniformly, so group sizes are multinomial (paper 001, Theorem 4); balanced:

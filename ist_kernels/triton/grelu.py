@@ -22,9 +22,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..ops._checks import (check, check_gated_linear_backward, check_grelu_gates,
-                          check_grelu_linear, gate_words)
-
+from ..ops._checks import check, check_gated_linear_backward, check_grelu_gates, check_grelu_linear, gate_words
 from .common import INTERPRET as _INTERPRET, HopperKernel, grouped_tile, is_tracing, launch, tuned
 
 

@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from ..ops.subnet import TRITON_DTYPES, check_grad_out, check_subnet
-
 from .common import INTERPRET, HopperKernel, grouped_tile, tuned
 
 

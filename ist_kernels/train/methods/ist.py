@@ -7,8 +7,8 @@ exactly one owner; the shared output bias is averaged). The implementation is
 is the multinomial draw of paper 001 instead."""
 from __future__ import annotations
 
-from .masked import Masked
 from . import register_method
+from .masked import Masked
 
 
 @register_method("ist")
