@@ -32,6 +32,7 @@ import torch
 from ist_kernels.train import checkpoint, cli
 from ist_kernels.train.output import LOCK_FILE
 
+from conftest import free_port
 from train_helpers import TINY_MLP, assert_equal_states, outputs, run as _run, untimed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,12 +45,6 @@ DEADLINE_S = 120  # no single launch of these tiny runs takes this long; a hang 
 def _env(**extra):
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     return dict(os.environ, PYTHONPATH=path, **extra)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _state(pid):
@@ -80,7 +75,7 @@ def _cli(capsys, *args):
 # ---------------------------------------------------------------- ranks killed and stalled (torchrun style)
 
 def _start_ranks(out, specs, *args):
-    port = _free_port()
+    port = free_port()
     argv = [*LOCALSGD, "--out-dir", str(out), *map(str, args)]
     sync = tempfile.mkdtemp(dir=os.path.dirname(out))
     return [subprocess.Popen([sys.executable, WORKER, spec, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
