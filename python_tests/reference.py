@@ -203,6 +203,12 @@ def _linear64(x, weight, bias):
     return z if bias is None else z + bias.double()
 
 
+def linear_magnitude(x, weight, bias=None):
+    """|x| |W|ᵀ + |b| in float64: the Σ|terms| of every sum of x Wᵀ + b, the magnitude its rounding
+    error scales with (a chain of them on absolute values bounds a chain of layers)."""
+    return _linear64(x.detach().abs(), weight.detach().abs(), None if bias is None else bias.detach().abs())
+
+
 def relu_gates(x, weight, bias=None):
     z = _linear64(x, weight, bias)
     return torch.relu(z), pack_gates(z > 0)

@@ -285,7 +285,7 @@ def _subnet_mlp_layers(x, hw, hb, neurons, scale):
     h, habs = x.detach().double(), x.detach().double().abs()
     for layer, (w, b) in enumerate(zip(hw, hb)):
         z = h @ w.detach().T + b.detach()
-        zabs = habs @ w.detach().abs().T + b.detach().abs()
+        zabs = ref.linear_magnitude(habs, w, b)
         keep = torch.zeros(w.shape[0], dtype=torch.float64, device=z.device)
         keep[neurons[layer]] = 1.0
         yield z, zabs, keep

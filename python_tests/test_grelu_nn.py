@@ -25,13 +25,6 @@ def ref_forward(net, x, gates=None):
                          net.C_bias, net.psi_bias, biases, net.B_bias)
 
 
-def _abs_linear(h, weight, bias):
-    """``h @ |weight|.T + |bias|`` for a bound ``h`` of a layer's input: the Σ|terms| of the layer's
-    sums, so a chain of them on absolute values bounds the chain's rounding error (as reference.py's
-    error bounds)."""
-    return h @ weight.detach().abs().T + (0 if bias is None else bias.detach().abs())
-
-
 def relu_mlp(d, m, depth, out, bias, gen, dtype=torch.float64):
     mods = [nn.Linear(d, m, bias=bias), nn.ReLU()]
     for _ in range(depth):
@@ -211,11 +204,11 @@ def test_to_relu_is_equivalent(bias, gen):
         feats = net._features(x, gates, torch.float64)
         on = ref.unpack_gates(gates, m)
         h = relu_net[:2](x)
-        habs = gabs = _abs_linear(x.abs(), net.C, net.C_bias) * (feats[0] > 0)  # ReLU(C x + c), both chains
+        habs = gabs = ref.linear_magnitude(x.abs(), net.C, net.C_bias) * (feats[0] > 0)  # ReLU(C x + c), both chains
         for k in range(1, L + 1):
             u = relu_net[2 * k](h)
-            uabs = _abs_linear(habs, relu_net[2 * k].weight, relu_net[2 * k].bias)
-            gabs = _abs_linear(gabs, net.layers[k - 1].weight, net.layers[k - 1].bias) * on[:, k - 1]
+            uabs = ref.linear_magnitude(habs, relu_net[2 * k].weight, relu_net[2 * k].bias)
+            gabs = ref.linear_magnitude(gabs, net.layers[k - 1].weight, net.layers[k - 1].bias) * on[:, k - 1]
             tol = 4 * (m + 1) * torch.finfo(torch.float64).eps * (uabs + gabs)
             excess = (u - feats[k]).abs() - tol
             assert (excess <= 0).all(), f"layer {k}: error exceeds {tol.flatten()[excess.argmax()]:.3g} by {excess.max():.3g}"
