@@ -251,7 +251,7 @@ def test_resist_warmup_trains_with_the_residual_scale():
     """Paper 003 §2.6, footnote 2: the local-SGD warm-up already scales the blocks ResIST partitions,
     so the full model never changes form when the ResIST rounds start."""
     from ist_kernels.train.methods import get_method
-    from ist_kernels.train.methods.localsgd import average_models
+    from ist_kernels.train.engine import averaged_tensors
 
     ctx = _resist_context("--option", "warmup_fraction=0.5")  # rounds 0, 1 warm-up; 2, 3 ResIST
     method = get_method("resist")(ctx)
@@ -274,7 +274,7 @@ def test_resist_warmup_trains_with_the_residual_scale():
     for models in (refs, unscaled):
         for s, m in models.items():
             ctx.train_local(m, ctx.make_optimizer(m.parameters()), s, 0)
-        average_models(list(models.values()), 2, 0, False)
+        ctx.comm.average_models_([averaged_tensors(m) for m in models.values()], round=1)
     method.run_round(0)
     assert_equal_states(method.warmup.models[0].state_dict(), refs[0].state_dict())
     # ... and not at scale 1

@@ -64,7 +64,7 @@ def test_precision_autocasts_the_forward(monkeypatch):
                                      ("fp16", torch.float16, True)):
         cfg = cli.build_config([*TINY_MLP, "--precision", precision]).validate()
         ctx = RunContext.__new__(RunContext)
-        ctx.cfg, ctx.device, ctx._scalers = cfg, torch.device("cpu"), {}
+        ctx._cfg, ctx.device, ctx._scalers = cfg, torch.device("cpu"), {}
         with ctx.autocast():
             y = torch.ones(2, 3) @ torch.ones(3, 2)
         assert y.dtype == (dtype or torch.float32), precision

@@ -250,7 +250,7 @@ def test_method_registry_extension_point(tmp_path, monkeypatch):
 
         def run_round(self, r):  # worker 0 trains, nobody communicates
             loss = self.ctx.train_local(self.models[0], self.optimizers[0], 0, r)
-            return methods.RoundResult(loss_sum=loss, steps=self.ctx.cfg.local_steps, extra={"scale": self.ctx.options["scale"]})
+            return methods.RoundResult(loss_sum=loss, steps=self.ctx.local_steps, extra={"scale": self.ctx.options["scale"]})
 
     try:
         assert "zz_test_worker0" in methods.available_methods()

@@ -22,6 +22,7 @@ ring all-reduce's 2(S-1)/S.
 
 Plans are never sent: every rank derives both from the shared seed.
 """
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from math import prod
@@ -63,6 +64,10 @@ class CommStats:
     all_reduce_bytes: int = 0  # bytes of the flat buffer(s) passed to all_reduce
     seconds: float = 0.0
     collective_seconds: Dict[str, float] = field(default_factory=dict)
+    #: of ``seconds``: copying slices into the send buffers (and quantising), and out of the
+    #: receive buffers into the targets (owner means); the rest is the collectives and the routing
+    pack_seconds: float = 0.0
+    unpack_seconds: float = 0.0
 
     @property
     def all_reduce_wire_bytes(self) -> int:
@@ -163,6 +168,7 @@ class _Mover:
         """sources: entry -> this rank's tensor, viewed as the entry's compact shape;
         targets: entry -> tensor to write the owner means into (same views, own dtype)."""
         F = _functional()
+        t_pack = time.perf_counter()
         r, S = self.routing.rank, self.routing.world_size
         pack_idx, recv_idx = self._indices(device)
         src_list = [sources[e] if not self.entries[e].integral else
@@ -207,9 +213,11 @@ class _Mover:
             out_splits = [self.routing.recv_numel[k] if k != r else 0 for k in range(S)]
             esize = self.esize
 
+        stats.pack_seconds += time.perf_counter() - t_pack
         stats.collective_seconds[name] = wait_collective(
             lambda: dist.all_to_all_single(out, wire, out_splits, in_splits, group=group, async_op=True),
             name=name, round=round, timeout=timeout, group=group)
+        t_unpack = time.perf_counter()
         stats.collectives += 1
         stats.all_to_all_bytes_sent += sum(in_splits) * esize
         stats.all_to_all_bytes_received += sum(out_splits) * esize
@@ -252,6 +260,7 @@ class _Mover:
                 recv_off = off
         if updates:
             aggregate_slices_(tgt_list, ids, updates, idx, [self.entries[e].dim for e in self.target_entries])
+        stats.unpack_seconds += time.perf_counter() - t_unpack
 
 
 def _all_reduce_mean_(tensors: List[Tensor], *, name: str, round, group, timeout, stats: CommStats) -> None:
@@ -263,15 +272,19 @@ def _all_reduce_mean_(tensors: List[Tensor], *, name: str, round, group, timeout
     for dtype, ts in by_dtype.items():
         if not (dtype.is_floating_point or dtype.is_complex):
             raise TypeError(f"{name}: can only average floating tensors, got {dtype}")
+        t_pack = time.perf_counter()
         flat = torch.cat([t.reshape(-1) for t in ts])
+        stats.pack_seconds += time.perf_counter() - t_pack
         stats.collective_seconds[name] = stats.collective_seconds.get(name, 0.0) + wait_collective(
             lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True),
             name=name, round=round, timeout=timeout, group=group)
         stats.collectives += 1
         stats.all_reduce_bytes += flat.numel() * flat.element_size()
+        t_unpack = time.perf_counter()
         flat.div_(S)
         views = list(torch.split(flat, [t.numel() for t in ts]))
         torch._foreach_copy_(ts, [v.view(t.shape) for v, t in zip(views, ts)])
+        stats.unpack_seconds += time.perf_counter() - t_unpack
 
 
 def _plan_masks(plan: SlicePlan, spec, S: int, shared_as_slice: bool, what: str):
@@ -624,8 +637,6 @@ class Exchange:
         names: the plan tensors this call moves (default: all); the same on every rank.
         quantize: False keeps the exchange's setting; None / "int8" override it for this call.
         """
-        import time
-
         t0 = time.perf_counter()
         if self._spec is None:  # replicated storage without a spec: the full local tensors are it
             self._spec = _normalise_spec(local)
@@ -716,8 +727,6 @@ def gather_full_model(local: Mapping[str, Tensor], plan: SlicePlan, spec: Spec, 
         simulated aggregation).
     Returns name -> full tensor (new) on ``dst``, None on the other ranks. ``local`` is not changed.
     """
-    import time
-
     t0 = time.perf_counter()
     if reduce not in ("copy", "mean"):
         raise ValueError(f"gather_full_model: reduce must be 'copy' or 'mean', got {reduce!r}")
@@ -771,8 +780,6 @@ def average_model_(tensors: Union[Mapping[str, Tensor], Sequence[Tensor]], *, ro
                    group=None, timeout: Union[None, float, timedelta] = None) -> CommStats:
     """The local-SGD baseline: average the whole model over the group in place, one flat all_reduce
     (per dtype). Returns what it moved."""
-    import time
-
     t0 = time.perf_counter()
     ts = list(tensors.values()) if isinstance(tensors, Mapping) else list(tensors)
     bad = [i for i, t in enumerate(ts) if not t.is_contiguous()]

@@ -227,6 +227,12 @@ class SubnetMLP(nn.Module):
         return {n: ((p.numel(),) if self._flat(n) else tuple(p.shape), p.dtype)
                 for n, p in self.named_parameters() if n in set(self.compact_names())}
 
+    def compact_layout(self, neurons: Neurons) -> List[Tuple[str, int, Tuple[int, ...]]]:
+        """(name, dim of the plan, compact shape) of every tensor a subnetwork of ``neurons`` holds,
+        in the order of :meth:`extract` (a hidden-to-hidden weight's plan dim is that of its flat
+        view; its compact shape is rows x columns)."""
+        return [(name, dim, shape) for name, dim, _, shape in self._layout(neurons, torch.device("cpu"))]
+
     def compact_names(self) -> List[str]:
         """The names of the tensors a subnetwork holds, in the order of :meth:`extract`."""
         return [name for name, _, _, _ in self._layout(None, torch.device("cpu"))]

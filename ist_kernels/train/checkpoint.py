@@ -30,7 +30,8 @@ from typing import Any, Callable, Dict, Optional
 import numpy as np
 import torch
 
-from .config import ConfigError
+from ..distributed import CollectiveError
+from .errors import ConfigError
 
 LATEST = "latest.json"
 _FILE = re.compile(r"^round-(\d+)-rank-(\d+)\.pt$")
@@ -285,8 +286,6 @@ def restore(folder: str, rank: int, world_size: int, cfg, method) -> Dict[str, A
         method.load_state_dict(payload["method"])
         set_rng_state(payload["rng"])
     except Exception as e:
-        from ..distributed import CollectiveError
-
         if isinstance(e, CollectiveError):
             raise
         raise CheckpointError(f"{payload['path']!r} does not fit this run ({cfg.method}): {_brief(e)}") from e

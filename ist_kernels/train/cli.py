@@ -19,6 +19,7 @@ import sys
 import typing
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .checkpoint import atomic_json
 from .config import (
     CHOICES,
     GROUPS,
@@ -29,6 +30,10 @@ from .config import (
     restart_count,
     under_torchrun,
 )
+from .datasets import available_datasets
+from .launch import exit_worker, failure_status, launch, report_failure, resume_if_checkpointed
+from .methods import available_methods, get_method
+from .output import add_baseline_ratios, claim_outputs, claimed_by, job_id, read_metrics, summary_table, write_plots
 
 
 def _show(value) -> str:
@@ -41,9 +46,6 @@ def _show(value) -> str:
 
 def _dynamic_choices() -> Dict[str, Sequence[str]]:
     """Names known only at run time (registries); --help lists them too."""
-    from .datasets import available_datasets
-    from .methods import available_methods
-
     return {"method": available_methods(), "dataset": available_datasets()}
 
 
@@ -133,8 +135,6 @@ def _baseline_config(cfg: TrainConfig) -> TrainConfig:
     """Local SGD with the same budget: workers, rounds, local steps, batch size, schedule; run as
     the method's paper compares (``Method.baseline_options``: for loft, pre-train, prune, fine-tune).
     It holds the whole model on every worker by definition, so --max-rank-state-mb does not apply."""
-    from .methods import get_method
-
     out = cfg.resolved_out_dir()
     options = get_method(cfg.method).baseline_options(cfg.options)
     return dataclasses.replace(
@@ -157,9 +157,6 @@ def _after_restart(runs: List[TrainConfig], root: str) -> List[TrainConfig]:
     tells the other ranks). When an earlier attempt of this job claimed the output folder, each run
     continues from its latest checkpoint, or starts again replacing that attempt's outputs; a folder
     this job never claimed is checked as on a first start (never resumed or replaced by surprise)."""
-    from .launch import resume_if_checkpointed
-    from .output import claimed_by, job_id
-
     if claimed_by(root) != job_id():
         return runs
     out = []
@@ -178,9 +175,6 @@ def _validate_and_run(argv) -> Tuple[TrainConfig, Optional[List[Dict[str, Any]]]
         runs = _after_restart(runs, cfg.resolved_out_dir())
     for c in runs:
         c.validate()
-    from .checkpoint import atomic_json
-    from .launch import launch
-    from .output import add_baseline_ratios, claim_outputs
 
     # the launcher (rank 0 under torchrun) holds the lock; the other ranks only write their
     # checkpoint files, and never get past rank 0's first collective when rank 0 stops
@@ -197,8 +191,6 @@ def _validate_and_run(argv) -> Tuple[TrainConfig, Optional[List[Dict[str, Any]]]
 
 
 def _write_table(cfg: TrainConfig, summaries: List[Dict[str, Any]]) -> None:
-    from .output import read_metrics, summary_table, write_plots
-
     out_dir = cfg.resolved_out_dir()
     table = summary_table(summaries)
     os.makedirs(out_dir, exist_ok=True)
@@ -217,12 +209,8 @@ def _write_table(cfg: TrainConfig, summaries: List[Dict[str, Any]]) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ns = vars(_parser().parse_args(argv))
     if ns["list_methods"] or ns["list_datasets"]:
-        from .datasets import available_datasets
-        from .methods import available_methods
-
         print("\n".join(available_methods() if ns["list_methods"] else available_datasets()))
         return 0
-    from .launch import exit_worker, failure_status, report_failure
 
     try:
         cfg, summaries = _validate_and_run(argv)

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .config import ConfigError
+from .data import ackley_data, diabetes_regression, signal_noise, synthetic_images
+from .errors import ConfigError
 
 
 @dataclass
@@ -259,8 +260,6 @@ def _load_synthetic(name: str, classes: int):
     def load(cfg) -> Dataset:
         """The same images for every run (seed 0, like a data set on disk): cfg.seed draws the
         model, the shards and the plans, not the data."""
-        from .data import synthetic_images
-
         n = cfg.dataset_size or SYNTHETIC_TRAIN_SIZE
         xtr, ytr = synthetic_images(n, classes, seed=0, stream=0)
         xte, yte = synthetic_images(max(1, n // 5), classes, seed=0, stream=1)
@@ -274,8 +273,6 @@ def _load_synthetic(name: str, classes: int):
 def _load_signal_noise(cfg) -> Dataset:
     """Paper 002 §5.1: x = [y e_1, xi] in R^{2 x 400}, y = +-1 (labels 0/1 here), xi ~ N(0, 0.5^2 I),
     100 training and 100 test samples, drawn from cfg.seed (the paper repeats runs over seeds)."""
-    from .data import signal_noise
-
     g = torch.Generator().manual_seed(_mix(cfg.seed, 0x5167))
     x, y = signal_noise(200, 400, 0.5, signed=True, swap_patches=False, generator=g)
     return Dataset("signal_noise", "classification", x[:100], y[:100], x[100:], y[100:], 2, image=False)
@@ -284,8 +281,6 @@ def _load_signal_noise(cfg) -> Dataset:
 def _load_diabetes(cfg) -> Dataset:
     """sklearn's bundled diabetes regression (442 x 10) as paper 001 prepares it (each input scaled
     to norm 1, targets standardised), a fixed 80/20 split; the test loss is the MSE."""
-    from .data import diabetes_regression
-
     x, y = diabetes_regression(442, generator=torch.Generator().manual_seed(0))
     return Dataset("diabetes", "regression", x[:354], y[:354], x[354:], y[354:], 1, image=False)
 
@@ -293,8 +288,6 @@ def _load_diabetes(cfg) -> Dataset:
 def _load_ackley(cfg) -> Dataset:
     """Paper 004 §6.1's Ackley regression: x in R^200 with ‖x‖ = 1, scalar y; 100 training and 100
     test samples drawn from cfg.seed (``ist_kernels.train.data.ackley_data``); the test loss is the MSE."""
-    from .data import ackley_data
-
     x, y = ackley_data(200, 200, torch.Generator().manual_seed(_mix(cfg.seed, 0xAC1E)))
     x, y = x.float(), y.float()
     return Dataset("ackley", "regression", x[:100], y[:100], x[100:], y[100:], 1, image=False)

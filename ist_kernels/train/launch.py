@@ -36,8 +36,11 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from ..distributed import CollectiveError, destroy_process_group, init_process_group
-from .config import TrainConfig, restart_count, under_torchrun
-from .runner import World, train
+from ..distributed.group import collective_timeout, wait_collective
+from .checkpoint import CheckpointError, latest_round, read_latest
+from .config import ConfigError, TrainConfig, restart_count, under_torchrun
+from .output import OutputLockError
+from .runner import RankStateError, World, train
 
 
 def resolve_device(cfg: TrainConfig, local_rank: int, processes: int, spawned: bool = False) -> torch.device:
@@ -70,8 +73,6 @@ def _set_threads(cfg: TrainConfig, processes: int, spawned: bool = False) -> Non
 def resume_if_checkpointed(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` continuing from the latest checkpoint in its folder when there is one (a restarted
     worker group), else ``cfg`` starting at round 0."""
-    from .checkpoint import read_latest
-
     if cfg.resume or read_latest(cfg.resolved_checkpoint_dir()) is None:
         return cfg
     return dataclasses.replace(cfg, resume=True, overwrite=False)
@@ -88,7 +89,6 @@ def resume_after_restart(cfgs: List[TrainConfig], rank: int, device: torch.devic
         return cfgs
     if rank == 0 and spawned:
         cfgs = [resume_if_checkpointed(c) for c in cfgs]
-    from ..distributed.group import collective_timeout, wait_collective
 
     flags = torch.tensor([int(c.resume) for c in cfgs], dtype=torch.int64, device=device)
     wait_collective(lambda: torch.distributed.broadcast(flags, 0, async_op=True),
@@ -96,8 +96,6 @@ def resume_after_restart(cfgs: List[TrainConfig], rank: int, device: torch.devic
     cfgs = [c if c.resume == bool(v) else dataclasses.replace(c, resume=bool(v), overwrite=False)
             for c, v in zip(cfgs, flags.tolist())]
     if rank == 0:
-        from .checkpoint import latest_round
-
         where = [f"{c.method}: round {latest_round(c.resolved_checkpoint_dir())}" if c.resume else
                  f"{c.method}: round 0 (no checkpoint)" for c in cfgs]
         print(f"ist-train: restart {n}: continuing from {', '.join(where)}", file=sys.stderr, flush=True)
@@ -141,11 +139,6 @@ class WorkerError(RuntimeError):
 def failure_status(e: BaseException) -> Optional[int]:
     """The exit status a failure ends the run with: 2 for an invalid option (ConfigError), 1 (or the
     worker's own) for the failures below; None for anything else (a bug: keep the traceback)."""
-    from .checkpoint import CheckpointError
-    from .config import ConfigError
-    from .output import OutputLockError
-    from .runner import RankStateError
-
     if isinstance(e, ConfigError):
         return 2
     if isinstance(e, WorkerError):

@@ -15,7 +15,8 @@ from typing import Callable, Dict
 import torch
 from torch import nn
 
-from .config import ConfigError
+from .datasets import DATASETS
+from .errors import ConfigError
 
 MODELS: Dict[str, Callable] = {}
 
@@ -60,8 +61,6 @@ def check_model(cfg) -> None:
         return
     zoo = _zoo()
     if zoo is not None and cfg.model in _zoo_names(zoo):
-        from .datasets import DATASETS
-
         spec = DATASETS.get(cfg.dataset)
         if spec is not None and not spec.image:
             raise ConfigError("model", f"{cfg.model!r} is a CNN; dataset {cfg.dataset!r} is not images (use mlp)")

@@ -12,6 +12,9 @@ import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
+from .checkpoint import is_checkpoint_file
+from .config import ConfigError, under_torchrun
+
 LOCK_FILE = ".ist-train.lock"
 # what a run writes; --overwrite deletes these (and the checkpoints) and nothing else
 RUN_FILES = ("metrics.jsonl", "summary.json", "model.pt")
@@ -73,8 +76,6 @@ class OutputLock:
 def job_id() -> Optional[str]:
     """Under torchrun: this job, the same in every restart of its workers (the host and pid of rank
     0's elastic agent, and the rendezvous id); None otherwise."""
-    from .config import under_torchrun
-
     if not under_torchrun():
         return None
     return f"{socket.gethostname()}:{os.getppid()}:{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
@@ -103,8 +104,6 @@ def claim_outputs(cfgs: Sequence[Any], root: str) -> Iterator[OutputLock]:
     the runs ``cfgs`` (the main run, and its baseline) write there. A folder that holds anything but
     the lock needs --resume (continue the run) or --overwrite (the earlier run's outputs are deleted
     first); ConfigError otherwise."""
-    from .config import ConfigError
-
     cfg = cfgs[0]
     top = os.path.abspath(root)
     outside = [c.resolved_checkpoint_dir() for c in cfgs
@@ -124,8 +123,6 @@ def claim_outputs(cfgs: Sequence[Any], root: str) -> Iterator[OutputLock]:
 
 
 def _delete_outputs(cfgs: Sequence[Any], root: str) -> None:
-    from .checkpoint import is_checkpoint_file
-
     paths = [os.path.join(root, f) for f in TABLE_FILES]
     for c in cfgs:
         paths += [os.path.join(c.resolved_out_dir(), f) for f in RUN_FILES]
@@ -200,6 +197,24 @@ def bytes_by_phase(history: Sequence[Dict[str, Any]], phases: Sequence[str], gat
     return out
 
 
+def time_by_phase(history: Sequence[Dict[str, Any]], phases: Sequence[str], parts: Sequence[str]) -> Dict[str, Any]:
+    """``{"round_time_by_phase": {phase name: mean seconds per round}}``: a round's time is the sum of
+    ``parts`` of its ``time`` (the training parts: local steps, plans, pack, collectives, unpack),
+    averaged over the rounds from round 2 on (round 1 also pays for what is built once), per phase
+    tag (``"all"`` for untagged rounds). ``{}`` when no round has a time."""
+    sums: Dict[Any, List[float]] = {}
+    for rec in history:
+        t = rec.get("time")
+        if not t or rec["round"] < 2:
+            continue
+        sums.setdefault(rec.get("phase"), []).append(sum(t.get(k, 0.0) for k in parts))
+    if not sums:
+        return {}
+    name = lambda i: "all" if i is None else (phases[i] if 0 <= i < len(phases) else f"phase {i}")  # noqa: E731
+    order = sorted(sums, key=lambda i: -1 if i is None else i)
+    return {"round_time_by_phase": {name(i): sum(v) / len(v) for i, v in ((i, sums[i]) for i in order)}}
+
+
 def human_count(n: float) -> str:
     return f"{n / 1e6:.3g}M" if n >= 1e6 else (f"{n / 1e3:.3g}k" if n >= 1e3 else str(int(n)))
 
@@ -219,6 +234,10 @@ def add_baseline_ratios(summaries: Sequence[Dict[str, Any]]) -> Optional[Dict[st
     return base
 
 
+#: the parts of ``time_by_part`` the summary table shows (``other``: what no part measured)
+TABLE_PARTS = ("local", "plan", "pack", "comm", "unpack", "eval", "metrics", "checkpoint", "other")
+
+
 def summary_table(summaries: Sequence[Dict[str, Any]]) -> str:
     """Markdown table: method, workers, rounds, accuracy, test loss, time, total bytes, bytes per
     round both ways (wire: what the collectives moved; ps: the papers' parameter-server count), the
@@ -228,9 +247,11 @@ def summary_table(summaries: Sequence[Dict[str, Any]]) -> str:
     base = next((s for s in summaries if s["method"] == "localsgd"), None) if len(summaries) > 1 else None
     sized = any("params" in s for s in summaries)
     phased = any(s.get("bytes_by_phase") for s in summaries)
+    timed = any(s.get("time_by_part") for s in summaries)
     head = ["method", "model", "workers", "rounds", "accuracy", "test loss", "train time (s)", "bytes sent",
             "bytes / round", "ps bytes / round", "rank state"]
     head += ["model size"] * sized + ["bytes by phase"] * phased
+    head += ["time by part (s)", "s / round by phase"] * timed
     if base is not None:
         head += ["bytes / local SGD", "ps bytes / local SGD", "time / local SGD"]
     rows = []
@@ -248,6 +269,10 @@ def summary_table(summaries: Sequence[Dict[str, Any]]) -> str:
             row.append(size)
         if phased:
             row.append(", ".join(f"{k} {human_bytes(v)}" for k, v in (s.get("bytes_by_phase") or {}).items()) or "-")
+        if timed:
+            parts = s.get("time_by_part") or {}
+            row.append(", ".join(f"{k} {v:.2f}" for k, v in parts.items() if k in TABLE_PARTS and v >= 0.005) or "-")
+            row.append(", ".join(f"{k} {v:.3f}" for k, v in (s.get("round_time_by_phase") or {}).items()) or "-")
         if base is not None:
             for key in ("bytes_per_round", "ps_bytes_per_round"):
                 row.append(f"{s[key] / base[key]:.3f}" if base[key] else "-")

@@ -1,8 +1,6 @@
-"""The trainer's methods and their registry.
+"""The method contract and the registry of the trainer's methods.
 
-A method lives in ``ist_kernels/train/methods/<name>.py`` (the module name is the method name) and
-registers itself; ``get_method(name)`` imports that module on first use, so adding a method is
-adding that file::
+A method is one file in this package plus one line in :data:`METHODS`::
 
     from . import Method, Option, RoundResult, register_method
 
@@ -12,42 +10,70 @@ adding that file::
                                 expected="a probability in (0, 1]")}   # --option xi=0.3
 
         @classmethod
-        def validate(cls, cfg): ...           # optional; raise ConfigError(option, why)
-
+        def validate(cls, hp): ...            # optional; hp: the read-only hyper-parameters;
+                                              #   raise ConfigError(option, why)
         def __init__(self, ctx): ...          # setup on every rank: models, optimizers
         def run_round(self, r): ...           # tau local steps + aggregation -> RoundResult
         def global_model(self): ...           # the full model; every rank calls it (may gather)
         def state_dict(self): ...             # all resume needs for this process's workers:
         def load_state_dict(self, state): ... #   models, optimizer states, plan generator states
-        def evaluate(self, model): ...        # optional; default: test loss (+ accuracy)
+        def evaluate(self, model): ...        # optional; default: ctx.evaluate (test loss, accuracy)
         def summary(self): ...                # optional; extra entries for summary.json
 
-The trainer (``ist_kernels.train.runner``) owns everything else: data shards and batches
-(``ctx.batch(worker, r, i)``), the learning-rate schedule (``ctx.set_lr``), ``ctx.train_local``
-(tau SGD steps of one worker), seeded models (``ctx.build_model(factory)``) and generators
-(``ctx.generator(*tags)``), evaluation, metrics, checkpoints and launching.
+``ctx`` is the worker view (:class:`ist_kernels.train.worker.RunContext`): S, rank, the local
+workers, device, the resolved options, the read-only hyper-parameters (``ctx.hp``), a model
+factory (``ctx.build_model``), the round's generator (``ctx.generator(TAG, r)``: plans are derived
+on every rank, never sent), ``ctx.make_optimizer``, ``ctx.train_local(model, optimizer, worker, r)``,
+and ``ctx.comm`` (:class:`ist_kernels.train.comm.Comm`), which moves slices, averages shared
+tensors, gathers the full model and counts the bytes and time of it all. The round engine
+(:mod:`ist_kernels.train.engine`) runs subnetwork rounds (plan -> compact state -> local steps ->
+exchange) and local-SGD rounds for every launch mode and storage.
+
+The rules that keep methods independent: a method never reads the trainer's config (only
+``ctx.hp`` and its options), never imports ``ist_kernels.distributed`` (only ``ctx.comm``), never
+changes a counter (``ctx.comm`` counts), and never imports another method (shared pieces live in
+the engine).
 
 One class serves both launch modes. ``ctx.local_workers`` lists the workers this process trains:
 ``[ctx.rank]`` when distributed (one process per worker), ``range(S)`` when simulated (S workers
-one after another in one process). ``ctx.distributed`` says whether torch.distributed is initialised
-(default group, > 1 process); ``ctx.all_reduce_`` is an all_reduce that names the round when a rank
-dies. A distributed and a simulated run of the same config must give the same model.
+one after another in one process). A distributed and a simulated run of the same config must give
+the same model.
 """
 from __future__ import annotations
 
 import importlib
-import pkgutil
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type
 
 import torch
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
-# Every method issue 6 names; those without a module here are "not available" in this build.
+#: name -> the module of this package that registers it (one line per method)
+METHODS = {
+    "ddp": "ddp",
+    "grelu": "grelu",
+    "ist": "masked",  # masked with balanced masks
+    "localsgd": "localsgd",
+    "loft": "loft",
+    "masked": "masked",
+    "resist": "resist",
+}
+# The methods of the papers; one without its module is "not available" in this build.
 KNOWN_METHODS = ("ist", "masked", "loft", "resist", "grelu", "localsgd", "ddp")
 
 _REGISTRY: Dict[str, Type["Method"]] = {}
+
+
+def boolean(v) -> bool:
+    """An option's true/false (also 1/0, yes/no); anything else is a ValueError."""
+    if isinstance(v, bool):
+        return v
+    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+    if str(v).lower() not in words:
+        raise ValueError(f"not a boolean: {v!r}")
+    return words[str(v).lower()]
 
 
 @dataclass(frozen=True)
@@ -66,10 +92,8 @@ class RoundResult:
     """What one round did on this process, summed over ``ctx.local_workers``.
 
     loss_sum / steps: the training loss summed over the local steps of the local workers and the
-    number of those steps; bytes_sent: bytes this process's workers sent this round, counted as
-    ``ist_kernels.distributed.CommStats.bytes_sent`` counts them (all_to_all bytes to other ranks +
-    ring all_reduce wire bytes, :func:`all_reduce_wire_bytes`); the simulated form reports what its
-    S workers would have sent. ps_bytes: the papers' parameter-server count of the same round
+    number of those steps; bytes_sent: bytes sent outside ``ctx.comm`` (normally 0: the comm
+    object counts what the round sent, in both launch modes). ps_bytes: the papers' parameter-server count of the same round
     (each worker uploads and downloads its subnetwork, :func:`ist_kernels.distributed.ps_bytes`;
     local SGD: 2 full models per worker). state_bytes: worker -> the bytes of parameters, buffers
     and optimizer state that worker held this round (:func:`held_bytes`). ``extra["phase"]`` tags
@@ -126,10 +150,11 @@ class Method:
         return {}
 
     @classmethod
-    def validate(cls, cfg) -> None:
-        """Method-specific checks of the whole config; raise ConfigError(option, why)."""
-        if not cls.allows_single_worker and cfg.num_workers < 2:
-            raise ConfigError("workers", f"method {cls.name!r} needs at least 2 workers, got {cfg.num_workers}")
+    def validate(cls, hp) -> None:
+        """Method-specific checks of the run's hyper-parameters (``hp``: read-only, the options
+        still as given); raise ConfigError(option, why)."""
+        if not cls.allows_single_worker and hp.num_workers < 2:
+            raise ConfigError("workers", f"method {cls.name!r} needs at least 2 workers, got {hp.num_workers}")
 
     # ---- training ----
     def __init__(self, ctx):
@@ -141,15 +166,13 @@ class Method:
     def global_model(self):
         """The full model for evaluation and the final save; every rank calls it (it may be a
         collective: decentralized storage assembles it, and adds what that moved to
-        ``ctx.gather_bytes``). Must return the model on rank 0; other ranks may return None."""
+        ``ctx.comm``). Must return the model on rank 0; other ranks may return None."""
         raise NotImplementedError
 
     def evaluate(self, model) -> Dict[str, float]:
         """Scores of ``model`` (from global_model) on the test set, on rank 0: test_loss and, for
         classification, accuracy. Override for other scores; keep those two keys."""
-        from ..runner import evaluate
-
-        return evaluate(self.ctx, model)
+        return self.ctx.evaluate(model)
 
     def state_dict(self) -> Dict[str, Any]:
         raise NotImplementedError
@@ -160,13 +183,6 @@ class Method:
     def summary(self) -> Dict[str, Any]:
         """Extra entries for the final summary (e.g. the pruned model's size); optional."""
         return {}
-
-
-def all_reduce_wire_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes one rank sends in a bandwidth-optimal (ring) all_reduce of an ``nbytes`` buffer:
-    2 (S - 1) / S of it; the convention of ``ist_kernels.distributed.CommStats``, so every method's
-    bytes_sent compares (simulated runs count what each of the S ranks would send)."""
-    return (2 * (world_size - 1) * nbytes) // world_size if world_size > 0 else 0
 
 
 def held_bytes(*things) -> int:
@@ -211,22 +227,27 @@ def register_method(name: str):
     return deco
 
 
-def _module_names():
-    return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
-
-
 def available_methods():
     """Names a user can pass to --method in this build."""
-    return sorted(set(_REGISTRY) | set(_module_names()))
+    return sorted(set(_REGISTRY) | set(METHODS))
 
 
 def get_method(name: str) -> Type[Method]:
-    if name not in _REGISTRY and name in _module_names():
-        importlib.import_module(f"{__name__}.{name}")
+    """The class registered as ``name``, importing its module (:data:`METHODS`) on first use."""
+    if name not in _REGISTRY and name in METHODS:
+        try:
+            importlib.import_module(f"{__name__}.{METHODS[name]}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{METHODS[name]}":
+                raise
     if name in _REGISTRY:
         return _REGISTRY[name]
-    avail = ", ".join(available_methods())
-    if name in KNOWN_METHODS:
+    avail = ", ".join(sorted(set(_REGISTRY) | {n for n in METHODS if _has_module(n)}))
+    if name in KNOWN_METHODS or name in METHODS:
         raise ConfigError("method", f"{name!r} is not available in this build "
-                          f"(no ist_kernels/train/methods/{name}.py); available: {avail}")
+                          f"(no ist_kernels/train/methods/{METHODS.get(name, name)}.py); available: {avail}")
     raise ConfigError("method", f"unknown method {name!r}; available: {avail}")
+
+
+def _has_module(name: str) -> bool:
+    return importlib.util.find_spec(f"{__name__}.{METHODS[name]}") is not None

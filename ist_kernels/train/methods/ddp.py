@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from . import Method, RoundResult, all_reduce_wire_bytes, held_bytes, register_method
+from . import Method, RoundResult, held_bytes, register_method
 
 
 @register_method("ddp")
@@ -22,35 +22,37 @@ class DDP(Method):
             self.net = DistributedDataParallel(self.model, device_ids=dev)
         self.optimizer = ctx.make_optimizer(self.model.parameters())
         S = ctx.num_workers
-        grads = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
-        # per step: every worker all_reduces its gradients (ring wire bytes); rank 0 sends its
-        # buffers to the S - 1 others (DDP's broadcast_buffers). The initial broadcast of the
-        # model at construction is not counted (every rank builds the same model from the seed).
-        self._bytes_per_step = dict(grads=all_reduce_wire_bytes(grads, S), buffers=(S - 1) * buffers)
+        # per step: every worker all_reduces its gradients (ring wire bytes, counted by ctx.comm);
+        # rank 0 sends its buffers to the S - 1 others (DDP's broadcast_buffers). The initial
+        # broadcast of the model at construction is not counted (every rank builds the same model).
+        self._grads = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        self._buffers = (S - 1) * sum(b.numel() * b.element_size() for b in self.model.buffers())
         # parameter-server count: every step each worker uploads its gradients and downloads the model
-        self._ps_per_step = 2 * grads if S > 1 else 0
+        self._ps_per_step = 2 * self._grads if S > 1 else 0
         self.full_state_bytes = ctx.full_state_bytes(self.model)
 
     def run_round(self, r: int) -> RoundResult:
-        ctx, tau = self.ctx, self.ctx.cfg.local_steps
-        self.net.train()
-        total = torch.zeros((), dtype=torch.float64, device=ctx.device)
-        for i in range(tau):
-            ctx.set_lr(self.optimizer, r, i)
-            batches = [ctx.batch(s, r, i) for s in ctx.local_workers]
-            x = torch.cat([b[0] for b in batches])
-            y = torch.cat([b[1] for b in batches])
-            self.optimizer.zero_grad(set_to_none=True)
-            with ctx.autocast():
-                out = self.net(x)
-            loss = ctx.loss(out, y)
-            ctx.backward_step(loss, self.optimizer, worker=ctx.local_workers[0])
-            total += loss.detach() * len(batches)  # the mean of the workers' losses, once per worker
+        ctx, tau = self.ctx, self.ctx.local_steps
+        with ctx.clock("local"):  # DDP's all-reduces overlap the backward: their time is in here
+            self.net.train()
+            total = torch.zeros((), dtype=torch.float64, device=ctx.device)
+            for i in range(tau):
+                ctx.set_lr(self.optimizer, r, i)
+                batches = [ctx.batch(s, r, i) for s in ctx.local_workers]
+                x = torch.cat([b[0] for b in batches])
+                y = torch.cat([b[1] for b in batches])
+                self.optimizer.zero_grad(set_to_none=True)
+                with ctx.autocast():
+                    out = self.net(x)
+                loss = ctx.loss(out, y)
+                ctx.backward_step(loss, self.optimizer, worker=ctx.local_workers[0])
+                total += loss.detach() * len(batches)  # the mean of the workers' losses, once per worker
         n = len(ctx.local_workers)
-        sent = tau * (n * self._bytes_per_step["grads"] + (self._bytes_per_step["buffers"] if ctx.rank == 0 else 0))
+        ctx.comm.count_all_reduce(self._grads, times=tau)
+        if ctx.rank == 0:
+            ctx.comm.count_sent(tau * self._buffers)
         state = held_bytes(self.model, self.optimizer)
-        return RoundResult(loss_sum=float(total), steps=n * tau, bytes_sent=sent, ps_bytes=n * tau * self._ps_per_step,
+        return RoundResult(loss_sum=float(total), steps=n * tau, ps_bytes=n * tau * self._ps_per_step,
                            state_bytes={s: state for s in ctx.local_workers})
 
     def global_model(self):

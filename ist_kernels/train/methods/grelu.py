@@ -24,12 +24,20 @@ from typing import Dict, List
 import torch
 from torch import nn
 
-from ..config import ConfigError
-from . import Method, Option, RoundResult, held_bytes, register_method
-from .localsgd import average_models
-from .masked import boolean
+from ...nn.grelu import GReLUMLP
+from ...partition.neurons import categorical_partition
+from ...partition.plan import SlicePlan, TensorSlices
+from ..engine import LocalModels
+from ..errors import ConfigError
+from . import Method, Option, RoundResult, boolean, held_bytes, register_method
 
 PLAN = 0x6E1D  # generator tag of the round's row partition
+
+
+def _trained(model) -> List[torch.Tensor]:
+    """What local SGD averages: the trained layers W_1..W_L (the frozen C, Psi, B are buffers,
+    equal on every worker)."""
+    return list(model.parameters())
 
 
 class Flat(nn.Module):
@@ -71,47 +79,34 @@ class GReLU(Method):
     }
 
     @classmethod
-    def validate(cls, cfg):
-        super().validate(cfg)
-        if cfg.model != "mlp":
-            raise ConfigError("model", f"method 'grelu' trains a GReLU MLP (model mlp), got {cfg.model!r}")
-        if boolean(cfg.options.get("subnetworks", False)) and (cfg.width or 128) < cfg.num_workers:
-            raise ConfigError("width", f"subnetworks=true partitions {cfg.width or 128} rows into "
-                              f"{cfg.num_workers} groups; use width >= workers")
+    def validate(cls, hp):
+        super().validate(hp)
+        if hp.model != "mlp":
+            raise ConfigError("model", f"method 'grelu' trains a GReLU MLP (model mlp), got {hp.model!r}")
+        if boolean(hp.options.get("subnetworks", False)) and (hp.width or 128) < hp.num_workers:
+            raise ConfigError("width", f"subnetworks=true partitions {hp.width or 128} rows into "
+                              f"{hp.num_workers} groups; use width >= workers")
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        from ...nn.grelu import GReLUMLP
-
-        cfg, o = ctx.cfg, ctx.options
+        hp, o = ctx.hp, ctx.options
         self.subnetworks = o["subnetworks"]
         self.workers = ctx.local_workers
-        factory = lambda: Flat(GReLUMLP(ctx.in_features, cfg.width or 128, cfg.depth, ctx.num_outputs,  # noqa: E731
+        factory = lambda: Flat(GReLUMLP(ctx.in_features, hp.width or 128, hp.depth, ctx.num_outputs,  # noqa: E731
                                         bias=o["bias"]))
-        # subnetworks: one replica per process (every worker starts each round from the aggregate)
-        owners = self.workers[:1] if self.subnetworks else self.workers
-        self.models = {s: ctx.build_model(factory) for s in owners}
-        self.optimizers = ({} if self.subnetworks else
-                           {s: ctx.make_optimizer(self.models[s].parameters()) for s in self.workers})
+        # subnetworks: one replica per process (every worker starts each round from the aggregate);
+        # otherwise local SGD of the trained layers (the frozen gate network is never sent)
+        if self.subnetworks:
+            self.models = {self.workers[0]: ctx.build_model(factory)}
+            self.local = None
+        else:
+            self.local = LocalModels(ctx, {s: ctx.build_model(factory) for s in self.workers}, tensors=_trained)
+            self.models = self.local.models
         self.full_state_bytes = ctx.full_state_bytes(next(iter(self.models.values())))
-
-    def _trained(self, model) -> List[torch.Tensor]:
-        return [p for p in model.parameters()]
-
-    # ---- local SGD of W_1..W_L
-    def _localsgd_round(self, r):
-        ctx, S = self.ctx, self.ctx.num_workers
-        loss = sum(ctx.train_local(self.models[s], self.optimizers[s], s, r) for s in self.workers)
-        state = {s: held_bytes(self.models[s], self.optimizers[s]) for s in self.workers}
-        sent = average_models([self.models[s] for s in self.workers], S, r, ctx.distributed, tensors=self._trained)
-        trained = sum(t.numel() * t.element_size() for t in self._trained(self.models[self.workers[0]]))
-        return loss, sent, (2 * trained * len(self.workers) if S > 1 else 0), state
 
     # ---- independent subnetworks of W_1..W_L
     def plan(self, r):
         """name -> S disjoint row lists (each trained tensor partitioned independently, in order)."""
-        from ...partition.neurons import categorical_partition
-
         g = self.ctx.generator(PLAN, r)
         model = next(iter(self.models.values()))
         return {n: categorical_partition(p.shape[0], self.ctx.num_workers, g) for n, p in model.named_parameters()}
@@ -119,7 +114,8 @@ class GReLU(Method):
     def _subnet_round(self, r):
         ctx = self.ctx
         (model,) = self.models.values()
-        plan = {n: [o.to(ctx.device) for o in owners] for n, owners in self.plan(r).items()}
+        with ctx.clock("plan"):
+            plan = {n: [o.to(ctx.device) for o in owners] for n, owners in self.plan(r).items()}
         subs, loss, state = [], 0.0, {}
         for s in self.workers:
             sub = RowSubnet(model, {n: owners[s] for n, owners in plan.items()})
@@ -128,44 +124,45 @@ class GReLU(Method):
             state[s] = held_bytes(model, sub.compact, opt)
             subs.append(sub)
         full = dict(model.named_parameters())
-        with torch.no_grad():  # each row from its (single) owner
+        with ctx.clock("unpack"), torch.no_grad():  # each row from its (single) owner
             for sub in subs:
                 for n, rows in sub.rows.items():
                     full[n].index_copy_(0, rows, sub.compact[n].detach())
         if ctx.num_workers == 1:
-            return loss, 0, 0, state
-        from ...distributed import Exchange, plan_bytes, ps_bytes
-        from ...partition.plan import SlicePlan, TensorSlices
-
+            return loss, 0, state
         S = ctx.num_workers
         slice_plan = SlicePlan(S, tuple(TensorSlices(n, 0, tuple(o)) for n, o in plan.items()))
         local = {n: p.detach() for n, p in full.items()}
         whole = SlicePlan(S, tuple(TensorSlices(n, None) for n in plan))  # every worker needs every row
-        ps = sum(ps_bytes(slice_plan, local, download=whole)[s] for s in self.workers)
+        ps = ctx.comm.ps_bytes(slice_plan, local, download=whole)
         if ctx.distributed:
-            ex = Exchange(slice_plan, storage="replicated", shared="exact", round=r + 1)
-            ex(local)
-            return loss, ex.last_stats.bytes_sent, ps, state
-        stats = plan_bytes(slice_plan, None, local, storage="replicated", shared="exact")
-        return loss, sum(stats[s].bytes_sent for s in self.workers), ps, state
+            with ctx.clock("plan"):
+                ctx.comm.exchange(slice_plan, None, None, local, storage="replicated", shared="exact", round=r + 1)
+        else:
+            ctx.comm.count_exchange(slice_plan, None, local, storage="replicated", shared="exact")
+        return loss, ps, state
 
     def run_round(self, r: int) -> RoundResult:
-        loss, sent, ps, state = self._subnet_round(r) if self.subnetworks else self._localsgd_round(r)
-        return RoundResult(loss_sum=loss, steps=len(self.workers) * self.ctx.cfg.local_steps, bytes_sent=sent,
-                           ps_bytes=ps, state_bytes=state)
+        if not self.subnetworks:
+            return self.local.run(r)
+        loss, ps, state = self._subnet_round(r)
+        return RoundResult(loss_sum=loss, steps=len(self.workers) * self.ctx.local_steps, ps_bytes=ps,
+                           state_bytes=state)
 
     def global_model(self):
         return next(iter(self.models.values()))
 
     def state_dict(self):
-        return {"models": {s: m.state_dict() for s, m in self.models.items()},
-                "optimizers": {s: o.state_dict() for s, o in self.optimizers.items()}}
+        if self.local is not None:
+            return self.local.state_dict()
+        return {"models": {s: m.state_dict() for s, m in self.models.items()}, "optimizers": {}}
 
     def load_state_dict(self, state):
+        if self.local is not None:
+            self.local.load_state_dict(state)
+            return
         for s, m in self.models.items():
             m.load_state_dict(state["models"][s])
-        for s, o in self.optimizers.items():
-            o.load_state_dict(state["optimizers"][s])
 
     def summary(self):
         return {"subnetworks": self.subnetworks}

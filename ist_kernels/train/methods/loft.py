@@ -4,15 +4,15 @@ L2 norm, fine-tune.
 1. Pre-train ("pretrain"), the first ``pretrain_fraction`` of the rounds: each round a fresh
    ``loft_plan(model, S, ctx.generator(PLAN, r))`` (every rank derives the same plan, none is sent),
    each worker trains its narrower subnetwork for ``local_steps``, and the filters go to their next
-   owners while the shared layers are averaged (``_subnet.SubnetRounds``; decentralized storage by
-   default: a rank never holds more than its subnetwork). The full CNN is never trained directly.
-2. Prune (at the first fine-tune round): the lowest-L2-norm ``cfg.prune_ratio`` of the filters of
+   owners while the shared layers are averaged (the round engine's ``SubnetRounds``; decentralized
+   storage by default: a rank never holds more than its subnetwork). The full CNN is never trained directly.
+2. Prune (at the first fine-tune round): the lowest-L2-norm ``--prune-ratio`` of the filters of
    every partitioned conv go (``prune_filters``); the result is a physically smaller model on every
    worker. Decentralized, every rank computes the norms of its own filters, one all_reduce of the
    norm vectors (each filter has one owner, so the sums are exact) gives every rank the same kept
-   filters, and one ``Exchange`` sends each kept filter from its owner to every rank.
+   filters, and one exchange sends each kept filter from its owner to every rank.
 3. Fine-tune ("finetune") the pruned model for the remaining rounds with local SGD (every worker
-   trains the whole pruned model, one flat all_reduce of it per round: ``localsgd.LocalModels``),
+   trains the whole pruned model, one flat all_reduce of it per round: the engine's ``LocalModels``),
    fresh optimizers.
 
 The learning-rate schedule runs over all rounds. Bytes: pre-train, the exchanges' counters;
@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from . import ConfigError, Method, Option, RoundResult, all_reduce_wire_bytes, register_method
-from ._subnet import MOMENTUM_OPTION, SubnetRounds, count_params, phase_rounds, state_split
-from .localsgd import LocalModels, pruned_local_models
+from ...partition import loft_plan
+from ...partition.loft import LoftPlan
+from ...prune import filter_norms, filters_to_keep, keep_largest, prune_filters
+from ..engine import MOMENTUM_OPTION, LocalModels, SubnetRounds, count_params, phase_rounds, state_split, warn_payoff
+from . import ConfigError, Method, Option, register_method
 
 PRETRAIN_FRACTION = 0.5
 
@@ -49,9 +51,9 @@ class Loft(Method):
         return {"pretrain_fraction": options.get("pretrain_fraction", PRETRAIN_FRACTION)}
 
     @classmethod
-    def validate(cls, cfg):
-        super().validate(cfg)
-        if cfg.model == "mlp":
+    def validate(cls, hp):
+        super().validate(hp)
+        if hp.model == "mlp":
             raise ConfigError("model", "loft partitions the filters of a ResNet; use e.g. preact_resnet18")
 
     def __init__(self, ctx):
@@ -64,38 +66,33 @@ class Loft(Method):
         self.full_state_bytes = ctx.full_state_bytes(self.model)
         self.rounds = SubnetRounds(ctx, self.model, o["momentum_state"], self.plan)
         self.split = state_split(self.rounds.plan(0).slices, self.rounds.spec, self.rounds.param_names,
-                                 ctx.cfg.momentum > 0)
+                                 ctx.hp.momentum > 0)
+        warn_payoff(self.split, ctx.num_workers, "loft", f" on {ctx.hp.model}")
         self.rounds.start(0)
         self.finetune = None  # localsgd.LocalModels of the pruned model, once fine-tuning started
         self.kept = None  # block -> kept filters (decentralized: rebuilds the pruned structure on resume)
 
     def plan(self, r: int):
-        from ...partition import loft_plan
-
         return loft_plan(self.model, self.ctx.num_workers, self.ctx.generator(PLAN, r))
 
     # ---- phases
-    def _prune(self, r: int) -> int:
-        """The pre-trained model pruned on every worker; returns the bytes that took."""
-        from ...prune import filters_to_keep
-
+    def _prune(self, r: int, resumed: bool = False) -> None:
+        """The pre-trained model pruned on every worker (its bytes counted, unless ``resumed``:
+        rebuilt from a checkpoint, nothing sent)."""
+        ratio = self.ctx.hp.prune_ratio
         if self.rounds.decentral:
-            return self._prune_decentral(r, self.ctx.cfg.prune_ratio)
+            return self._prune_decentral(r, ratio)
         # the same deterministic pruning on every rank (the replicated models are bit-identical)
-        self.kept = {k.rsplit(".", 1)[0]: v for k, v in filters_to_keep(self.model, self.ctx.cfg.prune_ratio).items()}
-        self.finetune = pruned_local_models(self.ctx, self.model)
-        return self._prune_bytes() if self.ctx.simulated and self.ctx.decentralized else 0
+        self.kept = {k.rsplit(".", 1)[0]: v for k, v in filters_to_keep(self.model, ratio).items()}
+        self.finetune = LocalModels(self.ctx, {s: prune_filters(self.model, ratio) for s in self.workers})
+        if self.ctx.simulated and self.ctx.decentralized and not resumed:
+            self._count_prune()
 
     def _pruned_plan(self):
-        from ...partition.loft import LoftPlan
-
         S = self.ctx.num_workers
         return LoftPlan(self.model, S, filters={b: [k] * S for b, k in self.kept.items()})
 
-    def _prune_decentral(self, r: int, ratio: float) -> int:
-        from ...distributed import Exchange
-        from ...prune import filter_norms, keep_largest
-
+    def _prune_decentral(self, r: int, ratio: float) -> None:
         ctx, rounds, s = self.ctx, self.rounds, self.ctx.rank
         plan = rounds.plan(rounds.held)
         convs = [(b.name, f"{b.name}.{plan.layers[b.name][0]}.weight") for b in plan.blocks]
@@ -107,44 +104,37 @@ class Loft(Method):
                 n[owners[name].to(ctx.device)] = filter_norms(rounds.part[name])
             norms.append(n)
         flat = torch.cat(norms)
-        ctx.all_reduce_(flat, "filter norms", r)
+        ctx.comm.all_reduce_sum_(flat, "filter norms", r)
         self.kept = {b: keep_largest(n, ratio) for (b, _), n in zip(convs, flat.split([n.numel() for n in norms]))}
         pruned = self._pruned_plan()
         names = [t.name for t in plan.partitioned]
-        ex = Exchange(plan.slices, pruned.slices, rounds.spec, storage="decentralized", shared=ctx.cfg.shared,
-                      round=r + 1, drop_unowned=True)
-        tensors = {**rounds.part, **ex({n: rounds.part[n] for n in names if n in rounds.part}, names=names)}
-        self.finetune = LocalModels(ctx, {s: pruned.attach(s, tensors).module})
-        rounds.part = rounds.momentum = None  # the pre-trained subnetwork is no longer needed
-        return all_reduce_wire_bytes(flat.numel() * flat.element_size(), ctx.num_workers) + ex.last_stats.bytes_sent
+        moved = ctx.comm.exchange(plan.slices, pruned.slices, rounds.spec,
+                                  {n: rounds.part[n] for n in names if n in rounds.part}, names=names,
+                                  round=r + 1, drop_unowned=True)
+        self.finetune = LocalModels(ctx, {s: pruned.attach(s, {**rounds.part, **moved}).module})
+        rounds.drop()  # the pre-trained subnetwork is no longer needed
 
-    def _prune_bytes(self) -> int:
+    def _count_prune(self) -> None:
         """What :meth:`_prune_decentral` sends, from the plans (simulated runs report it)."""
-        from ...distributed import plan_bytes
-
-        rounds, S = self.rounds, self.ctx.num_workers
+        rounds, comm = self.rounds, self.ctx.comm
         plan, pruned = rounds.plan(rounds.held), self._pruned_plan()
         norms = sum(rounds.spec[f"{b.name}.{plan.layers[b.name][0]}.weight"][0][0] for b in plan.blocks)
-        stats = plan_bytes(plan.slices, pruned.slices, rounds.spec, shared=self.ctx.cfg.shared,
-                           names=[t.name for t in plan.partitioned])
-        return sum(all_reduce_wire_bytes(8 * norms, S) + stats[s].bytes_sent for s in self.workers)
+        comm.count_all_reduce(8 * norms)
+        comm.count_exchange(plan.slices, pruned.slices, rounds.spec, names=[t.name for t in plan.partitioned])
 
-    def run_round(self, r: int) -> RoundResult:
-        ctx = self.ctx
+    def run_round(self, r: int):
         if r < self.pretrain_rounds:
-            loss, sent, ps, state = self.rounds.run(r, last=r == self.pretrain_rounds - 1)
-            return RoundResult(loss, len(self.workers) * ctx.cfg.local_steps, sent, extra={"phase": 0}, ps_bytes=ps,
-                               state_bytes=state)
-        sent = self._prune(r) if self.finetune is None else 0
-        res = self.finetune.run(r, phase=1)
-        res.bytes_sent += sent
-        return res
+            return self.rounds.run(r, last=r == self.pretrain_rounds - 1, phase=0)
+        if self.finetune is None:
+            with self.ctx.clock("plan"):
+                self._prune(r)
+        return self.finetune.run(r, phase=1)
 
     def global_model(self):
         return self.rounds.global_model() if self.finetune is None else self.finetune.model
 
     def summary(self):
-        out = {"pretrain_rounds": self.pretrain_rounds, "prune_ratio": self.ctx.cfg.prune_ratio,
+        out = {"pretrain_rounds": self.pretrain_rounds, "prune_ratio": self.ctx.hp.prune_ratio,
                "params_full": self.full_params, **self.split}
         if self.finetune is not None:
             out["params_pruned"] = count_params(self.finetune.model)
@@ -169,5 +159,5 @@ class Loft(Method):
             self.finetune = LocalModels(self.ctx, {s: pruned.attach(s, dict(state["models"][s])).module
                                                    for s in self.workers})
         else:
-            self._prune(self.pretrain_rounds)
+            self._prune(self.pretrain_rounds, resumed=True)
         self.finetune.load_state_dict(state)

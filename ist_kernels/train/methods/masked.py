@@ -17,17 +17,23 @@ fresh optimizer each round, since the subnetwork changes), and the full model is
 owner-averaged: every entry becomes the mean over the subnetworks that own it, entries no
 subnetwork owns keep their value (Algorithm 1 lines 11-13, η = N⊥/N).
 
+``ist`` (IST's neuron partition, registered here too): every round the hidden neurons of each
+layer are permuted at random and cut into S groups whose sizes differ by at most one (as
+IST_Release does; never an empty group, width >= S is checked), worker s trains the subnetwork of
+group s, and the full model is written back owner-averaged (each neuron has exactly one owner; the
+shared output bias is averaged): this method with ``masks`` fixed to balanced.
+
 Storage (``--storage``). Decentralized (default): a rank holds only its subnetwork's compact
 tensors (for a hidden-to-hidden weight the rows of its neurons x the columns of its previous
 layer's neurons: both dims partitioned, stated on the flat view, ``SubnetMLP.slice_plan``) and the
 shared output bias. A neuron no subnetwork selected (Bernoulli masks) still needs a holder: the
 plan is stored as ``slice_plan.with_holders`` (each unowned slice kept, untrained, by one rank),
-so its value passes through the owner mean unchanged, as in Algorithm 1. One
-:class:`ist_kernels.distributed.Exchange` per round moves every slice to its next holders and
+so its value passes through the owner mean unchanged, as in Algorithm 1. One exchange
+(``ctx.comm``) per round moves every slice to its next holders and
 averages the shared bias (ring all_reduce; ``--shared exact``: bit-identical to the simulated run);
 the full model is assembled on rank 0 only to evaluate or save it. Replicated
 (``--storage replicated``): every rank holds the full model, writes its subnetwork back into it and
-a replicated ``Exchange`` owner-averages the slices across the ranks. Simulated: the full model,
+a replicated exchange owner-averages the slices across the ranks. Simulated: the full model,
 ``SubnetMLP.aggregate_`` over the S subnetworks; bytes counted from the plans as the distributed
 run would move them.
 
@@ -42,21 +48,13 @@ from typing import List
 import torch
 from torch import nn
 
-from ..config import ConfigError
+from ...nn.subnet import SubnetMLP
+from ...partition.plan import positions
+from ..errors import ConfigError
 from ..simulated import MASKS, MIN_NONEMPTY, nonempty_probability, sample_neurons, selection_probability
-from . import Method, Option, RoundResult, held_bytes, register_method
+from . import Method, Option, RoundResult, boolean, held_bytes, register_method
 
 PLAN = 0x1570  # generator tag of the round's neuron plan
-
-
-def boolean(v) -> bool:
-    """An option's true/false (also 1/0, yes/no); anything else is a ValueError."""
-    if isinstance(v, bool):
-        return v
-    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-    if str(v).lower() not in words:
-        raise ValueError(f"not a boolean: {v!r}")
-    return words[str(v).lower()]
 
 
 class SubnetModule(nn.Module):
@@ -106,14 +104,14 @@ class Masked(Method):
     fixed_masks = None  # ist: "balanced"
 
     @classmethod
-    def validate(cls, cfg):
-        super().validate(cfg)
-        if cfg.model != "mlp":
+    def validate(cls, hp):
+        super().validate(hp)
+        if hp.model != "mlp":
             raise ConfigError("model", f"method {cls.name!r} trains an MLP of hidden neurons (model mlp), "
-                              f"got {cfg.model!r}")
-        masks = cls.fixed_masks or cfg.options.get("masks", "bernoulli")
-        xi = cfg.options.get("xi") if masks == "bernoulli" else None
-        width, S = cfg.width or 128, cfg.num_workers
+                              f"got {hp.model!r}")
+        masks = cls.fixed_masks or hp.options.get("masks", "bernoulli")
+        xi = hp.options.get("xi") if masks == "bernoulli" else None
+        width, S = hp.width or 128, hp.num_workers
         # an empty subnetwork is re-drawn (sample_neurons); reject settings where most draws are
         p = nonempty_probability(masks, width, S, xi)
         if p == 0.0 and masks != "bernoulli":
@@ -128,14 +126,12 @@ class Masked(Method):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        from ...nn.subnet import SubnetMLP
-
         o = ctx.options
         self.masks = self.fixed_masks or o["masks"]
         self.xi = o.get("xi") if self.masks == "bernoulli" else None
-        cfg = ctx.cfg
+        hp = ctx.hp
         self.net = ctx.build_model(lambda: SubnetMLP(
-            ctx.in_features, cfg.width or 128, cfg.depth, ctx.num_outputs, bias=o["bias"],
+            ctx.in_features, hp.width or 128, hp.depth, ctx.num_outputs, bias=o["bias"],
             train_output=o["train_output"], kappa=o["kappa"]))
         self.full_state_bytes = ctx.full_state_bytes(self.net)
         self.keep = selection_probability(self.masks, ctx.num_workers, self.xi)
@@ -159,12 +155,13 @@ class Masked(Method):
     def round_plans(self, r: int):
         """(neurons per worker, the trained SlicePlan, the storage SlicePlan) of round r (last two kept)."""
         if r not in self._rounds:
-            if len(self._rounds) >= 2:
-                self._rounds.pop(min(self._rounds))
-            neurons = self.plan(r)
-            trained = self.net.slice_plan(neurons)
-            sizes = {t.name: self.spec[t.name][0][t.dim] for t in trained.partitioned}
-            self._rounds[r] = (neurons, trained, trained.with_holders(sizes))
+            with self.ctx.clock("plan"):
+                if len(self._rounds) >= 2:
+                    self._rounds.pop(min(self._rounds))
+                neurons = self.plan(r)
+                trained = self.net.slice_plan(neurons)
+                sizes = {t.name: self.spec[t.name][0][t.dim] for t in trained.partitioned}
+                self._rounds[r] = (neurons, trained, trained.with_holders(sizes))
         return self._rounds[r]
 
     def _tensors(self):
@@ -172,100 +169,91 @@ class Masked(Method):
         return {n: self.net.exchange_view(n, p.detach()) for n, p in self.net.named_parameters()}
 
     def run_round(self, r: int) -> RoundResult:
-        from ...distributed import ps_bytes
-
         ctx = self.ctx
         if self.held != r:
             raise RuntimeError(f"{self.name}: holds round {self.held}'s plan, asked to train round {r}")
         neurons, trained, store = self.round_plans(r)
         last = r == ctx.rounds - 1
         nxt = store if last else self.round_plans(r + 1)[2]
-        ps = ps_bytes(trained, self.spec)
+        ps = ctx.comm.ps_bytes(trained, self.spec) if ctx.num_workers > 1 else 0
         run = self._round_decentral if self.decentral else self._round_global
-        loss, sent, state = run(r, neurons, trained, store, nxt)
+        loss, state = run(r, neurons, trained, store, nxt)
         self.held = r if last else r + 1
-        return RoundResult(loss_sum=loss, steps=len(self.workers) * ctx.cfg.local_steps, bytes_sent=sent,
-                           ps_bytes=sum(ps[s] for s in self.workers) if ctx.num_workers > 1 else 0,
-                           state_bytes=state)
+        return RoundResult(loss_sum=loss, steps=len(self.workers) * ctx.local_steps, ps_bytes=ps, state_bytes=state)
 
     def _round_global(self, r, neurons, trained, store, nxt):
-        from ...distributed import Exchange, plan_bytes
-
-        ctx, net, S = self.ctx, self.net, self.ctx.num_workers
-        mine = [[n.to(ctx.device) for n in neurons[s]] for s in self.workers]
-        params = net.extract_all(mine)
+        ctx, net = self.ctx, self.net
+        with ctx.clock("pack"):
+            mine = [[n.to(ctx.device) for n in neurons[s]] for s in self.workers]
+            params = net.extract_all(mine)
         loss, state = 0.0, {}
         for s, p, ns in zip(self.workers, params, mine):
-            sub = SubnetModule(net, p, ns)
-            opt = ctx.make_optimizer(sub.params)
+            with ctx.clock("plan"):
+                sub = SubnetModule(net, p, ns)
+                opt = ctx.make_optimizer(sub.params)
             loss += ctx.train_local(sub, opt, s, r)
-            state[s] = (held_bytes(net, p, opt) if not ctx.decentralized else
-                        self._decentral_state(s, trained, store) + held_bytes(opt))
-        net.aggregate_(params, mine)  # distributed: this rank's subnetwork into its replica
+            with ctx.clock("metrics"):
+                state[s] = (held_bytes(net, p, opt) if not ctx.decentralized else
+                            self._decentral_state(s, trained, store) + held_bytes(opt))
+        with ctx.clock("unpack"):
+            net.aggregate_(params, mine)  # distributed: this rank's subnetwork into its replica
         if ctx.distributed:  # replicated storage: the replicas exchanged
-            ex = Exchange(trained, storage="replicated", shared=ctx.cfg.shared, round=r + 1)
-            ex(self._tensors())
-            return loss, ex.last_stats.bytes_sent, state
-        if S == 1:
-            return loss, 0, state
+            with ctx.clock("plan"):
+                ctx.comm.exchange(trained, None, None, self._tensors(), storage="replicated", round=r + 1)
+            return loss, state
         storage = "decentralized" if ctx.decentralized else "replicated"
         cur = store if ctx.decentralized else trained
-        stats = plan_bytes(cur, nxt, self.spec, storage=storage, shared=ctx.cfg.shared)
-        return loss, sum(stats[s].bytes_sent for s in self.workers), state
+        ctx.comm.count_exchange(cur, nxt, self.spec, storage=storage)
+        return loss, state
 
     def _decentral_state(self, s, trained, store) -> int:
         """What worker s holds under decentralized storage, from the plans: its stored slices, the
         compact copies of the trained ones where it stores more (unowned slices it keeps), the
         fixed output weight (the optimizer state is measured)."""
-        from ...distributed import ps_bytes
-
+        comm = self.ctx.comm
         differ = [t.name for t, u in zip(trained.partitioned, store.partitioned) if t.owners[s].numel() !=
                   u.owners[s].numel()]
-        copies = ps_bytes(trained, self.spec, names=differ)[s] // 2 if differ else 0
-        return ps_bytes(store, self.spec)[s] // 2 + copies + held_bytes(self.fixed)
+        copies = comm.ps_bytes_of(trained, self.spec, s, names=differ) // 2 if differ else 0
+        return comm.ps_bytes_of(store, self.spec, s) // 2 + copies + held_bytes(self.fixed)
 
     def _round_decentral(self, r, neurons, trained, store, nxt):
-        from ...distributed import Exchange
-        from ...partition.plan import positions
-
         ctx, s = self.ctx, self.ctx.rank
-        owned = {t.name: t for t in trained.tensors}
-        held = {t.name: t for t in store.tensors}
-        params, copies = [], []
-        for name, dim, _, shape in self.net._layout(neurons[s], torch.device("cpu")):
-            t = self.part.get(name)
-            if t is None:  # this worker holds nothing of the tensor (an empty layer)
-                params.append(torch.empty(shape, device=ctx.device))
-            elif owned[name].shared or held[name].owners[s].numel() == owned[name].owners[s].numel():
-                params.append(t.view(shape))
-            else:
-                pos = positions(held[name].owners[s], owned[name].owners[s]).to(t.device)
-                compact = t.index_select(dim, pos)
-                params.append(compact.view(shape))
-                copies.append((name, dim, pos, compact))
-        sub = SubnetModule(self.net, params, [n.to(ctx.device) for n in neurons[s]])
-        opt = ctx.make_optimizer(sub.params)
+        with ctx.clock("plan"):
+            owned = {t.name: t for t in trained.tensors}
+            held = {t.name: t for t in store.tensors}
+            params, copies = [], []
+            for name, dim, shape in self.net.compact_layout(neurons[s]):
+                t = self.part.get(name)
+                if t is None:  # this worker holds nothing of the tensor (an empty layer)
+                    params.append(torch.empty(shape, device=ctx.device))
+                elif owned[name].shared or held[name].owners[s].numel() == owned[name].owners[s].numel():
+                    params.append(t.view(shape))
+                else:
+                    pos = positions(held[name].owners[s], owned[name].owners[s]).to(t.device)
+                    compact = t.index_select(dim, pos)
+                    params.append(compact.view(shape))
+                    copies.append((name, dim, pos, compact))
+            sub = SubnetModule(self.net, params, [n.to(ctx.device) for n in neurons[s]])
+            opt = ctx.make_optimizer(sub.params)
         loss = ctx.train_local(sub, opt, s, r)
-        state = {s: held_bytes(self.part, params, opt, self.fixed)}
-        with torch.no_grad():
-            for name, dim, pos, compact in copies:  # the trained slices back among the stored ones
-                self.part[name].index_copy_(dim, pos, compact)
-        ex = Exchange(store, nxt, self.spec, storage="decentralized", shared=ctx.cfg.shared, round=r + 1)
-        self.part = ex({n: t.detach() for n, t in self.part.items()})
-        return loss, ex.last_stats.bytes_sent, state
+        with ctx.clock("metrics"):
+            state = {s: held_bytes(self.part, params, opt, self.fixed)}
+        with ctx.clock("plan"):
+            with torch.no_grad():
+                for name, dim, pos, compact in copies:  # the trained slices back among the stored ones
+                    self.part[name].index_copy_(dim, pos, compact)
+            self.part = ctx.comm.exchange(store, nxt, self.spec, {n: t.detach() for n, t in self.part.items()},
+                                          round=r + 1)
+        return loss, state
 
     def global_model(self):
-        from ...distributed import gather_bytes, gather_full_model
-
         ctx = self.ctx
         store = self.round_plans(self.held)[2]
         if not self.decentral:
-            if ctx.simulated and ctx.decentralized and ctx.num_workers > 1:
-                ctx.gather_bytes += sum(st.bytes_sent for st in gather_bytes(store, self.spec))
+            if ctx.simulated and ctx.decentralized:
+                ctx.comm.count_gather(store, self.spec)
             return self.full
-        stats = []
-        full = gather_full_model(self.part, store, self.spec, dst=0, reduce="copy", round=self.held, stats=stats)
-        ctx.gather_bytes += stats[0].bytes_sent
+        full = ctx.comm.gather_full(self.part, store, self.spec, round=self.held)
         if full is None:
             return None
         net = copy.deepcopy(self.net)
@@ -289,3 +277,11 @@ class Masked(Method):
 
     def summary(self):
         return {"masks": self.masks, "xi": self.keep}
+
+
+@register_method("ist")
+class IST(Masked):
+    """IST's neuron partition of an MLP: ``masked`` with balanced masks (see the module docstring)."""
+
+    options = {k: v for k, v in Masked.options.items() if k not in ("masks", "xi")}
+    fixed_masks = "balanced"

@@ -1,14 +1,14 @@
 """ResIST (paper 003 §2.2-§2.6) with its local-SGD warm-up.
 
 1. Warm-up ("warmup"), the first ``warmup_fraction`` of the rounds: local SGD on the full ResNet
-   (every worker trains it, one flat all_reduce per round: ``localsgd.LocalModels``), as §2.6 does
+   (every worker trains it, one flat all_reduce per round: the engine's ``LocalModels``), as §2.6 does
    for the first epochs, with the blocks ResIST will partition already scaled by the full model's
    ``residual_scale`` (§2.6, footnote 2: "to maintain consistency with ResIST"), so the full
    model computes the same function before, during and after the switch to ResIST rounds.
 2. ResIST rounds ("resist"): each round a fresh ``resist_plan(model, S, min_depth,
    ctx.generator(PLAN, r))``; the third stage's blocks (except its first) are dealt round-robin to
    S shallower sub-ResNets, each worker trains its own for ``local_steps``, and every block goes
-   straight to its next owners (``_subnet.SubnetRounds``; decentralized storage by default, §2.5
+   straight to its next owners (the engine's ``SubnetRounds``; decentralized storage by default, §2.5
    Figure 3: a rank holds only its sub-ResNet, the full model is assembled only to evaluate or
    save). Aggregation sets the full model's residual scales (the expected fraction of sub-ResNets
    owning a block, 1/S without sharing), which evaluation of the full model uses.
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from . import ConfigError, Method, Option, RoundResult, register_method
-from ._subnet import MOMENTUM_OPTION, SubnetRounds, phase_rounds, state_split
-from .localsgd import LocalModels
+from ...partition import resist_plan
+from ..engine import MOMENTUM_OPTION, LocalModels, SubnetRounds, phase_rounds, state_split, warn_payoff
+from . import ConfigError, Method, Option, register_method
 
 PLAN = 0x2E51  # generator tag of the round's plan
 
@@ -42,15 +42,13 @@ class ResIST(Method):
     phases = ("warmup", "resist")
 
     @classmethod
-    def validate(cls, cfg):
-        super().validate(cfg)
-        if cfg.model == "mlp":
+    def validate(cls, hp):
+        super().validate(hp)
+        if hp.model == "mlp":
             raise ConfigError("model", "resist partitions the blocks of a ResNet; use e.g. preact_resnet34")
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        from ...partition import resist_plan
-
         self.workers = ctx.local_workers
         o = ctx.options
         self.warmup_rounds = phase_rounds(ctx.rounds, o["warmup_fraction"])
@@ -62,11 +60,14 @@ class ResIST(Method):
         self.min_depth = min(5, blocks) if o["min_depth"] == -1 else o["min_depth"]
         if self.min_depth > blocks:
             raise ConfigError("options.min_depth", f"{self.min_depth} is more than the {blocks} partitionable "
-                              f"blocks of {ctx.cfg.model}'s layer3")
+                              f"blocks of {ctx.hp.model}'s layer3")
         self.full_state_bytes = ctx.full_state_bytes(self.model)
         # the scale every ResIST round's aggregation sets (it depends on S and min_depth, not on
         # the round's permutation); the warm-up trains with it already
         full_model = probe(ctx.num_workers, self.min_depth)
+        spec = {n: (tuple(t.shape), t.dtype) for n, t in self.model.state_dict().items()}
+        warn_payoff(state_split(full_model.slices, spec, [n for n, _ in self.model.named_parameters()],
+                                ctx.hp.momentum > 0), ctx.num_workers, "resist", f" on {ctx.hp.model}")
         self.rounds = None
         models = {s: (self.model if s == self.workers[0] else ctx.build_model()) for s in self.workers}
         for m in models.values():
@@ -74,26 +75,21 @@ class ResIST(Method):
         self.warmup = LocalModels(ctx, models)
 
     def plan(self, r: int):
-        from ...partition import resist_plan
-
         return resist_plan(self.model, self.ctx.num_workers, self.min_depth, self.ctx.generator(PLAN, r))
 
     def _start_resist(self):
         self.warmup = None  # after the warm-up's averaging every copy is self.model
         self.rounds = SubnetRounds(self.ctx, self.model, self.momentum_state, self.plan)
         self.split = state_split(self.rounds.plan(self.warmup_rounds).slices, self.rounds.spec,
-                                 self.rounds.param_names, self.ctx.cfg.momentum > 0)
+                                 self.rounds.param_names, self.ctx.hp.momentum > 0)
 
-    def run_round(self, r: int) -> RoundResult:
-        ctx = self.ctx
+    def run_round(self, r: int):
         if r < self.warmup_rounds:
             return self.warmup.run(r, phase=0)
         if self.rounds is None:
             self._start_resist()
             self.rounds.start(r)
-        loss, sent, ps, state = self.rounds.run(r, last=r == ctx.rounds - 1)
-        return RoundResult(loss, len(self.workers) * ctx.cfg.local_steps, sent, extra={"phase": 1}, ps_bytes=ps,
-                           state_bytes=state)
+        return self.rounds.run(r, last=r == self.ctx.rounds - 1, phase=1)
 
     def global_model(self):
         return self.model if self.rounds is None else self.rounds.global_model()

@@ -1,0 +1,168 @@
+"""A method's communication: the one object through which methods move, average and gather
+tensors, and through which every byte and second of that is counted.
+
+Methods never import ``ist_kernels.distributed`` and never touch a counter: they call
+:class:`Comm`, which runs the collective (a distributed run) or counts what it would send (a
+simulated run, from the plans alone, so both modes report the same numbers), and charges the
+time to the round's clock (``pack``, ``comm``, ``unpack``, ``plan``; :mod:`.timing`). The trainer
+reads and resets the counters once per round (:meth:`take`).
+
+Byte conventions (those of ``ist_kernels.distributed.CommStats``): ``sent`` is what this process's
+workers put on the wire: all-to-all bytes to other ranks plus the ring all-reduce's 2 (S - 1) / S
+of each all-reduced buffer; ``gathered``: assembling the full model for evaluation or saving,
+counted apart; the parameter-server count of the papers is a model of traffic, not traffic, and
+comes from :meth:`ps_bytes`.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..distributed import Exchange, average_model_, gather_bytes, gather_full_model, plan_bytes, ps_bytes
+from ..distributed.group import collective_timeout, wait_collective
+from .timing import Clock
+
+
+def all_reduce_wire_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends in a bandwidth-optimal (ring) all_reduce of an ``nbytes`` buffer:
+    2 (S - 1) / S of it (``CommStats.all_reduce_wire_bytes``)."""
+    return (2 * (world_size - 1) * nbytes) // world_size if world_size > 0 else 0
+
+
+class Comm:
+    """Communication of one process's workers (``local_workers``) among ``world_size`` workers.
+
+    distributed: one process per worker in a torch.distributed group; otherwise the S workers are
+    simulated in this process and every method here counts what the distributed run would move.
+    """
+
+    def __init__(self, *, world_size: int, rank: int, distributed: bool, local_workers: Sequence[int],
+                 shared: str, clock: Clock):
+        self.world_size = world_size
+        self.rank = rank
+        self.distributed = distributed
+        self.local_workers = list(local_workers)
+        self.shared = shared
+        self.clock = clock
+        self.sent = 0
+        self.gathered = 0
+
+    def take(self) -> Dict[str, int]:
+        """The bytes counted since the last take (``sent``, ``gathered``), then zero."""
+        out = {"sent": self.sent, "gathered": self.gathered}
+        self.sent = self.gathered = 0
+        return out
+
+    def _charge(self, stats, part: Optional[str] = "plan") -> None:
+        """Bytes and seconds of one collective call (``CommStats``): the collectives to ``comm``, the
+        buffer copies to ``pack`` / ``unpack``, the rest (routing, checks) to ``part``."""
+        coll = sum(stats.collective_seconds.values())
+        rest = max(0.0, stats.seconds - coll - stats.pack_seconds - stats.unpack_seconds)
+        self.clock.add("comm", coll)
+        self.clock.add("pack", stats.pack_seconds)
+        self.clock.add("unpack", stats.unpack_seconds)
+        if part is not None:
+            self.clock.add(part, rest)
+
+    # ---- slices of subnetworks ------------------------------------------------------------------
+    def exchange(self, current, next, spec, local: Mapping[str, Tensor], *, round: int,
+                 names: Optional[Sequence[str]] = None, storage: str = "decentralized",
+                 shared: Optional[str] = None, drop_unowned: bool = False) -> Dict[str, Tensor]:
+        """Distributed: move this rank from its part of plan ``current`` to its part of ``next``
+        (``ist_kernels.distributed.Exchange``; replicated storage: owner-average the full tensors in
+        place). ``shared``: how shared tensors are averaged (default: the run's ``--shared``).
+        Returns this rank's tensors for the next round."""
+        if not self.distributed:
+            raise RuntimeError("Comm.exchange needs a distributed run; simulated runs aggregate in process "
+                               "and count with Comm.count_exchange")
+        ex = Exchange(current, next, spec, storage=storage, shared=shared or self.shared, round=round,
+                      drop_unowned=drop_unowned)
+        out = ex(local, names=names)
+        self.sent += ex.last_stats.bytes_sent
+        self._charge(ex.last_stats)
+        return out
+
+    def count_exchange(self, current, next, spec, *, names: Optional[Sequence[str]] = None,
+                       storage: str = "decentralized", shared: Optional[str] = None) -> None:
+        """Simulated: count what :meth:`exchange` would send for this process's workers."""
+        if self.world_size < 2:
+            return
+        with self.clock("metrics"):
+            stats = plan_bytes(current, next, spec, storage=storage, shared=shared or self.shared, names=names)
+            self.sent += sum(stats[s].bytes_sent for s in self.local_workers)
+
+    def ps_bytes(self, plan, spec, *, names: Optional[Sequence[str]] = None, download=None) -> int:
+        """The papers' parameter-server bytes of this process's workers in a round of ``plan``
+        (each uploads its subnetwork and downloads its next one, or ``download``'s part)."""
+        with self.clock("metrics"):
+            per = ps_bytes(plan, spec, names=names, download=download)
+            return sum(per[s] for s in self.local_workers)
+
+    def ps_bytes_of(self, plan, spec, worker: int, *, names: Optional[Sequence[str]] = None) -> int:
+        """:meth:`ps_bytes` of one worker."""
+        with self.clock("metrics"):
+            return ps_bytes(plan, spec, names=names)[worker]
+
+    # ---- the full model ---------------------------------------------------------------------------
+    def gather_full(self, local: Mapping[str, Tensor], plan, spec, *, round: int) -> Optional[Dict[str, Tensor]]:
+        """Distributed, decentralized storage: the full model assembled on rank 0 (None elsewhere),
+        every slice from its first owner; its bytes counted as ``gathered``."""
+        stats: List = []
+        full = gather_full_model(local, plan, spec, dst=0, reduce="copy", round=round, stats=stats)
+        self.gathered += stats[0].bytes_sent
+        return full
+
+    def count_gather(self, plan, spec) -> None:
+        """Simulated decentralized storage: count what :meth:`gather_full` would move (all ranks)."""
+        if self.world_size > 1:
+            with self.clock("metrics"):
+                self.gathered += sum(st.bytes_sent for st in gather_bytes(plan, spec))
+
+    # ---- whole models and scalars -----------------------------------------------------------------
+    @torch.no_grad()
+    def average_models_(self, copies: Sequence[Sequence[Tensor]], *, round: int) -> None:
+        """Average every worker's copy of the same tensors: distributed, this rank's one copy with
+        one flat all_reduce per dtype; simulated, the S local copies summed in process. Counts the
+        ring all-reduce's bytes for every local worker."""
+        if self.world_size == 1:
+            return
+        if self.distributed:
+            (ts,) = copies
+            st = average_model_(list(ts), round=round)
+            self.sent += st.bytes_sent
+            self._charge(st)
+            return
+        with self.clock("pack"):
+            total = torch.cat([t.reshape(-1) for t in copies[0]])
+            for ts in copies[1:]:
+                total += torch.cat([t.reshape(-1) for t in ts])
+        with self.clock("unpack"):
+            total /= self.world_size
+            sizes = [t.numel() for t in copies[0]]
+            for ts in copies:
+                torch._foreach_copy_(list(ts), [v.view_as(t) for v, t in zip(total.split(sizes), ts)])
+        self.sent += len(copies) * all_reduce_wire_bytes(total.numel() * total.element_size(), self.world_size)
+
+    def all_reduce_sum_(self, tensor: Tensor, what: str, round: int, *, counted: bool = True) -> Tensor:
+        """In-place SUM over the processes (a no-op simulated or with one process); a dead or
+        stalled rank raises ``CollectiveError`` naming ``what`` and the round. ``counted``: its
+        ring bytes are the method's traffic (not the trainer's own bookkeeping)."""
+        if counted:
+            self.count_all_reduce(tensor.numel() * tensor.element_size())
+        if self.distributed:
+            secs = wait_collective(lambda: dist.all_reduce(tensor, async_op=True), name=f"all_reduce ({what})",
+                                   round=round + 1, timeout=collective_timeout())
+            self.clock.add("comm", secs)
+        return tensor
+
+    def count_all_reduce(self, nbytes: int, times: int = 1) -> None:
+        """Count ``times`` ring all-reduces of ``nbytes`` for every local worker (e.g. DDP's gradient
+        buckets, which torch's DistributedDataParallel sends itself)."""
+        self.sent += times * len(self.local_workers) * all_reduce_wire_bytes(nbytes, self.world_size)
+
+    def count_sent(self, nbytes: int) -> None:
+        """Count bytes a collective outside this object sent (e.g. DDP's buffer broadcast)."""
+        self.sent += nbytes

@@ -1,0 +1,353 @@
+"""The round engine: the two ways the methods' rounds run, each written once, for every launch mode
+and storage.
+
+- :class:`SubnetRounds`: rounds of subnetworks cut from a partition plan (LOFT, ResIST): plan ->
+  compact state -> local steps -> exchange. A round of plan t: every worker trains its subnetwork
+  for ``local_steps``, then the subnetworks are owner-averaged (a slice owned by several is their
+  mean, shared tensors the mean of all) and cut again by plan t+1 (the same plan at the end of a
+  phase: aggregation only).
+
+  * simulated: the global model is the reference; ``plan.build`` cuts the S subnetworks (one slice
+    gather, ``pack``), ``plan.aggregate`` puts them back (one slice scatter, ``unpack``); the bytes
+    are what the distributed exchanges would move (``Comm.count_exchange``).
+  * distributed, decentralized storage (default; ResIST §2.5 / Figure 3, LOFT §4): a rank holds
+    only its subnetwork's compact tensors and the shared ones, and one exchange per round sends
+    every slice straight to its next owners (all-to-all) and averages the shared tensors (ring
+    all_reduce; ``--shared exact``: through the all-to-all, bit-identical to the simulated run).
+    The compact module and its optimizer are kept across rounds while the plan's shapes do not
+    change (LOFT: every round): the exchanged tensors are copied into them in place, and the
+    optimizer's state is cleared (``momentum_state=reset``: what a fresh optimizer has) or refilled
+    with the exchanged momentum (``aggregate``). The global model is a structure on the meta device;
+    the full model is assembled on rank 0 only to evaluate or save it.
+  * distributed, replicated storage (``--storage replicated``, for testing): every rank holds the
+    global model, writes its subnetwork into it and a replicated exchange owner-averages every
+    slice across the ranks.
+
+- :class:`LocalModels`: local SGD of whole models (the local-SGD baseline, LOFT's fine-tuning,
+  ResIST's warm-up, GReLU's default): local steps on every local worker, then one flat all_reduce.
+
+A method drives them through its worker view (``ctx``: :class:`ist_kernels.train.worker.RunContext`)
+and never touches communication or counters itself: every byte goes through ``ctx.comm`` and every
+second into ``ctx.clock`` (:mod:`.timing`).
+
+Momentum (option ``momentum_state``): ``"reset"`` (default; paper 000 Algorithm 1 and the ResIST
+reference code aggregate only the weights) starts every subnetwork's round with empty optimizer
+state; ``"aggregate"`` slices the SGD momentum with the weights and aggregates / exchanges it too
+(its bytes counted too).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .methods import Option, RoundResult, held_bytes
+
+MOMENTUM_STATES = ("reset", "aggregate")
+MOMENTUM_OPTION = Option("reset", str, "subnetwork momentum across rounds: reset (fresh optimizer state each "
+                         "round, only weights communicated) or aggregate (sliced, aggregated and communicated)",
+                         check=lambda v: v in MOMENTUM_STATES, expected="reset or aggregate")
+
+
+def model_tensors(model: nn.Module) -> Dict[str, Tensor]:
+    """Every parameter and buffer by state-dict name (the plan's names), sharing storage."""
+    return dict(model.state_dict(keep_vars=False))
+
+
+def momentum_of(named_params, optimizer) -> Dict[str, Tensor]:
+    """name -> SGD momentum buffer of every parameter that has one."""
+    out = {}
+    for name, p in named_params:
+        buf = optimizer.state.get(p, {}).get("momentum_buffer")
+        if buf is not None:
+            out[name] = buf
+    return out
+
+
+def phase_rounds(rounds: int, fraction: float) -> int:
+    """Rounds of the first phase: ``fraction`` of ``rounds`` (rounded), at least 1 when fraction > 0."""
+    if fraction <= 0:
+        return 0
+    return min(rounds, max(1, round(fraction * rounds)))
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def state_split(plan, spec, param_names, momentum: bool) -> Dict[str, int]:
+    """The whole model's state (parameters, buffers, an SGD momentum buffer per parameter when
+    ``momentum``) split into what every subnetwork holds whole (``shared_state_bytes``) and what the
+    plan partitions (``partitioned_state_bytes``): a worker of S holds about shared + partitioned / S."""
+    params = set(param_names)
+    out = {"shared_state_bytes": 0, "partitioned_state_bytes": 0}
+    for t in plan.tensors:
+        shape, dtype = spec[t.name]
+        n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        key = "shared_state_bytes" if t.shared else "partitioned_state_bytes"
+        out[key] += n * (2 if momentum and t.name in params else 1)
+    return out
+
+
+def payoff(split: Dict[str, int], num_workers: int) -> Tuple[float, float]:
+    """(the partitioned fraction of the state, the bytes a round of decentralized subnetworks sends
+    relative to local SGD's ring all-reduce of the whole state), from :func:`state_split`: a rank
+    sends about the partitioned state's (S - 1) / S^2 (its slices to their next owners) plus the
+    ring all-reduce of the shared state, 2 (S - 1) / S of it; local SGD sends 2 (S - 1) / S of
+    everything."""
+    total = split["shared_state_bytes"] + split["partitioned_state_bytes"]
+    S = num_workers
+    if total == 0 or S < 2:
+        return 0.0, 1.0
+    frac = split["partitioned_state_bytes"] / total
+    sub = split["partitioned_state_bytes"] * (S - 1) / S ** 2 + split["shared_state_bytes"] * 2 * (S - 1) / S
+    return frac, sub / (total * 2 * (S - 1) / S)
+
+
+class PartitionPayoffWarning(UserWarning):
+    """A partition plan moves too little of the model's state to send clearly fewer bytes than
+    local SGD."""
+
+
+#: the predicted bytes ratio (subnetwork rounds / local SGD) from which a plan cannot pay off
+PAYOFF_LIMIT = 0.9
+_warned = set()
+
+
+def warn_payoff(split: Dict[str, int], num_workers: int, method: str, where: str = "") -> Optional[str]:
+    """Warn once per (method, split) when the plan partitions so little of the state that its
+    rounds send >= :data:`PAYOFF_LIMIT` of local SGD's bytes (e.g. ResIST on preact_resnet18, LOFT
+    with nothing partitioned). Returns the message (None when the plan pays off)."""
+    frac, ratio = payoff(split, num_workers)
+    if num_workers < 2 or ratio < PAYOFF_LIMIT:
+        return None
+    msg = (f"{method}{where}: the partition holds {frac:.1%} of the model's state, so a round of S={num_workers} "
+           f"subnetworks sends about {ratio:.2f}x the bytes of local SGD's all-reduce: it cannot pay off in "
+           f"communication (partition more of the model: a deeper ResNet, more workers, or local SGD)")
+    key = (method, tuple(sorted(split.items())), num_workers)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(msg, PartitionPayoffWarning, stacklevel=2)
+    return msg
+
+
+class SubnetRounds:
+    """Trains rounds of ``plan_of(t)`` (round t's plan, the same on every rank) on ``model``.
+
+    Decentralized storage starts at round ``start`` (:meth:`start`): the rank cuts its part of that
+    round's plan out of the (real, full) model, which then keeps only its structure (meta device).
+    ``held`` is the round whose plan this process's tensors are cut by."""
+
+    def __init__(self, ctx, model: nn.Module, momentum_state: str, plan_of: Callable[[int], object]):
+        self.ctx = ctx
+        self.model = model
+        self.plan_of_round = plan_of
+        self.aggregate_momentum = momentum_state == "aggregate"
+        self.decentral = ctx.distributed and ctx.decentralized
+        self.spec = {n: (tuple(t.shape), t.dtype) for n, t in model_tensors(model).items()}
+        self.param_names = [n for n, _ in model.named_parameters()]
+        self.optimizer = (ctx.make_optimizer(model.parameters())
+                          if self.aggregate_momentum and not self.decentral else None)
+        self.part: Optional[Dict[str, Tensor]] = None  # decentralized: plan name -> this rank's tensor
+        self.momentum: Dict[str, Tensor] = {}  # decentralized, momentum aggregated: the same for SGD momentum
+        self.held: Optional[int] = None
+        self._plans: Dict[int, object] = {}
+        # decentralized: the compact module, its optimizer and held bytes, kept while the shapes hold
+        self._kept: Optional[Tuple[tuple, object, torch.optim.Optimizer, Dict[str, Tensor]]] = None
+
+    # ---- plans (the last two are kept: this round's and the next)
+    def plan(self, r: int):
+        if r not in self._plans:
+            with self.ctx.clock("plan"):
+                if len(self._plans) >= 2:
+                    self._plans.pop(min(self._plans))
+                self._plans[r] = self.plan_of_round(r)
+        return self._plans[r]
+
+    def start(self, r: int) -> None:
+        """Hold round ``r``'s plan; decentralized: cut this rank's part, drop the rest of the model."""
+        self.held = r
+        if self.decentral:
+            with self.ctx.clock("plan"):
+                self.part = self.plan(r).part(self.ctx.rank)
+                self.model.to("meta")
+
+    # ---- one round
+    def run(self, r: int, last: bool, phase: Optional[int] = None) -> RoundResult:
+        """Round r of plan r, aggregated and cut by plan r+1 (``last``: by plan r again)."""
+        if self.held != r:
+            raise RuntimeError(f"SubnetRounds: holds round {self.held}'s plan, asked to train round {r}")
+        plan = self.plan(r)
+        nxt = plan if last else self.plan(r + 1)
+        ctx = self.ctx
+        with ctx.clock("metrics"):
+            ps = ctx.comm.ps_bytes(plan.slices, self.spec) if ctx.num_workers > 1 else 0
+            if self.aggregate_momentum and ctx.num_workers > 1:
+                ps += ctx.comm.ps_bytes(plan.slices, self.spec, names=self.param_names)
+        loss, state = self._decentral(plan, nxt, r) if self.decentral else self._global(plan, nxt, r)
+        self.held = r if last else r + 1
+        return RoundResult(loss, len(ctx.local_workers) * ctx.local_steps, extra=None if phase is None else
+                           {"phase": phase}, ps_bytes=ps, state_bytes=state)
+
+    def _compact(self, plan, s: int):
+        """This rank's subnetwork module and optimizer for ``plan``, around ``self.part``: the kept
+        ones refilled in place when the shapes are those of the last round, else new ones."""
+        key = (type(plan), tuple((n, tuple(t.shape)) for n, t in self.part.items()))
+        if self._kept is not None and self._kept[0] == key:
+            _, sub, opt, mine = self._kept
+            names = list(mine)
+            with torch.no_grad():
+                torch._foreach_copy_([mine[n] for n in names], [self.part[n] for n in names])
+            opt.state.clear()  # what a fresh optimizer holds
+            return sub, opt, mine
+        sub = plan.attach(s, self.part)
+        opt = self.ctx.make_optimizer(sub.module.parameters())
+        mine = plan.tensors_of(sub, detach=False)
+        self._kept = (key, sub, opt, mine)
+        return sub, opt, mine
+
+    def _decentral(self, plan, nxt, r):
+        ctx, s = self.ctx, self.ctx.rank
+        with ctx.clock("plan"):
+            sub, opt, params = self._compact(plan, s)
+            for name, buf in self.momentum.items():
+                opt.state[params[name]]["momentum_buffer"] = buf
+        loss = ctx.train_local(sub.module, opt, s, r)
+        with ctx.clock("metrics"):
+            state = held_bytes(sub.module, opt)
+        with ctx.clock("plan"):
+            local = {n: t.detach() for n, t in params.items()}
+            self.part = ctx.comm.exchange(plan.slices, nxt.slices, self.spec, local, round=r + 1)
+            if self.aggregate_momentum:
+                names = set(self.param_names)
+                mom = momentum_of(((n, params[n]) for n in params if n in names), opt)
+                self.momentum = ctx.comm.exchange(plan.slices, nxt.slices, self.spec, mom, names=list(mom),
+                                                  round=r + 1)
+        return loss, {s: state}
+
+    def _global(self, plan, nxt, r):
+        ctx = self.ctx
+        with ctx.clock("pack"):
+            subs = plan.build(self.optimizer)
+        mine = [subs[s] for s in ctx.local_workers]
+        loss, state = 0.0, {}
+        # replicated storage: a worker also holds the global model (and its optimizer state)
+        extra = (self.model, self.optimizer) if not ctx.decentralized else ()
+        for sub in mine:
+            opt = sub.optimizer if self.optimizer is not None else ctx.make_optimizer(sub.module.parameters())
+            loss += ctx.train_local(sub.module, opt, sub.index, r)
+            with ctx.clock("metrics"):
+                state[sub.index] = held_bytes(sub.module, opt, *extra)
+        with ctx.clock("unpack"):
+            plan.aggregate(mine, self.optimizer)
+        model = model_tensors(self.model)
+        mom = momentum_of(self.model.named_parameters(), self.optimizer) if self.optimizer is not None else {}
+        if ctx.distributed:  # replicated storage
+            with ctx.clock("plan"):
+                ctx.comm.exchange(plan.slices, None, None, model, storage="replicated", round=r + 1)
+                if mom:
+                    ctx.comm.exchange(plan.slices, None, None, mom, names=list(mom), storage="replicated",
+                                      round=r + 1)
+                plan.after_aggregate()  # e.g. ResIST's full-model residual scales (already set; cheap)
+            return loss, state
+        storage = "decentralized" if ctx.decentralized else "replicated"
+        for names in [list(model)] + ([list(mom)] if mom else []):
+            # the momentum buffers have their parameters' shapes: the model is the spec for both
+            ctx.comm.count_exchange(plan.slices, nxt.slices, self.spec, storage=storage, names=names)
+        return loss, state
+
+    # ---- the full model
+    def global_model(self) -> Optional[nn.Module]:
+        """The aggregated full model (rank 0); decentralized: assembled from every rank's part."""
+        ctx = self.ctx
+        if not self.decentral:
+            if ctx.simulated and ctx.decentralized:
+                ctx.comm.count_gather(self.plan(self.held).slices, self.spec)
+            return self.model
+        plan = self.plan(self.held)
+        full = ctx.comm.gather_full(self.part, plan.slices, self.spec, round=self.held)
+        if full is None:
+            return None
+        model = copy.deepcopy(self.model)  # the structure (meta device), then the gathered tensors
+        model.load_state_dict(full, assign=True)
+        plan.after_aggregate(model)
+        return model
+
+    def drop(self) -> None:
+        """Forget this rank's part (decentralized), e.g. once a pruned model replaces it."""
+        self.part = self.momentum = None
+        self._kept = None
+
+    # ---- resume: decentralized, this rank's part; otherwise the global model
+    def state_dict(self):
+        if self.decentral:
+            return {"held": self.held, "part": self.part, "momentum": self.momentum}
+        return {"held": self.held, "model": self.model.state_dict(),
+                "optimizer": None if self.optimizer is None else self.optimizer.state_dict()}
+
+    def load_state_dict(self, state):
+        self.held = state["held"]
+        self._kept = None
+        if self.decentral:
+            self.part, self.momentum = state["part"], state["momentum"]
+            self.model.to("meta")
+            return
+        self.model.load_state_dict(state["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+
+def averaged_tensors(model: nn.Module) -> List[Tensor]:
+    """Parameters and floating-point buffers (BN running statistics); integer buffers such as
+    num_batches_tracked are equal on every worker and are not sent."""
+    return [t for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()]
+
+
+def flat_bytes(tensors: List[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class LocalModels:
+    """This process's workers' copies of one model and their optimizers, trained with local SGD:
+    ``run(r)`` is one round (local steps on every local worker, then the average of ``tensors``
+    of every copy: by default parameters and floating buffers). Momentum buffers stay local."""
+
+    def __init__(self, ctx, models: Dict[int, nn.Module],
+                 tensors: Callable[[nn.Module], List[Tensor]] = averaged_tensors):
+        self.ctx = ctx
+        self.models = models
+        self.tensors = tensors
+        self.optimizers = {s: ctx.make_optimizer(m.parameters()) for s, m in models.items()}
+        self._averaged = {s: tensors(m) for s, m in models.items()}
+
+    @property
+    def model(self) -> nn.Module:
+        """The first local worker's copy (after a round all copies are equal)."""
+        return self.models[min(self.models)]
+
+    def run(self, r: int, phase: Optional[int] = None) -> RoundResult:
+        """The round's result: the local workers' summed loss, the papers' parameter-server bytes
+        (each worker up- and downloads the averaged tensors) and the state each worker held;
+        ``phase`` tags it (``extra["phase"]``). The average's bytes go through ``ctx.comm``."""
+        ctx = self.ctx
+        workers = sorted(self.models)
+        loss = sum(ctx.train_local(self.models[s], self.optimizers[s], s, r) for s in workers)
+        with ctx.clock("metrics"):
+            state = {s: held_bytes(self.models[s], self.optimizers[s]) for s in workers}
+        ctx.comm.average_models_([self._averaged[s] for s in workers], round=r + 1)
+        ps = sum(2 * flat_bytes(self._averaged[s]) for s in workers) if ctx.num_workers > 1 else 0
+        return RoundResult(loss, len(workers) * ctx.local_steps, extra=None if phase is None else
+                           {"phase": phase}, ps_bytes=ps, state_bytes=state)
+
+    def state_dict(self):
+        return {"models": {s: m.state_dict() for s, m in self.models.items()},
+                "optimizers": {s: o.state_dict() for s, o in self.optimizers.items()}}
+
+    def load_state_dict(self, state):
+        for s in self.models:
+            self.models[s].load_state_dict(state["models"][s])
+            self.optimizers[s].load_state_dict(state["optimizers"][s])

@@ -1,0 +1,262 @@
+"""The worker view: everything a method may use, and nothing else (:class:`RunContext`).
+
+A method gets, through ``ctx``:
+
+- who it is: ``num_workers`` (S), ``rank``, ``local_workers`` (the workers this process trains:
+  ``[rank]`` distributed, ``range(S)`` simulated), ``distributed``, ``simulated``,
+  ``decentralized`` (the storage), ``device``;
+- its resolved options (``options``) and the run's hyper-parameters, read-only (``hp``:
+  :class:`HyperParams`; ``local_steps`` and ``rounds`` directly);
+- building blocks: ``build_model(factory=None)`` (seeded, identical on every rank),
+  ``generator(*tags)`` (the round's generator: plans are derived, never sent),
+  ``make_optimizer(params)``, ``train_local(model, optimizer, worker, r)`` (the local steps, timed
+  as ``local``), ``evaluate(model)``, ``full_state_bytes(model)``;
+- ``comm`` (:class:`ist_kernels.train.comm.Comm`): moves slices, averages shared tensors, gathers
+  the full model, and counts the bytes and the time of all of it;
+- ``clock`` (:class:`ist_kernels.train.timing.Clock`): where the round's time goes.
+
+The trainer (:mod:`.runner`) builds one per process and owns everything else: data, the schedule,
+evaluation, metrics, checkpoints, launching.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .comm import Comm
+from .config import HyperParams
+from .datasets import ShardedData, _mix
+from .errors import ConfigError
+from .models import build_model
+from .timing import Clock
+
+#: --precision -> the autocast dtype of the forward (fp32: no autocast)
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _autocasts(device_type: str, dtype: torch.dtype) -> bool:
+    """torch.autocast(device_type, dtype) is supported (an unsupported pair is disabled with a warning)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return bool(torch.autocast(device_type, dtype=dtype)._enabled)
+
+
+@dataclass
+class World:
+    """Where this process stands: rank among ``world_size`` processes; ``simulated``: one process
+    trains all S workers. ``distributed``: torch.distributed is initialised with > 1 process."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    simulated: bool = False
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def lr_at(cfg, rounds: int, r: int, i: int) -> float:
+    """Learning rate of local step i of round r (0-based) of a run of ``rounds`` rounds."""
+    tau = cfg.local_steps
+    t, total = r * tau + i, rounds * tau
+    lr = cfg.lr
+    if cfg.lr_schedule == "cosine":
+        lr *= 0.5 * (1.0 + math.cos(math.pi * t / total))
+    elif cfg.lr_schedule == "step":
+        milestones = cfg.lr_milestones or [int(0.5 * rounds), int(0.75 * rounds)]
+        lr *= cfg.lr_gamma ** sum(1 for m in milestones if r >= m)
+    if cfg.lr_warmup_rounds and r < cfg.lr_warmup_rounds:
+        lr *= (t + 1) / (cfg.lr_warmup_rounds * tau)
+    return lr
+
+
+class RunContext:
+    """A method's view of the run (see the module docstring); built once per process by the trainer."""
+
+    def __init__(self, cfg, world: World, data: ShardedData, rounds: int):
+        self._cfg = cfg
+        self.hp = HyperParams(cfg)
+        self.world = world
+        self.data = data
+        self.dataset = data.dataset
+        self.rounds = rounds
+        self.options: Dict[str, Any] = cfg.options
+        self.num_workers = cfg.num_workers
+        self.local_steps = cfg.local_steps
+        self.device = world.device
+        sync = (lambda: torch.cuda.synchronize(world.device)) if world.device.type == "cuda" else None
+        self.clock = Clock(sync)
+        self.comm = Comm(world_size=cfg.num_workers, rank=world.rank, distributed=world.distributed,
+                         local_workers=self.local_workers, shared=cfg.shared, clock=self.clock)
+        self._scalers: Dict[int, Any] = {}  # worker -> torch.amp.GradScaler (--precision fp16)
+        dtype = AUTOCAST_DTYPES.get(cfg.precision)
+        if dtype is not None and not _autocasts(self.device.type, dtype):
+            raise ConfigError("precision", f"torch {torch.__version__} does not autocast {cfg.precision} on "
+                              f"{self.device.type}; use --precision fp32 or bf16")
+
+    # who am I
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def distributed(self) -> bool:
+        return self.world.distributed
+
+    @property
+    def simulated(self) -> bool:
+        return self.world.simulated
+
+    @property
+    def decentralized(self) -> bool:
+        """--storage: a worker holds only its subnetwork (distributed runs do; simulated ones count
+        bytes and state as if they did)."""
+        return self._cfg.storage == "decentralized"
+
+    @property
+    def local_workers(self) -> List[int]:
+        """The workers this process trains: all S when simulated, its own rank otherwise."""
+        return list(range(self.num_workers)) if self.world.simulated else [self.world.rank]
+
+    # building blocks
+    @property
+    def in_features(self) -> int:
+        """Inputs per sample, flattened (an MLP's first layer)."""
+        return math.prod(self.dataset.input_shape)
+
+    @property
+    def num_outputs(self) -> int:
+        return self.dataset.num_outputs
+
+    def build_model(self, factory: Optional[Callable[[], nn.Module]] = None) -> nn.Module:
+        """A fresh global model, initialised from the run's seed (identical on every rank and launch
+        mode), on the device: the configured model by default, or ``factory()`` (e.g. a SubnetMLP)."""
+        if factory is None:
+            return build_model(self._cfg, self.dataset).to(self.device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self._cfg.seed)
+            return factory().to(self.device)
+
+    def generator(self, *tags: int) -> torch.Generator:
+        """A CPU generator seeded from (seed, *tags): every rank derives the same one, so plans are
+        never sent. ``ctx.generator(PLAN, r)`` gives round r's plan without any saved state."""
+        return torch.Generator().manual_seed(_mix(self._cfg.seed, *tags))
+
+    def full_state_bytes(self, model: nn.Module) -> int:
+        """Parameters, buffers and (with momentum) one SGD momentum buffer per parameter of the whole
+        ``model``: what one worker training all of it holds."""
+        tensors = list(model.state_dict().values())
+        mom = [p for p in model.parameters() if p.requires_grad] if self._cfg.momentum > 0 else []
+        return sum(t.numel() * t.element_size() for t in tensors + mom)
+
+    def make_optimizer(self, params) -> torch.optim.Optimizer:
+        c = self._cfg
+        return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay,
+                               nesterov=c.nesterov)
+
+    def lr_at(self, r: int, i: int) -> float:
+        return lr_at(self._cfg, self.rounds, r, i)
+
+    def set_lr(self, optimizer, r: int, i: int) -> float:
+        lr = self.lr_at(r, i)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def autocast(self):
+        """The forward's autocast region: --precision bf16 / fp16 (every op of the package autocasts,
+        csrc/autocast.cpp); a no-op for fp32. Losses are computed in fp32 (:meth:`loss`)."""
+        dtype = AUTOCAST_DTYPES.get(self._cfg.precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def grad_scaler(self, worker: int) -> Optional["torch.amp.GradScaler"]:
+        """--precision fp16: ``worker``'s gradient scaler (fp16 gradients underflow without one; on
+        CUDA and on the CPU, both of which torch supports), kept across rounds so its scale carries
+        over although optimizers are fresh every round, and checkpointed (:meth:`scaler_states`).
+        None for fp32 / bf16."""
+        if self._cfg.precision != "fp16":
+            return None
+        if worker not in self._scalers:
+            self._scalers[worker] = torch.amp.GradScaler(self.device.type)
+        return self._scalers[worker]
+
+    def scaler_states(self) -> Dict[int, Dict[str, Any]]:
+        return {w: s.state_dict() for w, s in self._scalers.items()}
+
+    def load_scaler_states(self, states: Dict[int, Dict[str, Any]]) -> None:
+        for w, state in states.items():
+            scaler = self.grad_scaler(int(w))
+            if scaler is not None:  # (a checkpoint's precision is checked to be the run's)
+                scaler.load_state_dict(state)
+
+    def backward_step(self, loss, optimizer, worker: int) -> None:
+        """loss.backward() and optimizer.step(), through ``worker``'s gradient scaler under fp16 (a
+        step whose gradients overflowed is skipped and the scale lowered, as torch.amp does)."""
+        scaler = self.grad_scaler(worker)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+            return
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+    def loss(self, out, y):
+        if self.dataset.task == "classification":
+            return F.cross_entropy(out.float(), y)
+        return F.mse_loss(out.float().reshape(y.shape), y)
+
+    def batch(self, worker: int, r: int, i: int):
+        """Batch of local step i of round r for ``worker`` (the same in every launch mode)."""
+        return self.data.batch(worker, r * self.local_steps + i)
+
+    def train_local(self, model: nn.Module, optimizer, worker: int, r: int, steps: Optional[int] = None) -> float:
+        """``steps`` (default local_steps) SGD steps of ``worker`` in round r; returns the summed loss."""
+        with self.clock("local"):
+            model.train()
+            total = torch.zeros((), device=self.device, dtype=torch.float64)
+            for i in range(self.local_steps if steps is None else steps):
+                self.set_lr(optimizer, r, i)
+                x, y = self.batch(worker, r, i)
+                optimizer.zero_grad(set_to_none=True)
+                with self.autocast():
+                    out = model(x)
+                loss = self.loss(out, y)
+                self.backward_step(loss, optimizer, worker)
+                total += loss.detach()
+            return float(total)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> Dict[str, float]:
+        """Scores of ``model`` on the test set: test_loss and, for classification, accuracy."""
+        was_training = model.training
+        model.eval()
+        loss_sum, correct, n = 0.0, 0, 0
+        for x, y in self.data.test_batches(self._cfg.eval_batch_size):
+            with self.autocast():
+                out = model(x)
+            loss_sum += float(self.loss(out, y)) * len(y)
+            if self.dataset.task == "classification":
+                correct += int((out.argmax(1) == y).sum())
+            n += len(y)
+        model.train(was_training)
+        res = {"test_loss": loss_sum / max(n, 1)}
+        if self.dataset.task == "classification":
+            res["accuracy"] = correct / max(n, 1)
+        return res
+
+
+def evaluate(ctx: RunContext, model: nn.Module) -> Dict[str, float]:
+    """``ctx.evaluate(model)``."""
+    return ctx.evaluate(model)
