@@ -9,8 +9,6 @@ def filters_to_keep(model: _nn.Module, ratio: float) -> _Dict[str, _Tensor]:
     """The filters :func:`prune_filters` keeps: for every partitioned block (not the first of its
     stage, not strided; paper 000 §6), ``"block.conv" -> sorted indices`` of the highest-L2-norm
     ``F - floor(ratio * F)`` filters of its filter conv (ties: the lower index stays)."""
-    from .partition._resnet import filter_layers, stages
-
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio < 1.0:
         raise ValueError(f"prune_filters: ratio must be a number in [0, 1), got {ratio!r}")
     kept = {}
@@ -45,8 +43,6 @@ def prune_filters(model: _nn.Module, ratio: float) -> _nn.Module:
     strided; paper 000 §6), the BN channels that follow them and the next conv's matching input
     channels. It computes what ``model`` computes with those filters zeroed (filter weights, conv
     bias and the following BN's weight and bias set to 0), in train and eval mode."""
-    from .partition.loft import LoftPlan
-
     kept = filters_to_keep(model, ratio)
     filters = {name.rsplit(".", 1)[0]: [idx] for name, idx in kept.items()}
     plan = LoftPlan(model, 1, filters=filters)
@@ -59,6 +55,8 @@ import torch
 from torch import nn
 
 from .nn.masked import MaskedConv2d, MaskedLinear
+from .partition._resnet import filter_layers, stages
+from .partition.loft import LoftPlan
 
 
 def random_prune_(model: nn.Module, p: float, generator: Optional[torch.Generator] = None) -> nn.Module:

@@ -16,7 +16,7 @@ import weakref
 import torch
 
 from ..ops._checks import check_index_list, check_output_mask
-from ..ops.subnet import TRITON_DTYPES, check_grad_out, check_subnet
+from ..ops._subnet_checks import TRITON_DTYPES, check_grad_out, check_subnet
 
 
 def _compact(weight, rows, cols):

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import functional as F
 from ..partition.aggregate import aggregate_slices_
 from ..partition.plan import SlicePlan
 from . import quantize as Q
@@ -97,8 +98,6 @@ def _normalise_spec(spec: Spec) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]
 
 
 def _functional():
-    from .. import functional as F
-
     if not hasattr(F, "gather_slices") or not hasattr(F, "scatter_slices_"):
         raise RuntimeError("ist_kernels.distributed needs ist_kernels.functional.gather_slices / scatter_slices_")
     return F

@@ -12,6 +12,8 @@ import textwrap
 
 import ist_kernels.experiments as _pkg
 
+from ._common import summary_line
+
 
 def available():
     """The experiments: the package's public modules with a parser() (claims.py only reads their JSON)."""
@@ -25,8 +27,6 @@ def _module(name: str):
 
 def overview() -> str:
     """The top-level help: every experiment, its summary and its options (its usage line)."""
-    from ._common import summary_line
-
     lines = [f"usage: python -m ist_kernels.experiments {{{','.join(available())}}} [options]", "",
              textwrap.fill(" ".join(__doc__.split("\n\n", 1)[1].split()), 100), "", "experiments:"]
     for name in available():

@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..nn import GReLUMLP
 from ..train.data import ackley_data  # noqa: F401  (§6.1 data: defined once, in train/data.py)
 from . import _common as C
 
@@ -107,8 +108,6 @@ def train(step_fn, params, lr: float, steps: int) -> Tuple[List[float], int, Opt
 
 def build(args, seed: int):
     """(data, GReLU net with cached gates, its ReLU twin) of one seed."""
-    from ..nn import GReLUMLP
-
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(seed)
     x, y = ackley_data(args.n, args.d, gen)

@@ -31,6 +31,12 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from ..metrics import filter_distance
+from ..prune import filters_to_keep
+from ..train.config import TrainConfig
+from ..train.datasets import DATASETS, ShardedData, augment_default, load_dataset
+from ..train.methods import get_method
+from ..train.runner import RunContext, World, evaluate
 from . import _common as C
 
 
@@ -77,9 +83,6 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def config(args, dataset: str, method: str, seed: int):
     """The trainer config of one pre-training run (validated: unknown data sets or models fail here)."""
-    from ..train.config import TrainConfig
-    from ..train.datasets import DATASETS
-
     values = dict(method=method, model=args.model, width=args.width, dataset=dataset, data_path=args.data_path,
                   simulate=args.workers, rounds=args.rounds, local_steps=args.local_steps,
                   batch_size=args.batch_size, lr=args.lr, lr_schedule="cosine", seed=seed, device="cpu",
@@ -99,11 +102,6 @@ def filter_norms(model, layers: Sequence[str]) -> Dict[str, torch.Tensor]:
 def pretrain(args, cfg, dataset) -> Dict:
     """One pre-training run: filter-norm snapshots of the prunable convs after rounds 0, e, 2e, ...
     and the last, the test accuracy before and after training, or where it diverged."""
-    from ..prune import filters_to_keep
-    from ..train.datasets import ShardedData, augment_default
-    from ..train.methods import get_method
-    from ..train.runner import RunContext, World, evaluate
-
     torch.set_num_threads(args.threads)
     data = ShardedData(dataset, cfg.num_workers, cfg.batch_size, cfg.seed, "cpu", augment_default(cfg))
     ctx = RunContext(cfg, World(simulated=True), data, cfg.rounds)
@@ -126,8 +124,6 @@ def pretrain(args, cfg, dataset) -> Dict:
 
 def chance_distance(num_filters: int, keep: float, samples: int = 2000) -> float:
     """Mean filter distance between two independent uniformly random rankings (fixed generator)."""
-    from ..metrics import filter_distance
-
     g = torch.Generator().manual_seed(0)
     return sum(filter_distance(torch.rand(num_filters, generator=g, dtype=torch.float64),
                                torch.rand(num_filters, generator=g, dtype=torch.float64), keep)
@@ -147,9 +143,6 @@ def settle(curve: Sequence[float], rounds: Sequence[int], level: float):
 
 def run_cell(args, cell) -> Dict:
     """(data set, seed) -> both pre-trainings and their filter distances."""
-    from ..metrics import filter_distance
-    from ..train.datasets import load_dataset
-
     dataset_name, seed = cell
     cfgs = {m: config(args, dataset_name, m, seed) for m in ("loft", "localsgd")}
     dataset = load_dataset(cfgs["loft"])

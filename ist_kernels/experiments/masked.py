@@ -39,6 +39,9 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from ..nn.subnet import SubnetMLP
+from ..train import simulated
+from ..train.data import communities_regression, diabetes_regression, teacher_regression
 from . import _common as C
 
 ZERO = 1e-6  # an error below this fraction of the initial one counts as at its floor (zero)
@@ -113,8 +116,6 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def load_data(args, seed: int):
-    from ..train.data import communities_regression, diabetes_regression, teacher_regression
-
     g = torch.Generator().manual_seed(seed)
     if args.data == "teacher":
         return teacher_regression(args.n, args.features, g)
@@ -136,9 +137,6 @@ def ntk_eigenvalues(x: torch.Tensor) -> Tuple[float, float]:
 def run_cell(args, cell) -> Dict:
     """One run of Algorithm 1: cell = (masks, S, xi, tau, seed); xi a float (Bernoulli), a tuple
     (categorical ξ vector) or None (categorical, uniform)."""
-    from ..nn.subnet import SubnetMLP
-    from ..train import simulated
-
     torch.set_num_threads(1)
     masks, S, xi, tau, seed = cell
     x, y = load_data(args, seed)

@@ -30,6 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..partition.neurons import round_generator
+from ..prune import random_prune_
+from ..train.data import signal_noise
 from . import _common as C
 
 
@@ -87,10 +90,6 @@ class TwoLayerCNN(nn.Module):
 
 def run_cell(args, cell) -> Dict:
     """One run: cell = (init_std, sigma_n, p, seed) -> errors, the signal margin and noise spread."""
-    from ..partition.neurons import round_generator
-    from ..prune import random_prune_
-    from ..train.data import signal_noise
-
     torch.set_num_threads(args.threads)
     init_std, sigma_n, p, seed = cell
     g = round_generator(seed, 0)  # the same data and initialisation for every p of a seed

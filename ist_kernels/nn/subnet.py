@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import functional as IF
+from ..partition.plan import SlicePlan, TensorSlices
 from ._init import draw_
 
 __all__ = ["SubnetMLP"]
@@ -209,8 +210,6 @@ class SubnetMLP(nn.Module):
         l >= 1) is owned by rows x columns, both dims partitioned: the plan states it on its flat
         view (index ``row * width + col`` along dim 0), as :meth:`slice_spec` and
         :meth:`exchange_view` give it. The model itself may live on the meta device."""
-        from ..partition.plan import SlicePlan, TensorSlices
-
         cpu = torch.device("cpu")
         per = [self._layout(n, cpu) for n in neurons_list]
         tensors = []

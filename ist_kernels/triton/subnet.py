@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops.subnet import TRITON_DTYPES, check_grad_out, check_subnet
+from ..ops._subnet_checks import TRITON_DTYPES, check_grad_out, check_subnet
 from .common import INTERPRET, HopperKernel, grouped_tile, tuned
 
 
