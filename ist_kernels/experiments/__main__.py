@@ -3,7 +3,7 @@
 Small-scale reproductions of the papers' experiments. Each writes EXPERIMENT.json (raw results),
 EXPERIMENT.md (tables, mean ± std over seeds) and EXPERIMENT.png into --out; --quick is a tiny run
 for CI. Each experiment is the module ist_kernels/experiments/EXPERIMENT.py with a docstring (its
-first line is the summary below), a parser() and a main(argv). The README's table of the papers'
+first line is the summary below), a parser() and a main(argv). The table of the papers'
 claims is made from the JSON files by python -m ist_kernels.experiments.claims."""
 import importlib
 import pkgutil

@@ -1,7 +1,7 @@
 """The table "claim → our measurement → holds / does not hold" for papers 000-004, generated from
 the experiments' JSON files (not an experiment itself).
 
-    python -m ist_kernels.experiments.claims [--results bench/results/experiments] [--readme README.md]
+    python -m ist_kernels.experiments.claims [--results bench/results/experiments] [--readme docs/experiments.md]
 
 Reads grelu.json, loft.json, masked.json and pruning.json from ``--results`` and the byte counts
 of ``bench/bench_bytes.py`` from ``--bytes`` (a missing file gives a row "not run"), writes ``claims.md`` there and prints it; with ``--readme`` the table also replaces
