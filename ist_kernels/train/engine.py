@@ -138,17 +138,44 @@ def warn_payoff(split: Dict[str, int], num_workers: int, method: str, where: str
 class SubnetRounds:
     """Trains rounds of ``plan_of(t)`` (round t's plan, the same on every rank) on ``model``.
 
+    A plan is what :class:`ist_kernels.partition.SubnetworkPlan` is (LOFT, ResIST; a method can
+    bring its own, e.g. ``masked``'s neuron plans):
+
+    - ``slices``: the round's :class:`~ist_kernels.partition.SlicePlan` (what each subnetwork
+      trains; the parameter-server count and replicated storage use it); ``storage_slices``
+      (optional, default ``slices``): what each rank stores under decentralized storage;
+    - ``build(optimizer)``: this process's subnetworks cut from the global model (indexable by
+      worker; each with ``index``, ``module`` and ``optimizer``), ``aggregate(subnetworks,
+      optimizer)`` puts them back owner-averaged, ``after_aggregate(model=None)``;
+    - ``part(s)``: rank s's stored tensors cut from the global model, ``attach(s, tensors)``: its
+      subnetwork around them, ``tensors_of(sub, detach=True)``: what it stores after training;
+    - optional: ``held_bytes(sub, optimizer, extra)`` (the state a worker holds; default: the
+      module's tensors, the optimizer's state and ``extra``) and ``reusable`` (default True: the
+      compact module may be kept across rounds of equal shapes).
+
+    ``spec`` (default: the model's tensors) gives the plans' tensors' global shapes; ``tensors()``
+    (default: the model's tensors) the global model's tensors as the plans state them; ``assemble(
+    full)`` (default: the model's structure loaded with the gathered tensors) builds the evaluated
+    model from gathered tensors, ``full_model`` is it without decentralized storage.
+
     Decentralized storage starts at round ``start`` (:meth:`start`): the rank cuts its part of that
     round's plan out of the (real, full) model, which then keeps only its structure (meta device).
     ``held`` is the round whose plan this process's tensors are cut by."""
 
-    def __init__(self, ctx, model: nn.Module, momentum_state: str, plan_of: Callable[[int], object]):
+    def __init__(self, ctx, model: nn.Module, momentum_state: str, plan_of: Callable[[int], object], *,
+                 spec=None, tensors: Optional[Callable[[], Dict[str, Tensor]]] = None,
+                 assemble: Optional[Callable[[Dict[str, Tensor]], nn.Module]] = None,
+                 full_model: Optional[nn.Module] = None):
         self.ctx = ctx
         self.model = model
         self.plan_of_round = plan_of
         self.aggregate_momentum = momentum_state == "aggregate"
         self.decentral = ctx.distributed and ctx.decentralized
-        self.spec = {n: (tuple(t.shape), t.dtype) for n, t in model_tensors(model).items()}
+        self.spec = spec if spec is not None else {n: (tuple(t.shape), t.dtype)
+                                                   for n, t in model_tensors(model).items()}
+        self.tensors = tensors or (lambda: model_tensors(self.model))
+        self.assemble = assemble or self._assemble
+        self.full_model = model if full_model is None else full_model
         self.param_names = [n for n, _ in model.named_parameters()]
         self.optimizer = (ctx.make_optimizer(model.parameters())
                           if self.aggregate_momentum and not self.decentral else None)
@@ -156,7 +183,7 @@ class SubnetRounds:
         self.momentum: Dict[str, Tensor] = {}  # decentralized, momentum aggregated: the same for SGD momentum
         self.held: Optional[int] = None
         self._plans: Dict[int, object] = {}
-        # decentralized: the compact module, its optimizer and held bytes, kept while the shapes hold
+        # decentralized: the compact module, its optimizer and tensors, kept while the shapes hold
         self._kept: Optional[Tuple[tuple, object, torch.optim.Optimizer, Dict[str, Tensor]]] = None
 
     # ---- plans (the last two are kept: this round's and the next)
@@ -167,6 +194,11 @@ class SubnetRounds:
                     self._plans.pop(min(self._plans))
                 self._plans[r] = self.plan_of_round(r)
         return self._plans[r]
+
+    @staticmethod
+    def stored(plan):
+        """The plan's slices as the ranks store them (decentralized storage)."""
+        return getattr(plan, "storage_slices", plan.slices)
 
     def start(self, r: int) -> None:
         """Hold round ``r``'s plan; decentralized: cut this rank's part, drop the rest of the model."""
@@ -193,9 +225,14 @@ class SubnetRounds:
         return RoundResult(loss, len(ctx.local_workers) * ctx.local_steps, extra=None if phase is None else
                            {"phase": phase}, ps_bytes=ps, state_bytes=state)
 
+    @staticmethod
+    def _held_bytes(plan, sub, opt, extra=()) -> int:
+        hook = getattr(plan, "held_bytes", None)
+        return hook(sub, opt, extra) if hook is not None else held_bytes(sub.module, opt, *extra)
+
     def _compact(self, plan, s: int):
-        """This rank's subnetwork module and optimizer for ``plan``, around ``self.part``: the kept
-        ones refilled in place when the shapes are those of the last round, else new ones."""
+        """This rank's subnetwork and optimizer for ``plan``, around ``self.part``: the kept ones
+        refilled in place when the shapes are those of the last round, else new ones."""
         key = (type(plan), tuple((n, tuple(t.shape)) for n, t in self.part.items()))
         if self._kept is not None and self._kept[0] == key:
             _, sub, opt, mine = self._kept
@@ -207,7 +244,7 @@ class SubnetRounds:
         sub = plan.attach(s, self.part)
         opt = self.ctx.make_optimizer(sub.module.parameters())
         mine = plan.tensors_of(sub, detach=False)
-        self._kept = (key, sub, opt, mine)
+        self._kept = (key, sub, opt, mine) if getattr(plan, "reusable", True) else None
         return sub, opt, mine
 
     def _decentral(self, plan, nxt, r):
@@ -218,10 +255,10 @@ class SubnetRounds:
                 opt.state[params[name]]["momentum_buffer"] = buf
         loss = ctx.train_local(sub.module, opt, s, r)
         with ctx.clock("metrics"):
-            state = held_bytes(sub.module, opt)
+            state = self._held_bytes(plan, sub, opt)
         with ctx.clock("plan"):
-            local = {n: t.detach() for n, t in params.items()}
-            self.part = ctx.comm.exchange(plan.slices, nxt.slices, self.spec, local, round=r + 1)
+            self.part = ctx.comm.exchange(self.stored(plan), self.stored(nxt), self.spec, plan.tensors_of(sub),
+                                          round=r + 1)
             if self.aggregate_momentum:
                 names = set(self.param_names)
                 mom = momentum_of(((n, params[n]) for n in params if n in names), opt)
@@ -238,13 +275,14 @@ class SubnetRounds:
         # replicated storage: a worker also holds the global model (and its optimizer state)
         extra = (self.model, self.optimizer) if not ctx.decentralized else ()
         for sub in mine:
-            opt = sub.optimizer if self.optimizer is not None else ctx.make_optimizer(sub.module.parameters())
+            with ctx.clock("plan"):
+                opt = sub.optimizer if self.optimizer is not None else ctx.make_optimizer(sub.module.parameters())
             loss += ctx.train_local(sub.module, opt, sub.index, r)
             with ctx.clock("metrics"):
-                state[sub.index] = held_bytes(sub.module, opt, *extra)
+                state[sub.index] = self._held_bytes(plan, sub, opt, extra)
         with ctx.clock("unpack"):
             plan.aggregate(mine, self.optimizer)
-        model = model_tensors(self.model)
+        model = self.tensors()
         mom = momentum_of(self.model.named_parameters(), self.optimizer) if self.optimizer is not None else {}
         if ctx.distributed:  # replicated storage
             with ctx.clock("plan"):
@@ -254,28 +292,28 @@ class SubnetRounds:
                                       round=r + 1)
                 plan.after_aggregate()  # e.g. ResIST's full-model residual scales (already set; cheap)
             return loss, state
-        storage = "decentralized" if ctx.decentralized else "replicated"
+        storage, cur = (("decentralized", self.stored(plan)) if ctx.decentralized else ("replicated", plan.slices))
         for names in [list(model)] + ([list(mom)] if mom else []):
             # the momentum buffers have their parameters' shapes: the model is the spec for both
-            ctx.comm.count_exchange(plan.slices, nxt.slices, self.spec, storage=storage, names=names)
+            ctx.comm.count_exchange(cur, self.stored(nxt), self.spec, storage=storage, names=names)
         return loss, state
 
     # ---- the full model
+    def _assemble(self, full: Dict[str, Tensor]) -> nn.Module:
+        model = copy.deepcopy(self.model)  # the structure (meta device), then the gathered tensors
+        model.load_state_dict(full, assign=True)
+        self.plan(self.held).after_aggregate(model)
+        return model
+
     def global_model(self) -> Optional[nn.Module]:
         """The aggregated full model (rank 0); decentralized: assembled from every rank's part."""
         ctx = self.ctx
         if not self.decentral:
             if ctx.simulated and ctx.decentralized:
-                ctx.comm.count_gather(self.plan(self.held).slices, self.spec)
-            return self.model
-        plan = self.plan(self.held)
-        full = ctx.comm.gather_full(self.part, plan.slices, self.spec, round=self.held)
-        if full is None:
-            return None
-        model = copy.deepcopy(self.model)  # the structure (meta device), then the gathered tensors
-        model.load_state_dict(full, assign=True)
-        plan.after_aggregate(model)
-        return model
+                ctx.comm.count_gather(self.stored(self.plan(self.held)), self.spec)
+            return self.full_model
+        full = ctx.comm.gather_full(self.part, self.stored(self.plan(self.held)), self.spec, round=self.held)
+        return None if full is None else self.assemble(full)
 
     def drop(self) -> None:
         """Forget this rank's part (decentralized), e.g. once a pruned model replaces it."""
@@ -293,7 +331,7 @@ class SubnetRounds:
         self.held = state["held"]
         self._kept = None
         if self.decentral:
-            self.part, self.momentum = state["part"], state["momentum"]
+            self.part, self.momentum = state["part"], state.get("momentum") or {}
             self.model.to("meta")
             return
         self.model.load_state_dict(state["model"])

@@ -50,6 +50,7 @@ from torch import nn
 
 from ...nn.subnet import SubnetMLP
 from ...partition.plan import positions
+from ..engine import SubnetRounds
 from ..errors import ConfigError
 from ..simulated import MASKS, MIN_NONEMPTY, nonempty_probability, sample_neurons, selection_probability
 from . import Method, Option, RoundResult, boolean, held_bytes, register_method
@@ -84,6 +85,95 @@ class FullModel(nn.Module):
 
     def forward(self, x):
         return self.net(x.flatten(1), keep=self.keep)
+
+
+class _Sub:
+    """One worker's subnetwork of neurons: its module, compact parameters and neurons; under
+    decentralized storage also the stored tensors it was cut from (``part``) and the trained
+    slices that are copies of stored ones (``copies``, Bernoulli masks' holders)."""
+
+    def __init__(self, index, module, params, neurons, part=None, copies=()):
+        self.index, self.module, self.params, self.neurons = index, module, params, neurons
+        self.part, self.copies = part, list(copies)
+        self.optimizer = None
+
+
+class NeuronPlan:
+    """One round of neuron subnetworks in the round engine's plan protocol
+    (:class:`ist_kernels.train.engine.SubnetRounds`): ``slices`` is what each subnetwork trains,
+    ``storage_slices`` what each rank stores (every unowned neuron kept, untrained, by one holder)."""
+
+    reusable = False  # the neurons, hence the module, change every round
+
+    def __init__(self, method: "Masked", neurons, trained, store):
+        self.method = method
+        self.neurons = neurons
+        self.slices = trained
+        self.storage_slices = store
+
+    # simulated and replicated storage: the global model is the reference
+    def build(self, optimizer=None):
+        m = self.method
+        device = m.ctx.device
+        mine = [[n.to(device) for n in self.neurons[s]] for s in m.workers]
+        params = m.net.extract_all(mine)
+        return {s: _Sub(s, SubnetModule(m.net, p, ns), p, ns) for s, p, ns in zip(m.workers, params, mine)}
+
+    def aggregate(self, subs, optimizer=None):
+        self.method.net.aggregate_([sub.params for sub in subs], [sub.neurons for sub in subs])
+
+    def after_aggregate(self, model=None):
+        pass
+
+    # decentralized storage: a rank holds its stored tensors only
+    def part(self, s: int):
+        return self.storage_slices.part(self.method._tensors(), s)
+
+    def attach(self, s: int, part):
+        m = self.method
+        device = m.ctx.device
+        owned = {t.name: t for t in self.slices.tensors}
+        held = {t.name: t for t in self.storage_slices.tensors}
+        params, copies = [], []
+        for name, dim, shape in m.net.compact_layout(self.neurons[s]):
+            t = part.get(name)
+            if t is None:  # this worker holds nothing of the tensor (an empty layer)
+                params.append(torch.empty(shape, device=device))
+            elif owned[name].shared or held[name].owners[s].numel() == owned[name].owners[s].numel():
+                params.append(t.view(shape))
+            else:
+                pos = positions(held[name].owners[s], owned[name].owners[s]).to(t.device)
+                compact = t.index_select(dim, pos)
+                params.append(compact.view(shape))
+                copies.append((name, dim, pos, compact))
+        neurons = [n.to(device) for n in self.neurons[s]]
+        return _Sub(s, SubnetModule(m.net, params, neurons), params, neurons, part=part, copies=copies)
+
+    def tensors_of(self, sub, detach: bool = True):
+        """The stored tensors, with the trained slices written back among them."""
+        with torch.no_grad():
+            for name, dim, pos, compact in sub.copies:
+                sub.part[name].index_copy_(dim, pos, compact)
+        return {n: t.detach() if detach else t for n, t in sub.part.items()}
+
+    def held_bytes(self, sub, opt, extra) -> int:
+        m = self.method
+        if sub.part is not None:  # decentralized: measured
+            return held_bytes(sub.part, sub.params, opt, m.fixed)
+        if extra or not m.ctx.decentralized:  # replicated: the whole model too
+            return held_bytes(m.net, sub.params, opt)
+        return self._decentral_state(sub.index) + held_bytes(opt)
+
+    def _decentral_state(self, s: int) -> int:
+        """What worker s holds under decentralized storage, from the plans (simulated runs report
+        it): its stored slices, the compact copies of the trained ones where it stores more
+        (unowned slices it keeps), the fixed output weight (the optimizer state is measured)."""
+        m, trained, store = self.method, self.slices, self.storage_slices
+        comm = m.ctx.comm
+        differ = [t.name for t, u in zip(trained.partitioned, store.partitioned) if t.owners[s].numel() !=
+                  u.owners[s].numel()]
+        copies = comm.ps_bytes_of(trained, m.spec, s, names=differ) // 2 if differ else 0
+        return comm.ps_bytes_of(store, m.spec, s) // 2 + copies + held_bytes(m.fixed)
 
 
 @register_method("masked")
@@ -135,145 +225,52 @@ class Masked(Method):
             train_output=o["train_output"], kappa=o["kappa"]))
         self.full_state_bytes = ctx.full_state_bytes(self.net)
         self.keep = selection_probability(self.masks, ctx.num_workers, self.xi)
-        self.full = FullModel(self.net, self.keep)
         self.workers = ctx.local_workers
         self.spec = self.net.slice_spec()
         self.fixed = dict(self.net.named_buffers())  # the output weight when it does not train
-        self.decentral = ctx.distributed and ctx.decentralized
-        self._rounds = {}
-        self.held = 0  # the round whose plan the stored tensors are cut by
-        self.part = None
-        if self.decentral:  # this rank's part of round 0; the full model keeps only its structure
-            self.part = self.round_plans(0)[2].part(self._tensors(), ctx.rank)
-            self.net.to("meta")
-            for name, b in self.fixed.items():
-                setattr(self.net, name, b)
+        self.rounds = SubnetRounds(ctx, self.net, "reset", self.round_plan, spec=self.spec, tensors=self._tensors,
+                                   assemble=self._assemble, full_model=FullModel(self.net, self.keep))
+        self.rounds.start(0)  # decentralized: this rank's part of round 0; the net keeps its structure
+        self._restore_fixed()
+
+    def _restore_fixed(self):
+        for name, b in self.fixed.items():  # the fixed buffers stay real when the net goes to meta
+            setattr(self.net, name, b)
 
     def plan(self, r: int):
         return sample_neurons(self.net, self.ctx.num_workers, self.masks, self.xi, self.ctx.generator(PLAN, r))
 
-    def round_plans(self, r: int):
-        """(neurons per worker, the trained SlicePlan, the storage SlicePlan) of round r (last two kept)."""
-        if r not in self._rounds:
-            with self.ctx.clock("plan"):
-                if len(self._rounds) >= 2:
-                    self._rounds.pop(min(self._rounds))
-                neurons = self.plan(r)
-                trained = self.net.slice_plan(neurons)
-                sizes = {t.name: self.spec[t.name][0][t.dim] for t in trained.partitioned}
-                self._rounds[r] = (neurons, trained, trained.with_holders(sizes))
-        return self._rounds[r]
+    def round_plan(self, r: int) -> "NeuronPlan":
+        """Round r's subnetworks: the neurons per worker, the trained and the stored SlicePlans."""
+        neurons = self.plan(r)
+        trained = self.net.slice_plan(neurons)
+        sizes = {t.name: self.spec[t.name][0][t.dim] for t in trained.partitioned}
+        return NeuronPlan(self, neurons, trained, trained.with_holders(sizes))
 
     def _tensors(self):
         """The full model's trained tensors as the plans state them (hidden-to-hidden weights flat)."""
         return {n: self.net.exchange_view(n, p.detach()) for n, p in self.net.named_parameters()}
 
-    def run_round(self, r: int) -> RoundResult:
-        ctx = self.ctx
-        if self.held != r:
-            raise RuntimeError(f"{self.name}: holds round {self.held}'s plan, asked to train round {r}")
-        neurons, trained, store = self.round_plans(r)
-        last = r == ctx.rounds - 1
-        nxt = store if last else self.round_plans(r + 1)[2]
-        ps = ctx.comm.ps_bytes(trained, self.spec) if ctx.num_workers > 1 else 0
-        run = self._round_decentral if self.decentral else self._round_global
-        loss, state = run(r, neurons, trained, store, nxt)
-        self.held = r if last else r + 1
-        return RoundResult(loss_sum=loss, steps=len(self.workers) * ctx.local_steps, ps_bytes=ps, state_bytes=state)
-
-    def _round_global(self, r, neurons, trained, store, nxt):
-        ctx, net = self.ctx, self.net
-        with ctx.clock("pack"):
-            mine = [[n.to(ctx.device) for n in neurons[s]] for s in self.workers]
-            params = net.extract_all(mine)
-        loss, state = 0.0, {}
-        for s, p, ns in zip(self.workers, params, mine):
-            with ctx.clock("plan"):
-                sub = SubnetModule(net, p, ns)
-                opt = ctx.make_optimizer(sub.params)
-            loss += ctx.train_local(sub, opt, s, r)
-            with ctx.clock("metrics"):
-                state[s] = (held_bytes(net, p, opt) if not ctx.decentralized else
-                            self._decentral_state(s, trained, store) + held_bytes(opt))
-        with ctx.clock("unpack"):
-            net.aggregate_(params, mine)  # distributed: this rank's subnetwork into its replica
-        if ctx.distributed:  # replicated storage: the replicas exchanged
-            with ctx.clock("plan"):
-                ctx.comm.exchange(trained, None, None, self._tensors(), storage="replicated", round=r + 1)
-            return loss, state
-        storage = "decentralized" if ctx.decentralized else "replicated"
-        cur = store if ctx.decentralized else trained
-        ctx.comm.count_exchange(cur, nxt, self.spec, storage=storage)
-        return loss, state
-
-    def _decentral_state(self, s, trained, store) -> int:
-        """What worker s holds under decentralized storage, from the plans: its stored slices, the
-        compact copies of the trained ones where it stores more (unowned slices it keeps), the
-        fixed output weight (the optimizer state is measured)."""
-        comm = self.ctx.comm
-        differ = [t.name for t, u in zip(trained.partitioned, store.partitioned) if t.owners[s].numel() !=
-                  u.owners[s].numel()]
-        copies = comm.ps_bytes_of(trained, self.spec, s, names=differ) // 2 if differ else 0
-        return comm.ps_bytes_of(store, self.spec, s) // 2 + copies + held_bytes(self.fixed)
-
-    def _round_decentral(self, r, neurons, trained, store, nxt):
-        ctx, s = self.ctx, self.ctx.rank
-        with ctx.clock("plan"):
-            owned = {t.name: t for t in trained.tensors}
-            held = {t.name: t for t in store.tensors}
-            params, copies = [], []
-            for name, dim, shape in self.net.compact_layout(neurons[s]):
-                t = self.part.get(name)
-                if t is None:  # this worker holds nothing of the tensor (an empty layer)
-                    params.append(torch.empty(shape, device=ctx.device))
-                elif owned[name].shared or held[name].owners[s].numel() == owned[name].owners[s].numel():
-                    params.append(t.view(shape))
-                else:
-                    pos = positions(held[name].owners[s], owned[name].owners[s]).to(t.device)
-                    compact = t.index_select(dim, pos)
-                    params.append(compact.view(shape))
-                    copies.append((name, dim, pos, compact))
-            sub = SubnetModule(self.net, params, [n.to(ctx.device) for n in neurons[s]])
-            opt = ctx.make_optimizer(sub.params)
-        loss = ctx.train_local(sub, opt, s, r)
-        with ctx.clock("metrics"):
-            state = {s: held_bytes(self.part, params, opt, self.fixed)}
-        with ctx.clock("plan"):
-            with torch.no_grad():
-                for name, dim, pos, compact in copies:  # the trained slices back among the stored ones
-                    self.part[name].index_copy_(dim, pos, compact)
-            self.part = ctx.comm.exchange(store, nxt, self.spec, {n: t.detach() for n, t in self.part.items()},
-                                          round=r + 1)
-        return loss, state
-
-    def global_model(self):
-        ctx = self.ctx
-        store = self.round_plans(self.held)[2]
-        if not self.decentral:
-            if ctx.simulated and ctx.decentralized:
-                ctx.comm.count_gather(store, self.spec)
-            return self.full
-        full = ctx.comm.gather_full(self.part, store, self.spec, round=self.held)
-        if full is None:
-            return None
+    def _assemble(self, full):
         net = copy.deepcopy(self.net)
         shapes = {n: p.shape for n, p in self.net.named_parameters()}
         net.load_state_dict({**self.fixed, **{n: t.view(shapes[n]) for n, t in full.items()}}, assign=True)
         return FullModel(net, self.keep)
 
+    def run_round(self, r: int) -> RoundResult:
+        return self.rounds.run(r, last=r == self.ctx.rounds - 1)
+
+    def global_model(self):
+        return self.rounds.global_model()
+
     def state_dict(self):
         # plans come from (seed, round) and optimizers are fresh every round: the model (decentralized:
         # this rank's part) is all
-        if self.decentral:
-            return {"held": self.held, "part": self.part}
-        return {"held": self.held, "model": self.net.state_dict()}
+        return self.rounds.state_dict()
 
     def load_state_dict(self, state):
-        self.held = state["held"]
-        if self.decentral:
-            self.part = state["part"]
-        else:
-            self.net.load_state_dict(state["model"])
+        self.rounds.load_state_dict(state)
+        self._restore_fixed()
 
     def summary(self):
         return {"masks": self.masks, "xi": self.keep}
