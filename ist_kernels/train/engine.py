@@ -156,7 +156,9 @@ class SubnetRounds:
     ``spec`` (default: the model's tensors) gives the plans' tensors' global shapes; ``tensors()``
     (default: the model's tensors) the global model's tensors as the plans state them; ``assemble(
     full)`` (default: the model's structure loaded with the gathered tensors) builds the evaluated
-    model from gathered tensors, ``full_model`` is it without decentralized storage.
+    model from gathered tensors, ``full_model`` is it without decentralized storage. ``storage``:
+    the storage the method needs (default: the run's); a plan's optional ``ps_download`` is what
+    each worker downloads in the parameter-server count (default: its next subnetwork).
 
     Decentralized storage starts at round ``start`` (:meth:`start`): the rank cuts its part of that
     round's plan out of the (real, full) model, which then keeps only its structure (meta device).
@@ -165,12 +167,14 @@ class SubnetRounds:
     def __init__(self, ctx, model: nn.Module, momentum_state: str, plan_of: Callable[[int], object], *,
                  spec=None, tensors: Optional[Callable[[], Dict[str, Tensor]]] = None,
                  assemble: Optional[Callable[[Dict[str, Tensor]], nn.Module]] = None,
-                 full_model: Optional[nn.Module] = None):
+                 full_model: Optional[nn.Module] = None, storage: Optional[str] = None):
         self.ctx = ctx
         self.model = model
         self.plan_of_round = plan_of
         self.aggregate_momentum = momentum_state == "aggregate"
-        self.decentral = ctx.distributed and ctx.decentralized
+        # the run's --storage, unless the method needs one (e.g. GReLU rows: a worker reads every row)
+        self.storage = storage or ("decentralized" if ctx.decentralized else "replicated")
+        self.decentral = ctx.distributed and self.storage == "decentralized"
         self.spec = spec if spec is not None else {n: (tuple(t.shape), t.dtype)
                                                    for n, t in model_tensors(model).items()}
         self.tensors = tensors or (lambda: model_tensors(self.model))
@@ -217,7 +221,8 @@ class SubnetRounds:
         nxt = plan if last else self.plan(r + 1)
         ctx = self.ctx
         with ctx.clock("metrics"):
-            ps = ctx.comm.ps_bytes(plan.slices, self.spec) if ctx.num_workers > 1 else 0
+            ps = (ctx.comm.ps_bytes(plan.slices, self.spec, download=getattr(plan, "ps_download", None))
+                  if ctx.num_workers > 1 else 0)
             if self.aggregate_momentum and ctx.num_workers > 1:
                 ps += ctx.comm.ps_bytes(plan.slices, self.spec, names=self.param_names)
         loss, state = self._decentral(plan, nxt, r) if self.decentral else self._global(plan, nxt, r)
@@ -273,7 +278,8 @@ class SubnetRounds:
         mine = [subs[s] for s in ctx.local_workers]
         loss, state = 0.0, {}
         # replicated storage: a worker also holds the global model (and its optimizer state)
-        extra = (self.model, self.optimizer) if not ctx.decentralized else ()
+        replicated = self.storage == "replicated"
+        extra = (self.model, self.optimizer) if replicated else ()
         for sub in mine:
             with ctx.clock("plan"):
                 opt = sub.optimizer if self.optimizer is not None else ctx.make_optimizer(sub.module.parameters())
@@ -292,10 +298,10 @@ class SubnetRounds:
                                       round=r + 1)
                 plan.after_aggregate()  # e.g. ResIST's full-model residual scales (already set; cheap)
             return loss, state
-        storage, cur = (("decentralized", self.stored(plan)) if ctx.decentralized else ("replicated", plan.slices))
+        cur = plan.slices if replicated else self.stored(plan)
         for names in [list(model)] + ([list(mom)] if mom else []):
             # the momentum buffers have their parameters' shapes: the model is the spec for both
-            ctx.comm.count_exchange(cur, self.stored(nxt), self.spec, storage=storage, names=names)
+            ctx.comm.count_exchange(cur, self.stored(nxt), self.spec, storage=self.storage, names=names)
         return loss, state
 
     # ---- the full model
@@ -309,7 +315,7 @@ class SubnetRounds:
         """The aggregated full model (rank 0); decentralized: assembled from every rank's part."""
         ctx = self.ctx
         if not self.decentral:
-            if ctx.simulated and ctx.decentralized:
+            if ctx.simulated and self.storage == "decentralized":
                 ctx.comm.count_gather(self.stored(self.plan(self.held)), self.spec)
             return self.full_model
         full = ctx.comm.gather_full(self.part, self.stored(self.plan(self.held)), self.spec, round=self.held)

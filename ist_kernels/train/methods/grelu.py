@@ -8,7 +8,7 @@ subnetworks of the trained layers (paper 004's IST use of the fixed gates): ever
 (output neurons) of each W_k are partitioned at random into S groups (``ctx.generator(PLAN, r)``),
 worker s trains only its rows — the other rows stay frozen in its forward pass — with a fresh
 optimizer over its compact rows, and each row of the aggregated model is its owner's. Distributed,
-the rows move through an :class:`ist_kernels.distributed.Exchange`: bit-identical to the simulated
+the rows move through one replicated exchange (the round engine): bit-identical to the simulated
 run, and each rank sends only its rows, once to every other rank. Storage: a worker's forward
 reads every row of W_1..W_L (the rows it does not train, frozen), so every rank needs the whole
 trained layers each round: decentralized and replicated storage are the same thing here (a rank
@@ -27,7 +27,7 @@ from torch import nn
 from ...nn.grelu import GReLUMLP
 from ...partition.neurons import categorical_partition
 from ...partition.plan import SlicePlan, TensorSlices
-from ..engine import LocalModels
+from ..engine import LocalModels, SubnetRounds
 from ..errors import ConfigError
 from . import Method, Option, RoundResult, boolean, held_bytes, register_method
 
@@ -70,6 +70,41 @@ class RowSubnet(nn.Module):
         return torch.func.functional_call(net, params, (x.flatten(1),))
 
 
+class _RowSub:
+    def __init__(self, index, module):
+        self.index, self.module, self.optimizer = index, module, None
+
+
+class RowPlan:
+    """One round's row partition of W_1..W_L in the round engine's plan protocol
+    (:class:`ist_kernels.train.engine.SubnetRounds`, replicated storage: a worker's forward reads
+    every row, so every rank holds every row; each uploads its rows and downloads all of them)."""
+
+    def __init__(self, model, rows: Dict[str, List[torch.Tensor]], workers: List[int]):
+        self.model, self.rows, self.workers = model, rows, workers
+        S = len(next(iter(rows.values())))
+        self.slices = SlicePlan(S, tuple(TensorSlices(n, 0, tuple(o.cpu() for o in owners))
+                                         for n, owners in rows.items()))
+        self.ps_download = SlicePlan(S, tuple(TensorSlices(n, None) for n in rows))  # every row
+
+    def build(self, optimizer=None):
+        return {s: _RowSub(s, RowSubnet(self.model, {n: owners[s] for n, owners in self.rows.items()}))
+                for s in self.workers}
+
+    def aggregate(self, subs, optimizer=None):
+        full = dict(self.model.named_parameters())
+        with torch.no_grad():  # each row from its (single) owner
+            for sub in subs:
+                for n, rows in sub.module.rows.items():
+                    full[n].index_copy_(0, rows, sub.module.compact[n].detach())
+
+    def after_aggregate(self, model=None):
+        pass
+
+    def held_bytes(self, sub, opt, extra) -> int:
+        return held_bytes(self.model, sub.module.compact, opt)
+
+
 @register_method("grelu")
 class GReLU(Method):
     options = {
@@ -94,75 +129,44 @@ class GReLU(Method):
         self.workers = ctx.local_workers
         factory = lambda: Flat(GReLUMLP(ctx.in_features, hp.width or 128, hp.depth, ctx.num_outputs,  # noqa: E731
                                         bias=o["bias"]))
-        # subnetworks: one replica per process (every worker starts each round from the aggregate);
-        # otherwise local SGD of the trained layers (the frozen gate network is never sent)
+        # subnetworks: one replica per process (every worker starts each round from the aggregate),
+        # rounds of row partitions on the round engine; otherwise local SGD of the trained layers
+        # (the frozen gate network is never sent)
         if self.subnetworks:
-            self.models = {self.workers[0]: ctx.build_model(factory)}
+            model = ctx.build_model(factory)
+            self.models = {self.workers[0]: model}
             self.local = None
+            params = lambda: {n: p.detach() for n, p in model.named_parameters()}  # noqa: E731
+            self.rounds = SubnetRounds(ctx, model, "reset", self.plan, spec=params(), tensors=params,
+                                       storage="replicated")
+            self.rounds.start(0)
         else:
             self.local = LocalModels(ctx, {s: ctx.build_model(factory) for s in self.workers}, tensors=_trained)
             self.models = self.local.models
         self.full_state_bytes = ctx.full_state_bytes(next(iter(self.models.values())))
 
     # ---- independent subnetworks of W_1..W_L
-    def plan(self, r):
-        """name -> S disjoint row lists (each trained tensor partitioned independently, in order)."""
+    def plan(self, r) -> RowPlan:
+        """S disjoint row lists of every trained tensor (each partitioned independently, in order)."""
         g = self.ctx.generator(PLAN, r)
         model = next(iter(self.models.values()))
-        return {n: categorical_partition(p.shape[0], self.ctx.num_workers, g) for n, p in model.named_parameters()}
-
-    def _subnet_round(self, r):
-        ctx = self.ctx
-        (model,) = self.models.values()
-        with ctx.clock("plan"):
-            plan = {n: [o.to(ctx.device) for o in owners] for n, owners in self.plan(r).items()}
-        subs, loss, state = [], 0.0, {}
-        for s in self.workers:
-            sub = RowSubnet(model, {n: owners[s] for n, owners in plan.items()})
-            opt = ctx.make_optimizer(list(sub.parameters()))
-            loss += ctx.train_local(sub, opt, s, r)
-            state[s] = held_bytes(model, sub.compact, opt)
-            subs.append(sub)
-        full = dict(model.named_parameters())
-        with ctx.clock("unpack"), torch.no_grad():  # each row from its (single) owner
-            for sub in subs:
-                for n, rows in sub.rows.items():
-                    full[n].index_copy_(0, rows, sub.compact[n].detach())
-        if ctx.num_workers == 1:
-            return loss, 0, state
-        S = ctx.num_workers
-        slice_plan = SlicePlan(S, tuple(TensorSlices(n, 0, tuple(o)) for n, o in plan.items()))
-        local = {n: p.detach() for n, p in full.items()}
-        whole = SlicePlan(S, tuple(TensorSlices(n, None) for n in plan))  # every worker needs every row
-        ps = ctx.comm.ps_bytes(slice_plan, local, download=whole)
-        if ctx.distributed:
-            with ctx.clock("plan"):
-                ctx.comm.exchange(slice_plan, None, None, local, storage="replicated", shared="exact", round=r + 1)
-        else:
-            ctx.comm.count_exchange(slice_plan, None, local, storage="replicated", shared="exact")
-        return loss, ps, state
+        rows = {n: [o.to(self.ctx.device) for o in categorical_partition(p.shape[0], self.ctx.num_workers, g)]
+                for n, p in model.named_parameters()}
+        return RowPlan(model, rows, self.workers)
 
     def run_round(self, r: int) -> RoundResult:
         if not self.subnetworks:
             return self.local.run(r)
-        loss, ps, state = self._subnet_round(r)
-        return RoundResult(loss_sum=loss, steps=len(self.workers) * self.ctx.local_steps, ps_bytes=ps,
-                           state_bytes=state)
+        return self.rounds.run(r, last=r == self.ctx.rounds - 1)
 
     def global_model(self):
         return next(iter(self.models.values()))
 
     def state_dict(self):
-        if self.local is not None:
-            return self.local.state_dict()
-        return {"models": {s: m.state_dict() for s, m in self.models.items()}, "optimizers": {}}
+        return self.local.state_dict() if self.local is not None else self.rounds.state_dict()
 
     def load_state_dict(self, state):
-        if self.local is not None:
-            self.local.load_state_dict(state)
-            return
-        for s, m in self.models.items():
-            m.load_state_dict(state["models"][s])
+        (self.local or self.rounds).load_state_dict(state)
 
     def summary(self):
         return {"subnetworks": self.subnetworks}
