@@ -1,7 +1,5 @@
 """python -m ist_kernels.train: the ist-train command line."""
-import sys
-
-from .cli import main
+from .cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

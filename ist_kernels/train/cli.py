@@ -228,5 +228,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def run(argv: Optional[Sequence[str]] = None) -> None:
+    """The entry point of ``ist-train`` and ``python -m ist_kernels.train``: :func:`main`, then exit.
+
+    A process that exists only to be one rank (under torchrun) ends with :func:`exit_worker` once
+    :func:`main` returns: by then it has left its last collective, passed the final barrier and
+    destroyed its process group, and nothing of c10d / gloo (worker threads, pending work holding
+    tensors, the store client) is left for the interpreter's finalization to tear down, where a
+    destructor that still finds a joinable thread or needs the GIL ends the process with SIGABRT
+    ("terminate called without an active exception") after a finished run."""
+    status = main(argv)
+    if under_torchrun():
+        exit_worker(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    run()
