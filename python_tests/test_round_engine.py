@@ -8,11 +8,12 @@ import warnings
 
 import pytest
 import torch
-from train_helpers import TINY_MLP, outputs
 
 from ist_kernels.train import cli
 from ist_kernels.train.engine import PartitionPayoffWarning, payoff
 from ist_kernels.train.timing import PARTS, TRAIN_PARTS, Clock
+
+from train_helpers import TINY_MLP, outputs
 
 PKG = os.path.join(os.path.dirname(__file__), "..", "ist_kernels")
 TINY_CNN = ["--dataset", "digits", "--batch-size", "8", "--local-steps", "2", "--no-progress", "--no-plots",

@@ -284,7 +284,15 @@ def test_python_m_entry_point():
     import tomllib
 
     with open("pyproject.toml", "rb") as f:
-        assert tomllib.load(f)["project"]["scripts"]["ist-train"] == "ist_kernels.train.cli:main"
+        assert tomllib.load(f)["project"]["scripts"]["ist-train"] == "ist_kernels.train.cli:run"
+    # a rank under torchrun leaves through exit_worker: its output flushed, its status kept
+    rank_env = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    res = subprocess.run([sys.executable, "-m", "ist_kernels.train", "--list-methods"], capture_output=True,
+                         text=True, env=rank_env, timeout=120)
+    assert res.returncode == 0 and {"localsgd", "ddp"} <= set(res.stdout.split()), res.stderr
+    res = subprocess.run([sys.executable, "-m", "ist_kernels.train", "--rounds", "0"], capture_output=True,
+                         text=True, env=rank_env, timeout=120)
+    assert res.returncode == 2 and "invalid option 'rounds'" in res.stderr, res.stderr
 
 
 def test_outputs_plots_and_baseline_table(tmp_path, capsys):
