@@ -4,6 +4,7 @@ markdown and PNG with finite numbers; the shared statistics and divergence recor
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,16 +156,18 @@ def test_loft_quick(tmp_path):
     assert "chance" in md
 
 
-def test_claims_table_goes_into_the_readme_between_its_markers(tmp_path, capsys):
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# title\n\nbefore\n{claims.START}\nold table\n{claims.END}\nafter\n")
+def test_claims_table_goes_into_its_docs_page_between_its_markers(tmp_path, capsys, monkeypatch):
+    page = tmp_path / "docs" / "experiments.md"
+    page.parent.mkdir()
+    page.write_text(f"# title\n\nbefore\n{claims.START}\nold table\n{claims.END}\nafter\n")
     counts = tmp_path / "bytes.json"
     counts.write_text(json.dumps({"rounds": 2, "rows": [
         dict(method="LOFT", model="preact_resnet18", S=S, bytes_ratio=b, ps_bytes_ratio=ps, paper_ratio=paper,
              rank_state_ratio=ps) for S, b, ps, paper in [(2, 0.58, 0.72, 0.721), (3, 0.53, 0.63, None),
                                                           (4, 0.51, 0.62, 0.582)]]}))
-    assert claims.main(["--results", str(tmp_path), "--readme", str(readme), "--bytes", str(counts)]) == 0
-    text = readme.read_text()
+    monkeypatch.chdir(tmp_path)  # --doc with no file: docs/experiments.md of the working directory
+    assert claims.main(["--results", str(tmp_path), "--doc", "--bytes", str(counts)]) == 0
+    text = page.read_text()
     table = claims.table(str(tmp_path), str(counts))
     # paper 000's row: S=2 within RATIO_TOL of the paper, S=4 not (0.62 vs 0.582); S=3 has no paper value
     loft_bytes = next(line for line in table.splitlines() if line.startswith("| 000 Table 1"))
@@ -173,9 +176,22 @@ def test_claims_table_goes_into_the_readme_between_its_markers(tmp_path, capsys)
     assert "| 003 Table 1: a ResIST round" in table and "| not run | — |" in table  # no ResIST rows given
     assert text == f"# title\n\nbefore\n{claims.START}\n{table}\n{claims.END}\nafter\n"
     assert (tmp_path / "claims.md").read_text().endswith(table + "\n") and table in capsys.readouterr().out
-    readme.write_text("no markers\n")
+    other = tmp_path / "README.md"  # --readme FILE: the former name of --doc FILE
+    other.write_text(f"{claims.START}\n{claims.END}\n")
+    assert claims.main(["--results", str(tmp_path), "--readme", str(other), "--bytes", str(counts)]) == 0
+    assert other.read_text() == f"{claims.START}\n{table}\n{claims.END}\n"
+    page.write_text("no markers\n")
     with pytest.raises(ValueError, match="claims:start"):
-        claims.update_readme(str(readme), table)
+        claims.update_doc(str(page), table)
+    assert claims.update_readme is claims.update_doc
+
+
+def test_the_repositorys_claims_page_has_the_markers():
+    """--doc's default page exists and holds the table between the marker lines, in that order."""
+    page = Path(__file__).resolve().parents[1] / claims.DOC
+    src = page.read_text()
+    assert claims.START in src and claims.END in src and src.index(claims.START) < src.index(claims.END)
+    assert "| paper: claim |" in src.split(claims.START, 1)[1].split(claims.END, 1)[0]
 
 
 # ---------------------------------------------------------------- shared pieces
