@@ -1,11 +1,17 @@
+"""Pruning: filters by L2 norm (paper 000 §2, §6) and random pruning at initialisation (paper 002 §2.1)."""
+from typing import Dict, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .nn.masked import MaskedConv2d, MaskedLinear
+from .partition._resnet import filter_layers, stages
+from .partition.loft import LoftPlan
+
 # ---- Filter pruning by L2 norm (paper 000 §2, §6) ------------------------------------------------
-from typing import Dict as _Dict
-
-import torch as _torch
-from torch import Tensor as _Tensor, nn as _nn
 
 
-def filters_to_keep(model: _nn.Module, ratio: float) -> _Dict[str, _Tensor]:
+def filters_to_keep(model: nn.Module, ratio: float) -> Dict[str, Tensor]:
     """The filters :func:`prune_filters` keeps: for every partitioned block (not the first of its
     stage, not strided; paper 000 §6), ``"block.conv" -> sorted indices`` of the highest-L2-norm
     ``F - floor(ratio * F)`` filters of its filter conv (ties: the lower index stays)."""
@@ -25,19 +31,19 @@ def filters_to_keep(model: _nn.Module, ratio: float) -> _Dict[str, _Tensor]:
     return kept
 
 
-def filter_norms(weight: _Tensor) -> _Tensor:
+def filter_norms(weight: Tensor) -> Tensor:
     """The L2 norm of every filter (output channel) of a conv weight, in float64."""
     return weight.flatten(1).double().norm(dim=1)
 
 
-def keep_largest(norms: _Tensor, ratio: float) -> _Tensor:
+def keep_largest(norms: Tensor, ratio: float) -> Tensor:
     """Sorted indices of the ``F - floor(ratio * F)`` largest of ``norms`` (ties: the lower index stays)."""
     num = norms.numel()
-    order = _torch.argsort(norms, descending=True, stable=True)
+    order = torch.argsort(norms, descending=True, stable=True)
     return order[:num - int(ratio * num)].sort().values.cpu()
 
 
-def prune_filters(model: _nn.Module, ratio: float) -> _nn.Module:
+def prune_filters(model: nn.Module, ratio: float) -> nn.Module:
     """A physically smaller copy of ``model`` without the lowest-L2-norm ``ratio`` of the filters of
     each partitioned conv (the first conv of every block that is neither the first of its stage nor
     strided; paper 000 §6), the BN channels that follow them and the next conv's matching input
@@ -47,16 +53,11 @@ def prune_filters(model: _nn.Module, ratio: float) -> _nn.Module:
     filters = {name.rsplit(".", 1)[0]: [idx] for name, idx in kept.items()}
     plan = LoftPlan(model, 1, filters=filters)
     return plan.build()[0].module
-"""Random pruning at initialisation (paper 002 §2.1): every weight entry of every Linear/Conv2d
-layer is kept with probability 1 - p, the mask is fixed for the whole of training."""
-from typing import Optional
 
-import torch
-from torch import nn
 
-from .nn.masked import MaskedConv2d, MaskedLinear
-from .partition._resnet import filter_layers, stages
-from .partition.loft import LoftPlan
+# ---- Random pruning at initialisation (paper 002 §2.1) -------------------------------------------
+# Every weight entry of every Linear/Conv2d layer is kept with probability 1 - p, the mask is fixed
+# for the whole of training.
 
 
 def random_prune_(model: nn.Module, p: float, generator: Optional[torch.Generator] = None) -> nn.Module:

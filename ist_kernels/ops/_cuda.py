@@ -41,6 +41,8 @@ try:
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
+if HAS_TRITON:  # triton is optional; triton/common.py imports it (and nothing of ist_kernels)
+    from ..triton.common import tracing
 
 #: torch.library.wrap_triton / triton_op exist (torch >= 2.6): Inductor can trace Triton launches
 TRACEABLE = hasattr(torch.library, "wrap_triton") and hasattr(torch.library, "triton_op")
@@ -78,8 +80,6 @@ def _decomposition(launcher):
     module docstring); anything else is handled by the mode as usual (the op stays one node)."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
-
-    from ..triton.common import tracing
 
     def rule(mode, func, types, args, kwargs):
         if any(t not in (torch.Tensor, FunctionalTensor) and not issubclass(t, FakeTensor) for t in types):

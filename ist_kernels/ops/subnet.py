@@ -7,7 +7,7 @@ the Triton gathered-load GEMMs (ist_kernels/triton/subnet.py) are the alternativ
 """
 import torch
 
-from ._checks import check_output_mask
+from ._checks import check, check_index_list, check_output_mask, check_same_device, check_type  # noqa: F401
 from ._cuda import register_composition
 from ._subnet_checks import CPU_DTYPES, TRITON_DTYPES, check_grad_out, check_subnet  # noqa: F401  (re-exported)
 
