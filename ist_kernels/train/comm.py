@@ -47,13 +47,25 @@ class Comm:
         self.local_workers = list(local_workers)
         self.shared = shared
         self.clock = clock
-        self.sent = 0
+        self.sent_by_worker: Dict[int, int] = {s: 0 for s in self.local_workers}
         self.gathered = 0
 
-    def take(self) -> Dict[str, int]:
-        """The bytes counted since the last take (``sent``, ``gathered``), then zero."""
-        out = {"sent": self.sent, "gathered": self.gathered}
-        self.sent = self.gathered = 0
+    @property
+    def sent(self) -> int:
+        """Bytes this process's workers sent since the last take."""
+        return sum(self.sent_by_worker.values())
+
+    def _sent(self, nbytes: int, workers: Optional[Sequence[int]] = None) -> None:
+        """Count ``nbytes`` sent by each of ``workers`` (default: every local worker)."""
+        for s in self.local_workers if workers is None else workers:
+            self.sent_by_worker[s] += int(nbytes)
+
+    def take(self) -> Dict[str, object]:
+        """The bytes counted since the last take (``sent``, ``gathered``, and ``sent_by_worker``:
+        worker -> its part of ``sent``), then zero."""
+        out = {"sent": self.sent, "gathered": self.gathered, "sent_by_worker": dict(self.sent_by_worker)}
+        self.sent_by_worker = {s: 0 for s in self.local_workers}
+        self.gathered = 0
         return out
 
     def _charge(self, stats, part: Optional[str] = "plan") -> None:
@@ -81,7 +93,7 @@ class Comm:
         ex = Exchange(current, next, spec, storage=storage, shared=shared or self.shared, round=round,
                       drop_unowned=drop_unowned)
         out = ex(local, names=names)
-        self.sent += ex.last_stats.bytes_sent
+        self._sent(ex.last_stats.bytes_sent)
         self._charge(ex.last_stats)
         return out
 
@@ -92,7 +104,8 @@ class Comm:
             return
         with self.clock("metrics"):
             stats = plan_bytes(current, next, spec, storage=storage, shared=shared or self.shared, names=names)
-            self.sent += sum(stats[s].bytes_sent for s in self.local_workers)
+            for s in self.local_workers:
+                self._sent(stats[s].bytes_sent, [s])
 
     def ps_bytes(self, plan, spec, *, names: Optional[Sequence[str]] = None, download=None) -> int:
         """The papers' parameter-server bytes of this process's workers in a round of ``plan``
@@ -132,7 +145,7 @@ class Comm:
         if self.distributed:
             (ts,) = copies
             st = average_model_(list(ts), round=round)
-            self.sent += st.bytes_sent
+            self._sent(st.bytes_sent)
             self._charge(st)
             return
         with self.clock("pack"):
@@ -144,7 +157,7 @@ class Comm:
             sizes = [t.numel() for t in copies[0]]
             for ts in copies:
                 torch._foreach_copy_(list(ts), [v.view_as(t) for v, t in zip(total.split(sizes), ts)])
-        self.sent += len(copies) * all_reduce_wire_bytes(total.numel() * total.element_size(), self.world_size)
+        self._sent(all_reduce_wire_bytes(total.numel() * total.element_size(), self.world_size))
 
     def all_reduce_sum_(self, tensor: Tensor, what: str, round: int, *, counted: bool = True) -> Tensor:
         """In-place SUM over the processes (a no-op simulated or with one process); a dead or
@@ -161,8 +174,11 @@ class Comm:
     def count_all_reduce(self, nbytes: int, times: int = 1) -> None:
         """Count ``times`` ring all-reduces of ``nbytes`` for every local worker (e.g. DDP's gradient
         buckets, which torch's DistributedDataParallel sends itself)."""
-        self.sent += times * len(self.local_workers) * all_reduce_wire_bytes(nbytes, self.world_size)
+        self._sent(times * all_reduce_wire_bytes(nbytes, self.world_size))
 
     def count_sent(self, nbytes: int) -> None:
-        """Count bytes a collective outside this object sent (e.g. DDP's buffer broadcast)."""
-        self.sent += nbytes
+        """Count bytes a collective outside this object sent (e.g. DDP's buffer broadcast), shared
+        evenly by the local workers."""
+        n = len(self.local_workers)
+        for i, s in enumerate(self.local_workers):
+            self._sent(nbytes // n + (1 if i < nbytes % n else 0), [s])

@@ -144,7 +144,12 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
             torch.cuda.synchronize(world.device)
         train_time += time.perf_counter() - t0
         done = r + 1
-        sent = comm.take()["sent"] + res.bytes_sent
+        taken = comm.take()
+        sent = taken["sent"] + res.bytes_sent
+        sent_by_worker = [0] * S
+        for i, s in enumerate(ctx.local_workers):  # what the method reported apart, shared evenly
+            sent_by_worker[s] = taken["sent_by_worker"][s] + res.bytes_sent // len(ctx.local_workers) + \
+                (1 if i < res.bytes_sent % len(ctx.local_workers) else 0)
         scores = {}
         if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == rounds:
             scores = eval_record(done)
@@ -153,14 +158,15 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
             for s, b in (res.state_bytes or {}).items():
                 per_worker[s] = b
             stats = sum_over_ranks([res.loss_sum, res.steps, sent, res.ps_bytes, comm.take()["gathered"],
-                                    *per_worker], "the round's metrics", r)
-            loss_sum, steps, bytes_sent, ps, gathered, per_worker = (stats[0], stats[1], stats[2], stats[3],
-                                                                      stats[4], stats[5:])
+                                    *per_worker, *sent_by_worker], "the round's metrics", r)
+            loss_sum, steps, bytes_sent, ps, gathered = stats[:5]
+            per_worker, sent_by_worker = stats[5:5 + S], stats[5 + S:]
             totals["total_bytes"] += bytes_sent
             totals["total_ps_bytes"] += ps
             totals["total_gather_bytes"] += gathered
             rec = {"round": done, "train_loss": loss_sum / max(steps, 1), "bytes_sent": bytes_sent,
                    "ps_bytes": ps, "gather_bytes": gathered, **totals, "rank_state_bytes": max(per_worker),
+                   "max_worker_bytes_sent": max(sent_by_worker),
                    "train_time": train_time, "lr": ctx.lr_at(r, 0), **(res.extra or {}), **scores}
         if cap is not None and max(per_worker) > cap:  # every rank sees the same sums: all stop here
             worst = max(range(S), key=lambda s: per_worker[s])
