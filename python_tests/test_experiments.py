@@ -65,13 +65,20 @@ def _check_claims(folder, name):
     # papers 000 and 003's Table 1 rows come from bench_bytes.py's JSON (not given here), not from an experiment
     counted = [r for r in rows if "Table 1:" in r[0]]
     assert len(counted) == 2 and all(r[1] == "not run" for r in counted)
-    rows = [r for r in rows if r not in counted]
+    # papers 000 and 003's time rows come from the speed experiment's JSON
+    timed = [r for r in rows if "(time):" in r[0]]
+    assert len(timed) == 2 and all((r[1] == "not run") == (name != "speed") for r in timed)
+    if name == "speed":
+        assert all(r[2] in VERDICTS for r in timed)
+        return
+    rows = [r for r in rows if r not in counted and r not in timed]
     mine = [r for r in rows if r[0].startswith(PAPER[name])]
     assert mine and all(r[1] != "not run" and r[2] in VERDICTS for r in mine)
     others = [r for r in rows if r[0][:3] in set(PAPER.values()) - {PAPER[name]}]
     assert others and all(r[1] == "not run" for r in others)
 
-VERDICTS = {"holds", "mostly holds", "mixed", "does not hold", "does not hold on CPU",
+VERDICTS = {"holds", "mostly holds", "mixed", "does not hold", "does not hold on CPU", "does not hold here",
+            "holds (speed-up >= 1.25x, smaller than the paper's)",
             "mild pruning holds; threshold differs", "not measured"}
 
 
@@ -317,3 +324,47 @@ def test_nonempty_probability_with_a_xi_vector():
     with pytest.raises(ValueError, match="cannot give each"):
         simulated.sample_neurons(SubnetMLP(3, 20, 1, 1), 3, "categorical", [0.5, 0.5, 0.0], torch.Generator())
 
+
+
+RUN_KEYS = {"method", "workers", "bandwidth_bps", "latency_s", "emulated", "time_to_target_s", "target_accuracy",
+            "final_accuracy", "round_time_s", "predicted_round_time_s", "bytes_per_round", "time_by_part"}
+SCALE_KEYS = {"model", "method", "workers", "bandwidth_bps", "round_time_s", "bytes_per_round", "rank_state_bytes",
+              "speedup_vs_localsgd"}
+
+
+def test_speed_quick(tmp_path):
+    """Real 2-process runs of one method of each kind over loopback (and a 100 Mbit/s emulated link
+    where namespaces can be made), the model's prediction beside each, and the scale table."""
+    from ist_kernels.experiments import link, speed
+
+    assert main(["speed", "--quick", "--out", str(tmp_path)]) == 0
+    doc = _load_json(tmp_path / "speed.json")
+    assert doc["experiment"] == "speed" and doc["errors"] == []
+    runs = doc["runs"]
+    assert {r["method"] for r in runs} == set(speed.QUICK_METHODS)
+    emulated = link.unavailable_reason() is None
+    assert {r["link"] for r in runs} == ({"loopback", "100mbit"} if emulated else {"loopback"})
+    for r in runs:
+        assert RUN_KEYS <= set(r), RUN_KEYS - set(r)
+        assert r["workers"] == 2 and r["emulated"] == (r["link"] != "loopback")
+        assert r["bandwidth_bps"] == (1e8 if r["emulated"] else None)
+        assert r["round_time_s"] > 0 and r["bytes_per_round"] > 0 and 0 <= r["final_accuracy"] <= 1
+        assert r["predicted_round_time_s"] > 0  # every run has its loopback twin
+        assert set(r["time_by_part"]) == {"local", "plan", "pack", "comm", "unpack"}
+        # the target is a fraction of local SGD's final accuracy on the same workload
+        base = next(b for b in runs if b["method"] == "localsgd" and b["config"] == r["config"] and
+                    b["link"] == r["link"])
+        assert r["target_accuracy"] == pytest.approx(0.98 * base["final_accuracy"], rel=1e-4)  # JSON: 6 digits
+        if r["time_to_target_s"] is not None:
+            assert 0 < r["time_to_target_s"] <= sum(r["curve"]["round_s"]) * (1 + 1e-9)
+    # a subnetwork method sends less per round than local SGD on the same workload and link
+    for r in runs:
+        if r["method"] in ("loft", "resist"):
+            base = next(b for b in runs if b["method"] == "localsgd" and b["config"] == "cnn" and b["link"] == r["link"])
+            assert r["bytes_per_round"] < base["bytes_per_round"]
+    scale = doc["scale"]
+    assert max(r["workers"] for r in scale) == 1024
+    assert {r["method"] for r in scale} == {"loft", "resist", "ist", "localsgd"}
+    for r in scale:
+        assert SCALE_KEYS <= set(r)
+    _check_claims(tmp_path, "speed")

@@ -3,7 +3,7 @@ the experiments' JSON files (not an experiment itself).
 
     python -m ist_kernels.experiments.claims [--results bench/results/experiments] [--doc [docs/experiments.md]]
 
-Reads grelu.json, loft.json, masked.json and pruning.json from ``--results`` and the byte counts
+Reads grelu.json, loft.json, masked.json, pruning.json and speed.json from ``--results`` and the byte counts
 of ``bench/bench_bytes.py`` from ``--bytes`` (a missing file gives a row "not run"), writes
 ``claims.md`` there and prints it; with ``--doc`` the table also replaces what lies between the
 lines ``<!-- claims:start -->`` and ``<!-- claims:end -->`` of that file (``docs/experiments.md``
@@ -159,6 +159,49 @@ def rows_grelu(doc: Optional[Dict]) -> List[List[str]]:
     return rows
 
 
+def rows_speed(doc: Optional[Dict]) -> List[List[str]]:
+    """Paper 003 Table 4 (ResIST's wall-clock speed-up) and paper 000 (LOFT's pre-training time),
+    from the speed experiment's emulated-link runs: time to local SGD's target accuracy."""
+    c003 = ("003 Table 4 (time): ResIST trains 3.58-3.81x faster than local SGD to the same accuracy "
+            "(4 and 8 V100s, CIFAR-10/100, preact ResNet-101)")
+    c000 = ("000 Table 1 (time): LOFT pre-training costs less than local SGD's (0.72 of its communication at "
+            "S=2, 0.58 at S=4), measured here as time to local SGD's accuracy")
+    if doc is None:
+        return [[c003, "not run", "—"], [c000, "not run", "—"]]
+    out = []
+    for method, claim in (("resist", c003), ("loft", c000)):
+        runs = [r for r in doc["runs"] if r["method"] == method and r.get("compress", "none") == "none"]
+        em = [r for r in runs if r["emulated"]]
+        use = em or runs
+        if not use:
+            out.append([claim, "not run", "—"])
+            continue
+        low = min((r["bandwidth_bps"] or float("inf")) for r in use)
+        cells = [r for r in use if (r["bandwidth_bps"] or float("inf")) == low]
+        parts = []
+        hits = 0
+        for r in sorted(cells, key=lambda r: (r["workers"], r["seed"])):
+            ratio = r.get("time_vs_localsgd")
+            if ratio is not None:
+                hits += ratio <= 0.8
+                parts.append(f"S={r['workers']}: {1 / ratio:.2f}x" if ratio else f"S={r['workers']}: —")
+            else:
+                parts.append(f"S={r['workers']}: target not reached")
+        where = (f"{low / 1e6:g} Mbit/s emulated link (tc tbf, network namespaces)" if em
+                 else "loopback (no emulated link on the machine that ran it)")
+        model = cells[0]["model"]
+        scale = [r for r in doc.get("scale", []) if r["method"] == method and r["workers"] in (4, 8)
+                 and r["bandwidth_bps"] == 1e9 and r.get("speedup_vs_localsgd")]
+        model_note = ("; the cost model per round at 1 Gbit/s: " + ", ".join(
+            f"S={r['workers']} {r['speedup_vs_localsgd']:.2f}x ({r['model']})" for r in scale)) if scale else ""
+        meas = (f"speed-up in time to local SGD's target accuracy (digits, {model}, real processes over a {where}): "
+                + ", ".join(parts) + f" ({len(doc['seeds'])} seed(s)){model_note}; bench/results/experiments/speed.md")
+        verdict = ("holds (speed-up >= 1.25x, smaller than the paper's)" if hits == len(cells)
+                   else "mixed" if hits else "does not hold here")
+        out.append([claim, meas, verdict])
+    return out
+
+
 # within this much of a paper's communication ratio counts as reproducing it
 RATIO_TOL = 0.03
 
@@ -194,7 +237,8 @@ def table(folder: str, bytes_path: Optional[str] = None) -> str:
             + rows_bytes(counts, "ResIST", "preact_resnet101_basic",
                          "003 Table 1: a ResIST round sends less than local SGD's (0.686 of it at S=2, 0.543 at S=4, "
                          "0.487 at S=8); accuracy (Tables 2-9) is not reproduced here")
-            + rows_grelu(_load(folder, "grelu")))
+            + rows_grelu(_load(folder, "grelu"))
+            + rows_speed(_load(folder, "speed")))
     lines = ["| paper: claim | our measurement (mean ± std over seeds) | verdict |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     return "\n".join(lines)

@@ -1,0 +1,609 @@
+"""Time to accuracy of every method on S real processes, over loopback and emulated limited links, beside a cost model's prediction, and the model extrapolated to 1,024 workers.
+
+    python -m ist_kernels.experiments speed [--workers 2,4] [--links loopback,100mbit,1gbit] [--configs cnn,mlp]
+
+Every method of the trainer's registry that can train a workload (``--configs``; ``grelu`` left
+out: it trains a fixed-gate network with local SGD's communication) runs the same data, seeds and
+rounds with S real processes (gloo over TCP; one ``python -m ist_kernels.train`` process per rank,
+one torch thread each), once per link:
+
+- ``loopback``: the processes talk over the loopback interface;
+- ``100mbit``, ``1gbit``, ...: each rank runs in a network namespace of its own, joined to the
+  others by a bridge, its link shaped to that rate in both directions (``ist_kernels.experiments.link``;
+  needs root or CAP_NET_ADMIN, checked with a timed transfer before use; without them the line
+  says why and only loopback runs, with the model's prediction for the other links).
+
+Each run evaluates after every round. Reported per method x workers x link: the training time (the
+rounds' own wall time: local steps, plans, packing, communication; evaluation left out) until the
+test accuracy first reaches the target (``--target``, or ``--target-fraction`` of local SGD's
+final accuracy in the same workload, S and seed), the final accuracy, bytes per round, the measured
+round time and its parts, and the cost model's prediction (``ist_kernels.distributed.cost``): the
+same method's loopback round minus its loopback communication, plus the link's time for the bytes
+the run sends (its busiest rank's share), never less than the loopback communication.
+
+``scale``: the model alone, for S = 2 ... 1,024 at 1, 10 and 100 Gbit/s, on the papers' models
+(LOFT preact_resnet18 on CIFAR-10, ResIST preact_resnet101_basic on CIFAR-100, IST on a one-hidden-
+layer MLP of 4,096 units, each against local SGD of the same model): bytes per round and memory per
+rank from the plans' split of the state into partitioned and shared parts, compute from the FLOPs
+of a step (torch's FLOP counter, of the full model and of a subnetwork) at ``--device-tflops``,
+``--scale-local-steps`` local steps of ``--scale-batch`` images, each step at least
+``--step-overhead-ms``. The speed-up is per round (both methods taking as many rounds to the target;
+what a subnetwork of a few units per worker does to accuracy is not modelled).
+"""
+import argparse
+import copy
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..distributed import cost
+from ..models import preact_resnet18, preact_resnet101_basic
+from ..partition import loft_plan, resist_plan
+from ..train.config import TrainConfig
+from ..train.engine import state_split
+from ..train.errors import ConfigError
+from ..train.methods import METHODS
+from . import _common as C, link as L
+
+#: methods the experiment leaves out by default (see the docstring)
+EXCLUDED = ("grelu",)
+
+#: the workloads: a CNN deep enough that ResIST partitions most of it (LOFT, ResIST) and an MLP (IST,
+#: masked); every method that validates for one runs it
+CONFIGS: Dict[str, Dict[str, Any]] = {
+    "cnn": dict(dataset="digits", model="preact_resnet101_basic", width=8, lr=0.05, batch_size=32, local_steps=8,
+                rounds=16, options={"resist": ["warmup_fraction=0.1"], "loft": ["pretrain_fraction=1"]}),
+    "mlp": dict(dataset="digits", model="mlp", width=2048, depth=1, lr=0.1, batch_size=32, local_steps=8, rounds=16,
+                options={}),
+}
+QUICK = dict(width={"cnn": 4, "mlp": 256}, rounds=3, local_steps=2)
+#: --quick runs these methods (one of each kind) unless --methods says otherwise
+QUICK_METHODS = ("localsgd", "loft", "resist", "ist")
+
+RUN_TIMEOUT_S = 1200  # one run's processes (bounded; a stuck run is killed and reported)
+
+
+def _links(s: str) -> List[str]:
+    out = [v.strip().lower() for v in s.split(",") if v.strip()]
+    for v in out:
+        if v != "loopback":
+            try:
+                L.parse_rate(v)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+    if "loopback" not in out:
+        out.insert(0, "loopback")  # the emulated runs' predictions start from the loopback runs
+    return out
+
+
+def _names(s: str) -> List[str]:
+    out = [v.strip() for v in s.split(",") if v.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one name")
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = C.parser("speed", __doc__, seeds=(0,), quick="S=2, loopback and 100mbit, 3 rounds of 2 steps, tiny widths, "
+                 f"methods {', '.join(QUICK_METHODS)}")
+    p.add_argument("--configs", type=_names, default=list(CONFIGS), help=f"workloads, of {', '.join(CONFIGS)}")
+    p.add_argument("--methods", type=_names, default=None,
+                   help="methods (default: every registered method that trains the workload, but "
+                        f"{', '.join(EXCLUDED)})")
+    p.add_argument("--workers", type=C.ints, default=[2, 4], help="S, processes per run (default 2,4)")
+    p.add_argument("--links", type=_links, default=["loopback", "100mbit", "1gbit"],
+                   help="loopback and emulated link rates, e.g. 100mbit,1gbit (default %(default)s)")
+    p.add_argument("--latency", default="0", help="one-way latency added to each emulated link, e.g. 5ms (needs netem)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds per run (default: the workload's)")
+    p.add_argument("--local-steps", type=int, default=None, help="local steps per round (default: the workload's)")
+    p.add_argument("--target", type=float, default=None, help="target test accuracy (default: --target-fraction)")
+    p.add_argument("--target-fraction", type=float, default=0.98,
+                   help="target = this fraction of local SGD's final accuracy (same workload, S, seed)")
+    p.add_argument("--compress", type=_names, default=["none"],
+                   help="the trainer's --compress modes to run the subnetwork methods and local SGD with")
+    p.add_argument("--no-scale", action="store_true", help="skip the 1,024-worker table")
+    p.add_argument("--device-tflops", type=float, default=10.0,
+                   help="sustained FLOP rate of a worker in the scale table, TFLOP/s (default 10: a V100, "
+                        "paper 003's GPU, at ~65%% of its fp32 peak)")
+    p.add_argument("--scale-local-steps", type=int, default=50, help="local steps per round in the scale table "
+                   "(paper 003's default)")
+    p.add_argument("--scale-batch", type=int, default=128, help="batch per worker in the scale table (paper 003)")
+    p.add_argument("--step-overhead-ms", type=float, default=1.0,
+                   help="fixed time of every local step in the scale table, ms (kernel launches, the optimizer; "
+                        "default %(default)s): a step never takes less, however small the subnetwork")
+    return p
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = parser()
+    args = C.parse_args(p, argv, dict(workers=[2], links=lambda v: v[:2]), ("scale_local_steps", "scale_batch"))
+    for c in args.configs:
+        if c not in CONFIGS:
+            p.error(f"--configs: unknown workload {c!r}; available: {', '.join(CONFIGS)}")
+    if any(s < 2 for s in args.workers):
+        p.error(f"--workers must be >= 2, got {args.workers}")
+    for name in ("rounds", "local_steps"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.target is not None and not 0 < args.target <= 1:
+        p.error(f"--target must be in (0, 1], got {args.target}")
+    if not 0 < args.target_fraction <= 1:
+        p.error(f"--target-fraction must be in (0, 1], got {args.target_fraction}")
+    if not args.device_tflops > 0 or not args.step_overhead_ms >= 0:
+        p.error("--device-tflops must be > 0 and --step-overhead-ms >= 0")
+    try:
+        args.latency_s = L.parse_time(args.latency)
+    except ValueError as e:
+        p.error(str(e))
+    if args.methods is not None:
+        unknown = [m for m in args.methods if m not in METHODS]
+        if unknown:
+            p.error(f"--methods: unknown {unknown}; registered: {', '.join(sorted(METHODS))}")
+    return args
+
+
+# ---------------------------------------------------------------- the runs
+
+def workload(args, name: str) -> Dict[str, Any]:
+    w = dict(CONFIGS[name])
+    if args.quick:
+        w.update(width=QUICK["width"][name], rounds=QUICK["rounds"], local_steps=QUICK["local_steps"])
+    if args.rounds is not None:
+        w["rounds"] = args.rounds
+    if args.local_steps is not None:
+        w["local_steps"] = args.local_steps
+    return w
+
+
+def method_flags(w: Dict[str, Any], method: str, compress: str) -> List[str]:
+    flags = ["--method", method, "--model", w["model"], "--width", str(w["width"]), "--dataset", w["dataset"],
+             "--rounds", str(w["rounds"]), "--local-steps", str(w["local_steps"]), "--batch-size",
+             str(w["batch_size"]), "--lr", str(w["lr"]), "--eval-interval", "1"]
+    if "depth" in w:
+        flags += ["--depth", str(w["depth"])]
+    for o in w["options"].get(method, []):
+        flags += ["--option", o]
+    if compress != "none":
+        flags += ["--compress", compress]
+    return flags
+
+
+def trains(w: Dict[str, Any], method: str, S: int) -> Optional[str]:
+    """None when ``method`` can train workload ``w`` with S workers, else why not."""
+    opts = dict(o.split("=", 1) for o in w["options"].get(method, []))
+    kw = {k: w[k] for k in ("dataset", "model", "width", "depth", "lr", "batch_size", "local_steps", "rounds") if k in w}
+    try:
+        TrainConfig(method=method, workers=S, options=opts, **kw).validate()
+    except (ConfigError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def compresses(method: str) -> bool:
+    return method != "ddp"  # torch's DistributedDataParallel sends its own gradient buckets
+
+
+def cells(args) -> Tuple[List[Tuple], List[str]]:
+    """(config, S, link, method, compress, seed) of every run, and the skipped methods with why."""
+    out, skipped = [], []
+    for c in args.configs:
+        w = workload(args, c)
+        names = args.methods or ([m for m in QUICK_METHODS if m in METHODS] if args.quick else
+                                 [m for m in sorted(METHODS) if m not in EXCLUDED])
+        for m in names:
+            why = trains(w, m, max(args.workers))
+            if why is not None:
+                skipped.append(f"{m} on {c} ({w['model']}): {why}")
+                continue
+            for S in args.workers:
+                for link in args.links:
+                    for comp in args.compress:
+                        if comp != "none" and not compresses(m):
+                            continue
+                        for seed in args.seeds:
+                            out.append((c, S, link, m, comp, seed))
+    return out, skipped
+
+
+def _base_cmd() -> List[str]:
+    return [sys.executable, "-m", "ist_kernels.train", "--threads", "1", "--device", "cpu", "--no-progress",
+            "--no-plots", "--overwrite"]
+
+
+def _wait(procs: List[subprocess.Popen], timeout: float) -> List[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                if q.poll() is None:
+                    q.kill()
+            for q in procs:
+                q.wait(timeout=30)
+            raise TimeoutError(f"a run took more than {timeout:.0f} s; its processes were killed") from None
+    return codes
+
+
+def _port(seed: int, S: int) -> int:
+    return 29400 + (os.getpid() * 7 + seed * 13 + S) % 2000
+
+
+def launch(flags: List[str], S: int, seed: int, out_dir: str, link: Optional["L.EmulatedLink"]) -> Dict[str, Any]:
+    """One run: S ranks over loopback (the trainer's own --workers S) or inside ``link``'s namespaces
+    (one process per rank, the torchrun environment set by hand). Returns its summary and metrics."""
+    cmd = _base_cmd() + flags + ["--seed", str(seed), "--out-dir", out_dir]
+    logs = [open(os.path.join(os.path.dirname(out_dir), f"{os.path.basename(out_dir)}.rank{r}.log"), "w")
+            for r in range(S if link else 1)]
+    try:
+        if link is None:
+            procs = [subprocess.Popen(cmd + ["--workers", str(S)], stdout=logs[0], stderr=subprocess.STDOUT)]
+        else:
+            port = _port(seed, S)
+            procs = [subprocess.Popen(link.wrap(r, cmd, env=link.torchrun_env(r, S, port)), stdout=logs[r],
+                                      stderr=subprocess.STDOUT) for r in range(S)]
+        codes = _wait(procs, RUN_TIMEOUT_S)
+    finally:
+        for f in logs:
+            f.close()
+    if any(codes):
+        tail = open(logs[0].name).read()[-2000:]
+        raise RuntimeError(f"run {' '.join(flags)} exited {codes}:\n{tail}")
+    with open(os.path.join(out_dir, "summary.json")) as f:
+        summary = json.load(f)
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f if line.strip()]
+    return {"summary": summary, "metrics": metrics}
+
+
+def curve(run: Dict[str, Any]) -> Dict[str, List]:
+    """Per trained round: its training seconds, accuracy, bytes (all ranks) and time parts."""
+    rows = [m for m in run["metrics"] if m["round"] > 0]
+    train, prev = [], 0.0
+    for m in rows:
+        train.append(m["train_time"] - prev)
+        prev = m["train_time"]
+    return {"round_s": train, "accuracy": [m.get("accuracy") for m in rows],
+            "bytes": [m["bytes_sent"] for m in rows], "parts": [m["time"] for m in rows],
+            "busiest": [m.get("max_worker_bytes_sent") for m in rows],
+            "phase": [m.get("phase") for m in rows]}
+
+
+def run_all(args, todo: List[Tuple], work: str) -> Dict[Tuple, Dict[str, Any]]:
+    """Run every cell; the emulated links are made once per (link, S) and removed after."""
+    from tqdm import tqdm
+
+    results: Dict[Tuple, Dict[str, Any]] = {}
+    order = sorted(todo, key=lambda c: (c[2] != "loopback", c[2], c[1], c[0], c[3], c[4], c[5]))
+    groups: Dict[Tuple[str, int], List[Tuple]] = {}
+    for c in order:
+        groups.setdefault((c[2], c[1]), []).append(c)
+    with tqdm(total=len(order), desc="speed", file=sys.stderr, unit="run") as bar:
+        for (link_name, S), group in groups.items():
+            em = None
+            if link_name != "loopback":
+                em = L.EmulatedLink(S, L.parse_rate(link_name), args.latency_s)
+                em.__enter__()
+            try:
+                if em is not None:
+                    em.check()
+                for c in group:
+                    config, S, _, method, comp, seed = c
+                    w = workload(args, config)
+                    out = os.path.join(work, "-".join(map(str, c)))
+                    try:
+                        run = launch(method_flags(w, method, comp), S, seed, out, em)
+                        results[c] = {"curve": curve(run), "summary": run["summary"]}
+                    except (RuntimeError, TimeoutError) as e:
+                        results[c] = {"error": str(e)[-800:]}
+                    bar.update()
+            finally:
+                if em is not None:
+                    em.__exit__(None, None, None)
+    return results
+
+
+# ---------------------------------------------------------------- analysis
+
+def _mean(v: Sequence[float]) -> Optional[float]:
+    v = [x for x in v if x is not None]
+    return sum(v) / len(v) if v else None
+
+
+def predict(run: Dict[str, Any], loop: Dict[str, Any], link: cost.Link, S: int, method: str, steps: int
+            ) -> List[float]:
+    """The cost model's per-round times of ``run`` from the loopback run ``loop`` of the same cell:
+    its round minus its communication, plus the link's time for the bytes of the round's busiest
+    worker (``max_worker_bytes_sent``; the collectives are symmetric enough that its sent bytes
+    bound its received ones)."""
+    out = []
+    lc, rc = loop["curve"], run["curve"]
+    for i, per_round in enumerate(lc["round_s"]):
+        loop_comm = lc["parts"][i].get("comm", 0.0)
+        per_rank = rc["busiest"][i] if rc["busiest"][i] is not None else rc["bytes"][i] / S
+        latencies = 2 * (S - 1) * (steps if method == "ddp" else 1)
+        rc_ = cost.predict_round(steps=0, step_s=0.0, bytes_per_rank=per_rank, link=link, latencies=latencies,
+                                 overhead_s=max(0.0, per_round - loop_comm), comm_floor_s=loop_comm)
+        out.append(rc_.total)
+    return out
+
+
+def analyse(args, results: Dict[Tuple, Dict[str, Any]]) -> Tuple[List[Dict[str, Any]], List[str]]:
+    runs, errors = [], []
+    for c, r in results.items():
+        if "error" in r:
+            errors.append(f"{'/'.join(map(str, c))}: {r['error'].splitlines()[-1] if r['error'] else ''}")
+    for c, r in sorted(results.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        if "error" in r:
+            continue
+        config, S, link_name, method, comp, seed = c
+        w = workload(args, config)
+        base = results.get((config, S, link_name, "localsgd", "none", seed)) or \
+            results.get((config, S, "loopback", "localsgd", "none", seed))
+        if args.target is not None:
+            target = args.target
+        elif base and "curve" in base and base["curve"]["accuracy"][-1] is not None:
+            target = args.target_fraction * base["curve"]["accuracy"][-1]
+        else:
+            target = None
+        cv = r["curve"]
+        emulated = link_name != "loopback"
+        bw = L.parse_rate(link_name) if emulated else None
+        lk = cost.Link(bw, args.latency_s if emulated else 0.0)
+        loop = results.get((config, S, "loopback", method, comp, seed))
+        pred = predict(r, loop, lk, S, method, w["local_steps"]) if loop and "curve" in loop else None
+        ttt = cost.time_to_target(cv["round_s"], cv["accuracy"], target) if target is not None else None
+        k = cost.rounds_to_target(cv["accuracy"], target) if target is not None else None
+        parts = {p: sum(x.get(p, 0.0) for x in cv["parts"]) for p in ("local", "plan", "pack", "comm", "unpack")}
+        runs.append({
+            "config": config, "model": w["model"], "dataset": w["dataset"], "method": method, "compress": comp,
+            "seed": seed, "workers": S, "link": link_name, "bandwidth_bps": bw,
+            "latency_s": args.latency_s if emulated else 0.0, "emulated": emulated,
+            "target_accuracy": target, "time_to_target_s": ttt, "rounds_to_target": k,
+            "predicted_time_to_target_s": sum(pred[:k]) if pred and k else None,
+            "final_accuracy": cv["accuracy"][-1], "rounds": len(cv["round_s"]),
+            "round_time_s": _mean(cv["round_s"]), "predicted_round_time_s": _mean(pred) if pred else None,
+            "bytes_per_round": _mean(cv["bytes"]), "time_by_part": parts,
+            "train_time_s": sum(cv["round_s"]), "curve": {"round_s": cv["round_s"], "accuracy": cv["accuracy"]},
+        })
+    for r in runs:
+        base = next((b for b in runs if b["method"] == "localsgd" and b["compress"] == "none" and
+                     all(b[k] == r[k] for k in ("config", "workers", "link", "seed"))), None)
+        r["time_vs_localsgd"] = (r["time_to_target_s"] / base["time_to_target_s"]
+                                 if base and r["time_to_target_s"] and base["time_to_target_s"] else None)
+        p, m = r["predicted_round_time_s"], r["round_time_s"]
+        r["prediction_error"] = (p - m) / m if p is not None and m else None
+    return runs, errors
+
+
+# ---------------------------------------------------------------- scale
+
+SCALE_WORKERS = [2 ** k for k in range(1, 11)]
+SCALE_GBPS = [1, 10, 100]
+
+
+def _split_flops(model: torch.nn.Module, input_shape, batch: int, partitioned: set) -> Tuple[float, float]:
+    """(FLOPs of a training step in modules whose weight the plan partitions, FLOPs of the rest),
+    counted on a copy of the model on the meta device (shapes only, nothing computed)."""
+    meta = copy.deepcopy(model).to("meta")
+    x = torch.randn(batch, *input_shape, device="meta")
+    with FlopCounterMode(display=False) as fc:
+        out = meta(x)
+        torch.nn.functional.cross_entropy(out, torch.zeros(batch, dtype=torch.long, device="meta")).backward()
+    total = float(fc.get_total_flops())
+    leaf = {n for n, m in meta.named_modules() if not list(m.children())}
+    part = 0.0
+    for key, ops in fc.get_flop_counts().items():
+        name = key.split(".", 1)[1] if "." in key else ""  # "<RootClass>.<module path>"
+        if name in leaf and f"{name}.weight" in partitioned:
+            part += float(sum(ops.values()))
+    return part, total - part
+
+
+def _mlp(inputs: int, hidden: int, classes: int) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(inputs, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, classes))
+
+
+def scale_models(args) -> List[Dict[str, Any]]:
+    """The papers' models: their state split (partitioned / shared, SGD momentum included) and step
+    FLOPs split alike, from a plan at small S (the split does not depend on S)."""
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        specs = [("loft", "preact_resnet18", "cifar10", preact_resnet18(10, 3, 64), (3, 32, 32)),
+                 ("resist", "preact_resnet101_basic", "cifar100", preact_resnet101_basic(100, 3, 64), (3, 32, 32)),
+                 ("ist", "mlp 784-4096-10", "mnist-shaped", _mlp(784, 4096, 10), (784,))]
+        for method, name, data, model, shape in specs:
+            spec = {n: (tuple(t.shape), t.dtype) for n, t in model.state_dict().items()}
+            pnames = [n for n, _ in model.named_parameters()]
+            limit = None
+            if method == "loft":
+                plan = loft_plan(model, 2, torch.Generator().manual_seed(0)).slices
+                limit = min(m.out_channels for n, m in model.named_modules() if isinstance(m, torch.nn.Conv2d)
+                            and f"{n}.weight" in {t.name for t in plan.tensors if not t.shared})
+                blocks = min_depth = None
+            elif method == "resist":
+                rp = resist_plan(model, 2, 5, torch.Generator().manual_seed(0))
+                plan, blocks, min_depth = rp.slices, len(rp.partitioned_blocks), 5
+            else:
+                plan, blocks, min_depth = None, None, None
+                limit = 4096
+            if plan is not None:
+                split = state_split(plan, spec, pnames, True)
+                partitioned = {t.name for t in plan.tensors if not t.shared}
+            else:  # IST: every hidden unit's row of layer 0 (weight, bias) and column of layer 2 partitioned
+                partitioned = {"0.weight", "0.bias", "2.weight"}
+                sizes = {n: t.numel() * t.element_size() for n, t in model.state_dict().items()}
+                split = {"partitioned_state_bytes": sum(2 * sizes[n] for n in partitioned),
+                         "shared_state_bytes": 2 * sizes["2.bias"]}
+            pf, sf = _split_flops(model, shape, args.scale_batch, partitioned)
+            state = split["partitioned_state_bytes"] + split["shared_state_bytes"]
+            params = sum(p.numel() * p.element_size() for p in model.parameters())
+            out.append({"method": method, "model": name, "dataset": data, "split": split, "state_bytes": state,
+                        "param_bytes": params, "partitioned_flops": pf, "shared_flops": sf, "limit": limit,
+                        "blocks": blocks, "min_depth": min_depth})
+    return out
+
+
+def scale_table(args, models: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Rows for every model x S x bandwidth, the method and local SGD of the same model."""
+    rate = args.device_tflops * 1e12
+    tau = args.scale_local_steps
+    rows = []
+    for m in models:
+        part, shared = m["split"]["partitioned_state_bytes"], m["split"]["shared_state_bytes"]
+        fixed = args.step_overhead_ms / 1e3
+        full_step = fixed + (m["partitioned_flops"] + m["shared_flops"]) / rate
+        # local SGD averages the parameters and buffers (not the momentum): half the param part of the state
+        avg_bytes = m["state_bytes"] - m["param_bytes"]
+        for S in SCALE_WORKERS:
+            fits = m["limit"] is None or S <= m["limit"]
+            k = cost.resist_owners(S, m["blocks"], m["min_depth"]) if m["method"] == "resist" else 1.0
+            # the exchange sends weights only (momentum reset each round): the param half of the split
+            wb = cost.subnet_round_bytes(part / 2, shared / 2, S, k) if fits else None
+            sub_step = fixed + (m["shared_flops"] + m["partitioned_flops"] * k / S) / rate
+            for g in SCALE_GBPS:
+                link = cost.Link(g * 1e9, 0.0)
+                ls = cost.predict_round(steps=tau, step_s=full_step, link=link, latencies=2 * (S - 1),
+                                        bytes_per_rank=cost.localsgd_round_bytes(avg_bytes, S))
+                base = {"model": m["model"], "dataset": m["dataset"], "workers": S, "bandwidth_bps": g * 1e9}
+                rows.append({**base, "method": "localsgd", "round_time_s": ls.total, "compute_s": ls.compute,
+                             "bytes_per_round": ls.bytes_per_rank, "rank_state_bytes": m["state_bytes"],
+                             "speedup_vs_localsgd": 1.0})
+                if wb is None:
+                    rows.append({**base, "method": m["method"], "round_time_s": None, "compute_s": None,
+                                 "bytes_per_round": None, "rank_state_bytes": None, "speedup_vs_localsgd": None,
+                                 "note": f"S > {m['limit']}: a partitioned layer has fewer units than workers"})
+                    continue
+                sr = cost.predict_round(steps=tau, step_s=sub_step, link=link, latencies=2 * (S - 1) + 1,
+                                        bytes_per_rank=wb["wire"])
+                rows.append({**base, "method": m["method"], "round_time_s": sr.total, "compute_s": sr.compute,
+                             "bytes_per_round": sr.bytes_per_rank,
+                             "rank_state_bytes": cost.rank_state_bytes(part, shared, S, k, optimizer_copies=0.0),
+                             "owners": k, "speedup_vs_localsgd": cost.speedup(ls.total, sr.total)})
+    return rows
+
+
+# ---------------------------------------------------------------- outputs
+
+def _f(v, spec=".3g", none="—"):
+    return none if v is None else f"{v:{spec}}"
+
+
+def markdown(args, runs, scale, skipped, errors, link_note) -> str:
+    L_ = ["# Time to accuracy: measured on real processes, beside the cost model", ""]
+    if link_note:
+        L_ += [f"Emulated links: {link_note}", ""]
+    L_ += ["Training time (rounds' wall time, evaluation excluded) until the test accuracy first reaches the target "
+           f"({'%.4g' % args.target if args.target else f'{args.target_fraction:g} x local SGD final accuracy'}); "
+           "`vs local SGD` is time to target / local SGD's on the same link; `pred. err` is the cost model's "
+           "predicted mean round time against the measured one.", ""]
+    hdr = ("| workload | S | link | method | compress | time to target (s) | vs local SGD | rounds | final acc | "
+           "MB / round | s / round | pred. s / round | pred. err | local / plan / pack / comm / unpack (s) |")
+    L_ += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
+    for r in sorted(runs, key=lambda r: (r["config"], r["workers"], r["bandwidth_bps"] or 0, r["method"],
+                                         r["compress"], r["seed"])):
+        tp = r["time_by_part"]
+        L_.append(f"| {r['config']} ({r['model']}) | {r['workers']} | {r['link']} | {r['method']} | {r['compress']} | "
+                  f"{_f(r['time_to_target_s'], '.2f', 'not reached')} | {_f(r['time_vs_localsgd'], '.2f')} | "
+                  f"{_f(r['rounds_to_target'], 'd')} | {_f(r['final_accuracy'], '.4f')} | "
+                  f"{r['bytes_per_round'] / 1e6:.3g} | {r['round_time_s']:.3f} | {_f(r['predicted_round_time_s'], '.3f')} | "
+                  f"{_f(None if r['prediction_error'] is None else 100 * r['prediction_error'], '+.1f')}"
+                  f"{'%' if r['prediction_error'] is not None else ''} | "
+                  + " / ".join(f"{tp[p]:.2f}" for p in ("local", "plan", "pack", "comm", "unpack")) + " |")
+    if skipped:
+        L_ += ["", "Not run: " + "; ".join(skipped)]
+    if errors:
+        L_ += ["", f"**{len(errors)} run(s) failed**: " + "; ".join(errors)]
+    if scale:
+        L_ += ["", f"## Scale (cost model): {args.scale_local_steps} local steps of {args.scale_batch} images per "
+               f"round, {args.device_tflops:g} TFLOP/s per worker plus {args.step_overhead_ms:g} ms per step, no latency", "",
+               "Per round: bytes a rank sends, its state (weights, buffers, momentum), the round's time and the "
+               "speed-up over local SGD of the same model (per round).", "",
+               "| model | method | S | Gbit/s | MB / round / rank | state / rank (MB) | s / round | speed-up |",
+               "|---|---|---|---|---|---|---|---|"]
+        for r in scale:
+            if r["method"] == "localsgd" and r["bandwidth_bps"] != 1e9:
+                continue
+            if r["workers"] not in (2, 8, 64, 1024):
+                continue
+            L_.append(f"| {r['model']} | {r['method']} | {r['workers']} | {r['bandwidth_bps'] / 1e9:g} | "
+                      f"{_f(None if r['bytes_per_round'] is None else r['bytes_per_round'] / 1e6, '.4g')} | "
+                      f"{_f(None if r['rank_state_bytes'] is None else r['rank_state_bytes'] / 1e6, '.4g')} | "
+                      f"{_f(r['round_time_s'], '.3g')} | {_f(r['speedup_vs_localsgd'], '.2f', r.get('note', '—'))} |")
+        L_ += ["", "(Local SGD rows at 1 Gbit/s only, and S = 2, 8, 64, 1024; every row is in speed.json.)"]
+    return "\n".join(L_)
+
+
+def plot(runs, links: Sequence[str], workers: Sequence[int]):
+    fig, axes = C.figure(cols=len(links), rows=len(workers))
+    for i, S in enumerate(workers):
+        for j, link_name in enumerate(links):
+            ax = axes[i * len(links) + j]
+            for r in runs:
+                if r["workers"] != S or r["link"] != link_name or r["seed"] != runs[0]["seed"]:
+                    continue
+                t, acc = 0.0, []
+                xs = []
+                for s, a in zip(r["curve"]["round_s"], r["curve"]["accuracy"]):
+                    t += s
+                    xs.append(t)
+                    acc.append(a)
+                label = f"{r['method']}" + ("" if r["compress"] == "none" else f" {r['compress']}") + f" ({r['config']})"
+                ax.plot(xs, acc, marker=".", label=label, linestyle="-" if r["config"] == "cnn" else "--")
+            ax.set_title(f"S={S}, {link_name}")
+            ax.set_xlabel("training time (s)")
+            ax.set_ylabel("test accuracy")
+            ax.grid(alpha=0.3)
+            if i == 0 and j == 0:
+                ax.legend(fontsize=6)
+    return fig
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    args = parse(argv)
+    started = time.time()
+    torch.set_num_threads(1)
+    reason = L.unavailable_reason()
+    emulated = [x for x in args.links if x != "loopback"]
+    link_note = ""
+    if reason and emulated:
+        print(f"speed: {reason}; running loopback only (the model predicts {', '.join(emulated)})", file=sys.stderr)
+        link_note = f"not run ({reason}); loopback only"
+        args.links = ["loopback"]
+    elif emulated:
+        link_note = (f"{', '.join(emulated)} per rank in each direction (tc tbf in network namespaces joined by a "
+                     f"bridge), checked within 10% by a timed transfer before use; latency {args.latency_s:g} s")
+    todo, skipped = cells(args)
+    work = tempfile.mkdtemp(prefix="ist-speed-")
+    try:
+        results = run_all(args, todo, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    runs, errors = analyse(args, results)
+    scale = [] if args.no_scale else scale_table(args, scale_models(args))
+    fig = plot(runs, args.links, args.workers)
+    C.write_outputs(args, "speed", {"runs": runs, "scale": scale, "skipped": skipped, "errors": errors,
+                                    "workloads": {c: workload(args, c) for c in args.configs}},
+                    markdown(args, runs, scale, skipped, errors, link_note), fig, started)
+    return 1 if errors else 0
+
+
+def _interrupted(signum, frame):  # Ctrl-C / SIGTERM: the links' own handlers remove what they made
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _interrupted)
+    sys.exit(main(sys.argv[1:]))
