@@ -3,8 +3,9 @@
     python -m ist_kernels.experiments speed [--workers 2,4] [--links loopback,100mbit,1gbit] [--configs cnn,mlp]
 
 Every method of the trainer's registry that can train a workload (``--configs``; ``grelu`` left
-out: it trains a fixed-gate network with local SGD's communication) runs the same data, seeds and
-rounds with S real processes (gloo over TCP; one ``python -m ist_kernels.train`` process per rank,
+out: it trains a fixed-gate network with local SGD's communication; ``loft`` runs paper 000's
+pipeline: LOFT pre-training for half the rounds, 50% filter pruning, local-SGD fine-tuning of the
+pruned model) runs the same data, seeds and rounds with S real processes (gloo over TCP; one ``python -m ist_kernels.train`` process per rank,
 one torch thread each), once per link:
 
 - ``loopback``: the processes talk over the loopback interface;
@@ -61,10 +62,11 @@ EXCLUDED = ("grelu",)
 #: the workloads: a CNN deep enough that ResIST partitions most of it (LOFT, ResIST) and an MLP (IST,
 #: masked); every method that validates for one runs it
 CONFIGS: Dict[str, Dict[str, Any]] = {
-    "cnn": dict(dataset="digits", model="preact_resnet101_basic", width=8, lr=0.05, batch_size=32, local_steps=8,
-                rounds=16, options={"resist": ["warmup_fraction=0.1"], "loft": ["pretrain_fraction=1"]}),
-    "mlp": dict(dataset="digits", model="mlp", width=2048, depth=1, lr=0.1, batch_size=32, local_steps=8, rounds=16,
-                options={}),
+    "cnn": dict(dataset="digits", model="preact_resnet101_basic", width=16, lr=0.05, batch_size=32, local_steps=8,
+                rounds=16, options={"resist": ["warmup_fraction=0.1"], "loft": ["pretrain_fraction=0.5"]},
+                flags={"loft": ["--prune-ratio", "0.5"]}),
+    "mlp": dict(dataset="digits", model="mlp", width=2048, depth=1, lr=0.1, batch_size=32, local_steps=8, rounds=40,
+                options={}, flags={}),
 }
 QUICK = dict(width={"cnn": 4, "mlp": 256}, rounds=3, local_steps=2)
 #: --quick runs these methods (one of each kind) unless --methods says otherwise
@@ -173,6 +175,7 @@ def method_flags(w: Dict[str, Any], method: str, compress: str) -> List[str]:
         flags += ["--depth", str(w["depth"])]
     for o in w["options"].get(method, []):
         flags += ["--option", o]
+    flags += w["flags"].get(method, [])
     if compress != "none":
         flags += ["--compress", compress]
     return flags
