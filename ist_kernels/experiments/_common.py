@@ -42,6 +42,14 @@ floats = _number_list(float, "number")
 floats.__doc__ = "A comma-separated list of numbers (argparse type)."
 
 
+def names(s: str) -> List[str]:
+    """A comma-separated list of names (argparse type)."""
+    out = [v.strip() for v in s.split(",") if v.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one name")
+    return out
+
+
 def parser(name: str, doc: str, seeds: Sequence[int] = (0, 1, 2), quick: str = "") -> argparse.ArgumentParser:
     """The experiment's parser with the options every experiment has; ``doc`` is its module
     docstring (first line: the summary listed by ``python -m ist_kernels.experiments --help``)."""

@@ -27,7 +27,7 @@ folder) ``synthetic_cifar10`` is replaced by the real ``cifar10``.
 import argparse
 import sys
 import time
-from typing import Dict, List, Sequence
+from typing import Dict, Sequence
 
 import torch
 
@@ -40,16 +40,9 @@ from ..train.runner import RunContext, World, evaluate
 from . import _common as C
 
 
-def _names(s: str) -> List[str]:
-    out = [v.strip() for v in s.split(",") if v.strip()]
-    if not out:
-        raise argparse.ArgumentTypeError("expected at least one name")
-    return out
-
-
 def parser() -> argparse.ArgumentParser:
     p = C.parser("loft", __doc__, quick="width 4, 3 rounds of 2 steps, 600 synthetic images, 2 seeds")
-    p.add_argument("--datasets", type=_names, default=["digits", "synthetic_cifar10"],
+    p.add_argument("--datasets", type=C.names, default=["digits", "synthetic_cifar10"],
                    help="data sets from the trainer's registry (default digits,synthetic_cifar10)")
     p.add_argument("--data-path", default=None,
                    help="CIFAR-10 python-pickle folder: run cifar10 in place of synthetic_cifar10")

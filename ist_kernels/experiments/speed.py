@@ -88,18 +88,11 @@ def _links(s: str) -> List[str]:
     return out
 
 
-def _names(s: str) -> List[str]:
-    out = [v.strip() for v in s.split(",") if v.strip()]
-    if not out:
-        raise argparse.ArgumentTypeError("expected at least one name")
-    return out
-
-
 def parser() -> argparse.ArgumentParser:
     p = C.parser("speed", __doc__, seeds=(0,), quick="S=2, loopback and 100mbit, 3 rounds of 2 steps, tiny widths, "
                  f"methods {', '.join(QUICK_METHODS)}")
-    p.add_argument("--configs", type=_names, default=list(CONFIGS), help=f"workloads, of {', '.join(CONFIGS)}")
-    p.add_argument("--methods", type=_names, default=None,
+    p.add_argument("--configs", type=C.names, default=list(CONFIGS), help=f"workloads, of {', '.join(CONFIGS)}")
+    p.add_argument("--methods", type=C.names, default=None,
                    help="methods (default: every registered method that trains the workload, but "
                         f"{', '.join(EXCLUDED)})")
     p.add_argument("--workers", type=C.ints, default=[2, 4], help="S, processes per run (default 2,4)")
@@ -111,7 +104,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target", type=float, default=None, help="target test accuracy (default: --target-fraction)")
     p.add_argument("--target-fraction", type=float, default=0.98,
                    help="target = this fraction of local SGD's final accuracy (same workload, S, seed)")
-    p.add_argument("--compress", type=_names, default=["none"],
+    p.add_argument("--compress", type=C.names, default=["none"],
                    help="the trainer's --compress modes to run the subnetwork methods and local SGD with")
     p.add_argument("--no-scale", action="store_true", help="skip the 1,024-worker table")
     p.add_argument("--device-tflops", type=float, default=10.0,
