@@ -356,7 +356,7 @@ def test_speed_quick(tmp_path):
                     b["link"] == r["link"])
         assert r["target_accuracy"] == pytest.approx(0.98 * base["final_accuracy"], rel=1e-4)  # JSON: 6 digits
         if r["time_to_target_s"] is not None:
-            assert 0 < r["time_to_target_s"] <= sum(r["curve"]["round_s"]) * (1 + 1e-9)
+            assert 0 < r["time_to_target_s"] <= sum(r["curve"]["round_s"]) * (1 + 1e-4)  # JSON: 6 digits
     # a subnetwork method sends less per round than local SGD on the same workload and link
     for r in runs:
         if r["method"] in ("loft", "resist"):
