@@ -44,7 +44,8 @@ class CheckpointError(RuntimeError):
 
 # Options that must not change between a checkpoint and its resumption.
 RESUME_MUST_MATCH = ("method", "model", "width", "depth", "dataset", "data_path", "seed", "batch_size",
-                     "local_steps", "options", "precision", "augment", "dataset_size", "storage", "shared")
+                     "local_steps", "options", "precision", "augment", "dataset_size", "context", "storage",
+                     "shared")
 
 
 def _atomic_write(path: str, write) -> None:

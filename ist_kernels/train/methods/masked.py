@@ -221,7 +221,7 @@ class Masked(Method):
         self.xi = o.get("xi") if self.masks == "bernoulli" else None
         hp = ctx.hp
         self.net = ctx.build_model(lambda: SubnetMLP(
-            ctx.in_features, hp.width or 128, hp.depth, ctx.num_outputs, bias=o["bias"],
+            ctx.in_features, hp.width or 128, hp.depth or 1, ctx.num_outputs, bias=o["bias"],
             train_output=o["train_output"], kappa=o["kappa"]))
         self.full_state_bytes = ctx.full_state_bytes(self.net)
         self.keep = selection_probability(self.masks, ctx.num_workers, self.xi)
