@@ -29,10 +29,14 @@ LANGUAGE_MODELS = tuple(sorted(GPT_SIZES))
 
 
 def gpt_shape(name: str, width: Optional[int] = None, depth: Optional[int] = None) -> Tuple[int, int, int]:
-    """``(width, depth, heads)`` of ``name`` built with these options (None: the model's default)."""
+    """``(width, depth, heads)`` of ``name`` built with these options (None: the model's default):
+    heads of the model's ``head_dim`` (32), fewer where that does not divide ``width``."""
     w, d, head_dim = GPT_SIZES[name]
     width = w if width is None else width
-    return width, d if depth is None else depth, max(1, width // head_dim)
+    heads = max(1, width // head_dim)
+    while width % heads:
+        heads -= 1
+    return width, d if depth is None else depth, heads
 
 
 class CausalSelfAttention(nn.Module):
