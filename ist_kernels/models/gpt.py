@@ -12,8 +12,9 @@ with some heads' rows (and the matching columns of ``attn.proj``) or some FFN un
 ``mlp.fc``, columns of ``mlp.proj``) runs unchanged.
 
 Plain float attributes (not buffers, 1.0 by default) scale the branches: ``attn.output_scale`` and
-``mlp.output_scale`` (IST's full model scores each partitioned branch at the fraction of it a
-subnetwork holds, 1/S) and a block's ``residual_scale`` (ResIST, paper 003 §2.6: both branches of a
+``mlp.output_scale`` multiply the heads' / the FFN units' outputs before the output projection (whose
+bias is not scaled; IST's full model sets them to 1/S, so its branch is the mean of the subnetworks'
+branches) and a block's ``residual_scale`` (ResIST, paper 003 §2.6: both branches of a
 partitioned block scaled by the expected fraction of subnetworks that own it).
 """
 from typing import Dict, Optional, Tuple
@@ -56,15 +57,15 @@ class CausalSelfAttention(nn.Module):
         heads = self.qkv.weight.shape[0] // (3 * self.head_dim)
         q, k, v = self.qkv(x).view(B, T, 3, heads, self.head_dim).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        y = self.proj(y.transpose(1, 2).reshape(B, T, heads * self.head_dim))
-        return y * self.output_scale if self.output_scale != 1.0 else y
+        y = y.transpose(1, 2).reshape(B, T, heads * self.head_dim)
+        return self.proj(y * self.output_scale if self.output_scale != 1.0 else y)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}" + (f", output_scale={self.output_scale}" if self.output_scale != 1.0 else "")
 
 
 class FeedForward(nn.Module):
-    """``proj(gelu(fc(x)))``; the hidden units are ``fc``'s rows."""
+    """``proj(output_scale * gelu(fc(x)))``; the hidden units are ``fc``'s rows."""
 
     def __init__(self, width: int, hidden: int):
         super().__init__()
@@ -73,8 +74,8 @@ class FeedForward(nn.Module):
         self.output_scale = 1.0
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.proj(F.gelu(self.fc(x)))
-        return y * self.output_scale if self.output_scale != 1.0 else y
+        h = F.gelu(self.fc(x))
+        return self.proj(h * self.output_scale if self.output_scale != 1.0 else h)
 
     def extra_repr(self) -> str:
         return f"output_scale={self.output_scale}" if self.output_scale != 1.0 else ""

@@ -8,9 +8,10 @@ with the same slice plans, gather/scatter and exchange as the CNN partitions.
   its columns of ``attn.proj``) are permuted at random and cut into S disjoint groups (FFN units:
   sizes differing by at most one; heads: S must divide them), as IST cuts an MLP's neurons.
   Everything else (embeddings, positions, LayerNorms, the output biases) is shared and averaged.
-  A subnetwork computes its branch from its own units; the full model scores every partitioned
-  branch scaled by 1/S (``output_scale``), so it computes the mean of the subnetworks' branches
-  (paper 001 §4's ξ scaling of a masked network, ξ = 1/S here).
+  A subnetwork computes its branch from its own units; the full model scales the partitioned units'
+  outputs by 1/S before the output projection (``output_scale``; the projection's bias is shared),
+  so each branch is exactly the mean of the subnetworks' branches (paper 001 §4's ξ scaling of a
+  masked network's hidden outputs, ξ = 1/S here).
 - ResIST (:func:`transformer_resist_plan`): the blocks between the first and the last are dealt
   among the S subnetworks exactly as ResIST deals a ResNet's third stage (paper 003 §2.2:
   a random permutation round-robin, then shared up to ``min_depth`` each); the first and last

@@ -8,8 +8,8 @@ worker trains its subnetwork (its units / heads, and everything shared: embeddin
 LayerNorms, output biases) for ``local_steps``, then every slice goes to its next owner and the
 shared tensors are averaged (the round engine's ``SubnetRounds``: decentralized storage by default,
 a rank holds only its subnetwork; ``--storage replicated``; simulated). Optimizer state is fresh
-every round (``momentum_state=reset``, as the MLP's ist). The full model scores each partitioned
-branch at 1/S (``output_scale``): the mean of the subnetworks' branches.
+every round (``momentum_state=reset``, as the MLP's ist). The full model scales the partitioned
+units' outputs by 1/S (``output_scale``): each branch is the mean of the subnetworks' branches.
 """
 from __future__ import annotations
 
