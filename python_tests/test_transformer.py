@@ -209,3 +209,11 @@ def test_bad_options_name_the_option(args, option, words):
     with pytest.raises(ConfigError) as e:
         cli.build_config([*BASE, *args]).validate()
     assert e.value.option == option and words in str(e.value)
+
+
+def test_list_models_and_datasets(capsys):
+    assert cli.main(["--list-models"]) == 0
+    models = capsys.readouterr().out.split()
+    assert {"mlp", "gpt_tiny", "gpt_small", "preact_resnet18"} <= set(models)
+    assert cli.main(["--list-datasets"]) == 0
+    assert "pycode" in capsys.readouterr().out.split()

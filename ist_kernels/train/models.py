@@ -58,6 +58,12 @@ def _zoo_names(zoo):
     return sorted(n for n, f in vars(zoo).items() if n.islower() and not n.startswith("_") and inspect.isfunction(f))
 
 
+def available_models() -> list:
+    """Names a user can pass to --model in this build."""
+    zoo = _zoo()
+    return sorted(MODELS) + (_zoo_names(zoo) if zoo is not None else [])
+
+
 def language_models() -> tuple:
     """Names of the language models of ``ist_kernels.models`` (token inputs, logits per position)."""
     zoo = _zoo()
