@@ -3,6 +3,8 @@ pycode data set (a deterministic split by path hash, disjoint, bytes and targets
 heads) and ResIST (blocks) partitions of a transformer against an explicit float64 reference of the
 sub-model, and the errors of bad options."""
 import math
+import os
+import sysconfig
 
 import pytest
 import torch
@@ -64,12 +66,11 @@ def test_pycode_split_is_deterministic_and_disjoint():
     train, test = pycode_files()
     assert (train, test) == pycode_files()
     assert train and test and not set(train) & set(test)
-    root = train[0][:len(train[0]) - len(train[0].split("/")[-1])]
-    assert all("site-packages" not in p for p in train + test)
-    rel = lambda p: p.split("/lib/python")[-1].split("/", 1)[1]  # noqa: E731
-    assert all(_path_hash(rel(p)) % PYCODE_TEST_EVERY == 0 for p in test)
-    assert all(_path_hash(rel(p)) % PYCODE_TEST_EVERY != 0 for p in train)
-    assert 0.05 < len(test) / (len(train) + len(test)) < 0.15 and root
+    root = sysconfig.get_paths()["stdlib"]
+    assert all(os.path.commonpath([root, p]) == root and "site-packages" not in p for p in train + test)
+    assert all(_path_hash(os.path.relpath(p, root)) % PYCODE_TEST_EVERY == 0 for p in test)
+    assert all(_path_hash(os.path.relpath(p, root)) % PYCODE_TEST_EVERY != 0 for p in train)
+    assert 0.05 < len(test) / (len(train) + len(test)) < 0.15
 
 
 def test_pycode_sequences_and_sizes():
