@@ -200,6 +200,7 @@ BASE = ["--dataset", "pycode", "--model", "gpt_tiny", "--simulate", "2"]
      "4 attention heads, not divisible by the 3 workers"),
     (["--method", "ist", "--option", "kappa=2"], "options.kappa", "mlp"),
     (["--method", "resist", "--depth", "2"], "depth", "depth >= 3"),
+    (["--method", "resist", "--option", "min_depth=3"], "options.min_depth", "more than the 2 blocks"),
     (["--method", "ist", "--model", "mlp"], "model", "language model"),
     (["--method", "ist", "--dataset", "digits"], "model", "is a language model"),
     (["--method", "ist", "--model", "mlp", "--dataset", "digits", "--option", "partition=heads"],

@@ -53,9 +53,14 @@ class ResIST(Method):
         super().validate(hp)
         if hp.model == "mlp":
             raise ConfigError("model", "resist partitions the blocks of a ResNet; use e.g. preact_resnet34")
-        if hp.model in language_models() and gpt_shape(hp.model, hp.width, hp.depth)[1] < 3:
-            raise ConfigError("depth", f"resist deals the blocks between the first and the last of {hp.model}: "
-                              f"it needs depth >= 3, got {gpt_shape(hp.model, hp.width, hp.depth)[1]}")
+        if hp.model in language_models():
+            depth = gpt_shape(hp.model, hp.width, hp.depth)[1]
+            if depth < 3:
+                raise ConfigError("depth", f"resist deals the blocks between the first and the last of {hp.model}: "
+                                  f"it needs depth >= 3, got {depth}")
+            if hp.options.get("min_depth", -1) > depth - 2:
+                raise ConfigError("options.min_depth", f"{hp.options['min_depth']} is more than the {depth - 2} "
+                                  f"blocks between the first and the last of {hp.model}")
 
     def __init__(self, ctx):
         super().__init__(ctx)
