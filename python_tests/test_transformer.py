@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from ist_kernels.models import GPT, gpt_small, gpt_tiny
 from ist_kernels.partition import transformer_ist_plan, transformer_resist_plan
 from ist_kernels.train import cli
+from ist_kernels.train.checkpoint import RESUME_MUST_MATCH, _as_compared
 from ist_kernels.train.config import ConfigError
 from ist_kernels.train.datasets import PYCODE_TEST_EVERY, _path_hash, byte_sequences, load_dataset, pycode_files
 
@@ -219,3 +220,14 @@ def test_list_models_and_datasets(capsys):
     assert {"mlp", "gpt_tiny", "gpt_small", "preact_resnet18"} <= set(models)
     assert cli.main(["--list-datasets"]) == 0
     assert "pycode" in capsys.readouterr().out.split()
+
+
+def test_resume_compares_depth_and_context_as_before_they_changed():
+    """--depth's default became None (the model's own) and --context is new: a checkpoint of an mlp
+    made before (depth 1, no context) is still resumable, a transformer's depth must match."""
+    now = cli.build_config(["--model", "mlp"]).to_dict()
+    old = {k: v for k, v in now.items() if k != "context"}
+    old["depth"] = 1
+    assert all(_as_compared(old)[k] == _as_compared(now)[k] for k in RESUME_MUST_MATCH)
+    gpt = cli.build_config(["--model", "gpt_tiny", "--dataset", "pycode"]).to_dict()
+    assert _as_compared({**gpt, "depth": 1})["depth"] != _as_compared(gpt)["depth"]
