@@ -1,4 +1,6 @@
-"""CIFAR-style ResNets for the CNN subnetwork methods (LOFT, ResIST); no torchvision needed."""
+"""CIFAR-style ResNets for the CNN subnetwork methods (LOFT, ResIST) and small GPT-style transformers
+(``gpt_tiny``, ``gpt_small``: IST and ResIST on byte-level language modelling); no torchvision needed."""
+from .gpt import GPT, GPT_SIZES, LANGUAGE_MODELS, gpt_small, gpt_tiny  # noqa: F401
 from .resnet import (  # noqa: F401
     BasicBlock,
     PreActBlock,

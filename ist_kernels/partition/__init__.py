@@ -15,3 +15,11 @@ from .neurons import (  # noqa: F401
 )
 from .plan import SlicePlan, TensorSlices, positions  # noqa: F401
 from .resist import ResistPlan, resist_plan  # noqa: E402,F401
+from .transformer import (  # noqa: F401
+    PARTITIONS,
+    TransformerISTPlan,
+    TransformerResistPlan,
+    is_transformer,
+    transformer_ist_plan,
+    transformer_resist_plan,
+)

@@ -16,6 +16,26 @@ from ._resnet import Block, skippable, stages
 from ._subnetworks import SubnetworkPlan
 
 
+def deal_blocks(P: int, S: int, min_depth: int, generator: Optional[torch.Generator] = None) -> List[List[int]]:
+    """The blocks ``0..P-1`` each of ``S`` subnetworks owns (sorted): a random permutation dealt
+    round-robin (every block owned once), then shared, walking the same permutation cyclically,
+    until every subnetwork has ``min_depth`` (<= P) blocks (paper 003 §2.2, §2.6)."""
+    perm = torch.randperm(P, generator=generator).tolist()
+    dealt: List[List[int]] = [[] for _ in range(S)]
+    for t, k in enumerate(perm):
+        dealt[t % S].append(k)
+    pointer = 0
+    while any(len(d) < min_depth for d in dealt):
+        for s in range(S):
+            if len(dealt[s]) >= min_depth:
+                continue
+            while perm[pointer % P] in dealt[s]:
+                pointer += 1
+            dealt[s].append(perm[pointer % P])
+            pointer += 1
+    return [sorted(d) for d in dealt]
+
+
 class ResistPlan(SubnetworkPlan):
     """One round's ResIST partition. ``partitioned_blocks``: names of the blocks dealt out;
     ``blocks[s]``: the names of those sub-ResNet ``s`` owns (in depth order); ``owners[name]``:
@@ -49,20 +69,7 @@ class ResistPlan(SubnetworkPlan):
         if min_depth > P:
             raise ValueError(f"resist_plan: min_depth={min_depth} is larger than the {P} "
                              f"partitioned blocks of layer3")
-        perm = torch.randperm(P, generator=generator).tolist()
-        dealt: List[List[int]] = [[] for _ in range(S)]
-        for t, k in enumerate(perm):  # round-robin: every block owned once
-            dealt[t % S].append(k)
-        pointer = 0  # then share, walking the same permutation cyclically, up to min_depth
-        while any(len(d) < min_depth for d in dealt):
-            for s in range(S):
-                if len(dealt[s]) >= min_depth:
-                    continue
-                while perm[pointer % P] in dealt[s]:
-                    pointer += 1
-                dealt[s].append(perm[pointer % P])
-                pointer += 1
-        dealt = [sorted(d) for d in dealt]
+        dealt = deal_blocks(P, S, min_depth, generator)
         self.partitioned_blocks = [b.name for b in part]
         self.blocks: List[List[str]] = [[part[k].name for k in d] for d in dealt]
         self.owners: Dict[str, List[int]] = {b.name: [s for s in range(S) if k in dealt[s]]

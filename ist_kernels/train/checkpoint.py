@@ -32,6 +32,7 @@ import torch
 
 from ..distributed import CollectiveError
 from .errors import ConfigError
+from .models import language_models
 
 LATEST = "latest.json"
 _FILE = re.compile(r"^round-(\d+)-rank-(\d+)\.pt$")
@@ -44,7 +45,8 @@ class CheckpointError(RuntimeError):
 
 # Options that must not change between a checkpoint and its resumption.
 RESUME_MUST_MATCH = ("method", "model", "width", "depth", "dataset", "data_path", "seed", "batch_size",
-                     "local_steps", "options", "precision", "augment", "dataset_size", "storage", "shared")
+                     "local_steps", "options", "precision", "augment", "dataset_size", "context", "storage",
+                     "shared")
 
 
 def _atomic_write(path: str, write) -> None:
@@ -224,6 +226,16 @@ def latest_round(folder: str) -> Optional[int]:
     return None if latest is None else latest["round"]
 
 
+def _as_compared(config: Dict[str, Any]) -> Dict[str, Any]:
+    """A config as resume compares it: ``depth`` None (the model's default) is 1 for every model but
+    a language model (the mlp's default; a ResNet ignores it), and a checkpoint from before
+    ``context`` existed (when ``depth`` defaulted to 1) has the default context, 128."""
+    out = {"context": 128, **config}
+    if out.get("model") not in language_models():
+        out["depth"] = out.get("depth") or 1
+    return out
+
+
 def check_resumable(folder: str, cfg, world_size: Optional[int] = None) -> int:
     """Raise ConfigError unless ``folder`` holds a checkpoint this config can resume (CheckpointError
     when latest.json is unusable); returns its round. Reads only latest.json, so the CLI checks it
@@ -231,7 +243,7 @@ def check_resumable(folder: str, cfg, world_size: Optional[int] = None) -> int:
     latest = read_latest(folder)
     if latest is None:
         raise ConfigError("resume", f"no checkpoint in {folder!r}")
-    saved, now = latest["config"], cfg.to_dict()
+    saved, now = _as_compared(latest["config"]), _as_compared(cfg.to_dict())
     for key in RESUME_MUST_MATCH:
         if saved.get(key) != now.get(key):
             raise ConfigError(key, f"is {now.get(key)!r} but the checkpoint in {folder!r} was made with "

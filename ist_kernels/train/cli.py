@@ -33,6 +33,7 @@ from .config import (
 from .datasets import available_datasets
 from .launch import exit_worker, failure_status, launch, report_failure, resume_if_checkpointed
 from .methods import available_methods, get_method
+from .models import available_models
 from .output import add_baseline_ratios, claim_outputs, claimed_by, job_id, read_metrics, summary_table, write_plots
 
 
@@ -59,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML (.yaml/.yml) or TOML (.toml) file of options")
     p.add_argument("--list-methods", action="store_true", help="print the available methods and exit")
     p.add_argument("--list-datasets", action="store_true", help="print the available datasets and exit")
+    p.add_argument("--list-models", action="store_true", help="print the available models and exit")
     hints = typing.get_type_hints(TrainConfig)
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     choices = {**CHOICES, **_dynamic_choices()}
@@ -109,7 +111,7 @@ def _parse_options(items: Sequence[str]) -> Dict[str, Any]:
 def build_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
     """The config the command line describes (not yet validated)."""
     ns = vars(_parser().parse_args(argv))
-    flags = {k: v for k, v in ns.items() if k not in ("config", "list_methods", "list_datasets")}
+    flags = {k: v for k, v in ns.items() if k not in ("config", "list_methods", "list_datasets", "list_models")}
     if "options" in flags:
         flags["options"] = _parse_options(flags["options"])
     cfg = TrainConfig()
@@ -208,9 +210,11 @@ def _write_table(cfg: TrainConfig, summaries: List[Dict[str, Any]]) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ns = vars(_parser().parse_args(argv))
-    if ns["list_methods"] or ns["list_datasets"]:
-        print("\n".join(available_methods() if ns["list_methods"] else available_datasets()))
-        return 0
+    for flag, names in (("list_methods", available_methods), ("list_datasets", available_datasets),
+                        ("list_models", available_models)):
+        if ns[flag]:
+            print("\n".join(names()))
+            return 0
 
     try:
         cfg, summaries = _validate_and_run(argv)

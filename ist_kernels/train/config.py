@@ -31,7 +31,7 @@ CHOICES = {"precision": PRECISIONS, "lr_schedule": LR_SCHEDULES, "backend": BACK
            "shared": SHARED}
 # --help's sections: every option of TrainConfig in exactly one
 GROUPS = {
-    "data": ("dataset", "data_path", "augment", "dataset_size"),
+    "data": ("dataset", "data_path", "augment", "dataset_size", "context"),
     "model": ("model", "width", "depth"),
     "method": ("method", "prune_ratio", "options", "storage", "shared", "baseline"),
     "training": ("local_steps", "rounds", "epochs", "batch_size", "eval_batch_size", "lr", "lr_schedule",
@@ -58,13 +58,17 @@ class TrainConfig:
     # what to train
     method: str = _opt("localsgd", "training method (see --list-methods)")
     model: str = _opt("mlp", "model: mlp, or a name from ist_kernels.models (e.g. preact_resnet18)")
-    width: Optional[int] = _opt(None, "mlp: hidden width (default 128); ResNets: first-stage channels (default 64)")
-    depth: int = _opt(1, "hidden layers of the mlp model")
+    width: Optional[int] = _opt(None, "mlp: hidden width (default 128); ResNets: first-stage channels (default 64); "
+                                "gpt_tiny / gpt_small: model width (default 128 / 256; heads of 32)")
+    depth: Optional[int] = _opt(None, "mlp: hidden layers (default 1); gpt_tiny / gpt_small: transformer blocks "
+                                "(default 4 / 6)")
     dataset: str = _opt("digits", "dataset (see --list-datasets)")
     data_path: Optional[str] = _opt(None, "folder of the dataset files (CIFAR python-pickle folder)")
     augment: Optional[bool] = _opt(None, "random crop + flip for image batches (default: on for CIFAR)")
-    dataset_size: Optional[int] = _opt(None, "generated data sets (synthetic_cifar10/100): training samples "
+    dataset_size: Optional[int] = _opt(None, "pycode: training bytes (default 1048576); "
+                                       "generated data sets (synthetic_cifar10/100): training samples "
                                        "(default 50000, CIFAR's; the test set has a fifth as many)")
+    context: int = _opt(128, "pycode: bytes per sequence (the language model's context)")
     # workers
     workers: Optional[int] = _opt(None, "number of workers S (processes); default: WORLD_SIZE under torchrun, else 2")
     simulate: int = _opt(0, "train S workers/subnetworks one after another in one process (0: off)")
@@ -169,7 +173,9 @@ class TrainConfig:
         """Raise ConfigError naming the first invalid option; checks method/dataset/model names too."""
         if self.width is not None:
             _positive_int(self, "width")
-        _positive_int(self, "depth")
+        if self.depth is not None:
+            _positive_int(self, "depth")
+        _positive_int(self, "context")
         _positive_int(self, "local_steps")
         _positive_int(self, "batch_size")
         _positive_int(self, "eval_batch_size")

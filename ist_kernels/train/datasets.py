@@ -15,6 +15,13 @@
 - ``signal_noise``: paper 002's synthetic signal + noise classification (§5.1 settings);
   ``diabetes``: paper 001's regression data; ``ackley``: paper 004 §6.1's synthetic regression
   (all from ``ist_kernels.train.data``).
+- ``pycode``: byte-level language modelling (256 classes per position) on the Python standard
+  library's own source files (``sysconfig.get_paths()["stdlib"]``, present wherever Python is;
+  ``site-packages`` left out). A file is in the test split when the SHA-256 of its path (relative,
+  ``/``-separated) is 0 mod 10, so the split is the same on every machine with that Python; the
+  files are read in the order of that hash (a spread over the whole library) up to
+  ``dataset_size`` training bytes (default 1 MiB) and a fixed :data:`PYCODE_TEST_BYTES` test
+  bytes, and cut into sequences of ``context`` bytes (the targets: the same bytes shifted by one).
 
 Each worker s of S sees its own shard: a seed-determined permutation of the training set cut into S
 disjoint near-equal parts. Batches are a pure function of (seed, worker, step): the worker's stream
@@ -27,6 +34,7 @@ import codecs
 import hashlib
 import os
 import pickle
+import sysconfig
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -41,7 +49,7 @@ from .errors import ConfigError
 @dataclass
 class Dataset:
     name: str
-    task: str  # "classification" or "regression"
+    task: str  # "classification", "regression" or "language_model" (tokens in, a class per position)
     train_x: Tensor
     train_y: Tensor
     test_x: Tensor
@@ -61,7 +69,9 @@ class Dataset:
                        move(self.test_y), self.num_outputs, move(self.mean), move(self.std), self.image)
 
     def prepare(self, x: Tensor) -> Tensor:
-        """A float batch for the model (uint8 images are scaled and normalised here)."""
+        """A batch for the model: uint8 images scaled and normalised to floats, uint8 tokens as int64."""
+        if x.dtype == torch.uint8 and self.task == "language_model":
+            return x.long()
         if x.dtype == torch.uint8:
             x = x.float().div_(255.0)
             if self.mean is not None:
@@ -293,13 +303,71 @@ def _load_ackley(cfg) -> Dataset:
     return Dataset("ackley", "regression", x[:100], y[:100], x[100:], y[100:], 1, image=False)
 
 
+PYCODE_TRAIN_BYTES = 1 << 20  # pycode's default dataset_size
+PYCODE_TEST_BYTES = 1 << 13  # the fixed test subset: 8 KiB of the test files
+PYCODE_TEST_EVERY = 10  # a file is in the test split when its path's hash is 0 mod this
+
+
+def _path_hash(rel: str) -> int:
+    return int.from_bytes(hashlib.sha256(rel.replace(os.sep, "/").encode()).digest()[:8], "big")
+
+
+def pycode_files(root: Optional[str] = None) -> Tuple[List[str], List[str]]:
+    """(train, test) paths of the standard library's ``.py`` files under ``root`` (default
+    ``sysconfig.get_paths()["stdlib"]``), each list in the order of the hash of the relative path;
+    a file is a test file when that hash is 0 mod :data:`PYCODE_TEST_EVERY`."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    rels = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in ("site-packages", "dist-packages", "__pycache__")]
+        rels += [os.path.relpath(os.path.join(folder, f), root) for f in files if f.endswith(".py")]
+    rels.sort(key=lambda r: (_path_hash(r), r))
+    test = [r for r in rels if _path_hash(r) % PYCODE_TEST_EVERY == 0]
+    train = [r for r in rels if _path_hash(r) % PYCODE_TEST_EVERY != 0]
+    return [os.path.join(root, r) for r in train], [os.path.join(root, r) for r in test]
+
+
+def read_bytes(paths: List[str], limit: int) -> Tensor:
+    """The files' bytes, concatenated in order, up to ``limit`` bytes (uint8)."""
+    parts, n = [], 0
+    for path in paths:
+        if n >= limit:
+            break
+        with open(path, "rb") as f:
+            data = f.read(limit - n)
+        parts.append(data)
+        n += len(data)
+    return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
+
+
+def byte_sequences(data: Tensor, context: int) -> Tuple[Tensor, Tensor]:
+    """Non-overlapping sequences of ``context`` bytes (uint8 ``[n, context]``) and their targets,
+    the next byte at every position (int64)."""
+    n = max(0, (data.numel() - 1) // context)
+    return data[:n * context].view(n, context).clone(), data[1:n * context + 1].view(n, context).long()
+
+
+def _load_pycode(cfg) -> Dataset:
+    train_files, test_files = pycode_files()
+    if not train_files or not test_files:
+        raise ConfigError("dataset", f"pycode: found no Python sources in {sysconfig.get_paths()['stdlib']!r}")
+    size = cfg.dataset_size or PYCODE_TRAIN_BYTES
+    xtr, ytr = byte_sequences(read_bytes(train_files, size), cfg.context)
+    xte, yte = byte_sequences(read_bytes(test_files, max(PYCODE_TEST_BYTES, cfg.context + 1)), cfg.context)
+    if len(xtr) == 0:
+        raise ConfigError("dataset_size", f"pycode: {size} bytes make no sequence of context {cfg.context} "
+                          f"(need at least {cfg.context + 1})")
+    return Dataset("pycode", "language_model", xtr, ytr, xte, yte, 256, image=False)
+
+
 @dataclass(frozen=True)
 class DatasetSpec:
     loader: Callable  # cfg -> Dataset
     check: Optional[Callable] = None  # cfg -> None, raising ConfigError before any work starts
     augment: bool = False  # random crop + flip by default
     image: bool = True  # inputs are (C, H, W) images (CNN models need that)
-    sized: bool = False  # generated: cfg.dataset_size picks the number of training samples
+    sized: bool = False  # cfg.dataset_size picks the number of training samples (pycode: bytes)
+    tokens: bool = False  # inputs are token sequences (language models need that)
 
 
 DATASETS: Dict[str, DatasetSpec] = {
@@ -311,6 +379,7 @@ DATASETS: Dict[str, DatasetSpec] = {
     "signal_noise": DatasetSpec(_load_signal_noise, image=False),
     "diabetes": DatasetSpec(_load_diabetes, image=False),
     "ackley": DatasetSpec(_load_ackley, image=False),
+    "pycode": DatasetSpec(_load_pycode, image=False, sized=True, tokens=True),
 }
 
 
@@ -328,8 +397,8 @@ def check_dataset(cfg) -> None:
     spec = DATASETS[cfg.dataset]
     if cfg.dataset_size is not None and not spec.sized:
         sized = ", ".join(n for n, d in sorted(DATASETS.items()) if d.sized)
-        raise ConfigError("dataset_size", f"dataset {cfg.dataset!r} has a fixed size; only the generated "
-                          f"data sets ({sized}) take dataset_size")
+        raise ConfigError("dataset_size", f"dataset {cfg.dataset!r} has a fixed size; only {sized} "
+                          f"take dataset_size")
     if spec.check is not None:
         spec.check(cfg)
 

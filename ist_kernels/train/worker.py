@@ -213,6 +213,8 @@ class RunContext:
         scaler.update()
 
     def loss(self, out, y):
+        if self.dataset.task == "language_model":  # logits [B, T, V], targets [B, T]: mean over tokens
+            return F.cross_entropy(out.float().flatten(0, 1), y.flatten())
         if self.dataset.task == "classification":
             return F.cross_entropy(out.float(), y)
         return F.mse_loss(out.float().reshape(y.shape), y)
@@ -239,21 +241,27 @@ class RunContext:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> Dict[str, float]:
-        """Scores of ``model`` on the test set: test_loss and, for classification, accuracy."""
+        """Scores of ``model`` on the test set: test_loss and, for classification, accuracy; for a
+        language model the mean cross-entropy per token (nats), ``bits_per_byte`` (it over ln 2) and
+        ``accuracy`` (of the next byte)."""
         was_training = model.training
         model.eval()
         loss_sum, correct, n = 0.0, 0, 0
+        task = self.dataset.task
         for x, y in self.data.test_batches(self._cfg.eval_batch_size):
             with self.autocast():
                 out = model(x)
-            loss_sum += float(self.loss(out, y)) * len(y)
-            if self.dataset.task == "classification":
-                correct += int((out.argmax(1) == y).sum())
-            n += len(y)
+            count = y.numel() if task == "language_model" else len(y)
+            loss_sum += float(self.loss(out, y)) * count
+            if task != "regression":
+                correct += int((out.argmax(-1) == y).sum())
+            n += count
         model.train(was_training)
         res = {"test_loss": loss_sum / max(n, 1)}
-        if self.dataset.task == "classification":
+        if task != "regression":
             res["accuracy"] = correct / max(n, 1)
+        if task == "language_model":
+            res["bits_per_byte"] = res["test_loss"] / math.log(2)
         return res
 
 

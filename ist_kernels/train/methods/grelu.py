@@ -127,7 +127,7 @@ class GReLU(Method):
         hp, o = ctx.hp, ctx.options
         self.subnetworks = o["subnetworks"]
         self.workers = ctx.local_workers
-        factory = lambda: Flat(GReLUMLP(ctx.in_features, hp.width or 128, hp.depth, ctx.num_outputs,  # noqa: E731
+        factory = lambda: Flat(GReLUMLP(ctx.in_features, hp.width or 128, hp.depth or 1, ctx.num_outputs,  # noqa: E731
                                         bias=o["bias"]))
         # subnetworks: one replica per process (every worker starts each round from the aggregate),
         # rounds of row partitions on the round engine; otherwise local SGD of the trained layers

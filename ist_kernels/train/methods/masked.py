@@ -49,11 +49,14 @@ import torch
 from torch import nn
 
 from ...nn.subnet import SubnetMLP
+from ...partition import PARTITIONS
 from ...partition.plan import positions
 from ..engine import SubnetRounds
 from ..errors import ConfigError
+from ..models import language_models
 from ..simulated import MASKS, MIN_NONEMPTY, nonempty_probability, sample_neurons, selection_probability
 from . import Method, Option, RoundResult, boolean, held_bytes, register_method
+from .ist_transformer import TransformerIST
 
 PLAN = 0x1570  # generator tag of the round's neuron plan
 
@@ -221,7 +224,7 @@ class Masked(Method):
         self.xi = o.get("xi") if self.masks == "bernoulli" else None
         hp = ctx.hp
         self.net = ctx.build_model(lambda: SubnetMLP(
-            ctx.in_features, hp.width or 128, hp.depth, ctx.num_outputs, bias=o["bias"],
+            ctx.in_features, hp.width or 128, hp.depth or 1, ctx.num_outputs, bias=o["bias"],
             train_output=o["train_output"], kappa=o["kappa"]))
         self.full_state_bytes = ctx.full_state_bytes(self.net)
         self.keep = selection_probability(self.masks, ctx.num_workers, self.xi)
@@ -278,7 +281,28 @@ class Masked(Method):
 
 @register_method("ist")
 class IST(Masked):
-    """IST's neuron partition of an MLP: ``masked`` with balanced masks (see the module docstring)."""
+    """IST's neuron partition of an MLP: ``masked`` with balanced masks (see the module docstring);
+    on a transformer (``gpt_tiny``, ``gpt_small``) its FFN units and/or attention heads
+    (:class:`.ist_transformer.TransformerIST`, which ``IST(ctx)`` then returns)."""
 
-    options = {k: v for k, v in Masked.options.items() if k not in ("masks", "xi")}
+    options = {**{k: v for k, v in Masked.options.items() if k not in ("masks", "xi")},
+               "partition": Option("ffn", str, "transformers: what each worker gets 1/S of in every block: ffn "
+                                   "(FFN hidden units), heads (attention heads) or both; the mlp: ffn (its hidden "
+                                   "neurons)", check=lambda v: v in PARTITIONS, expected=", ".join(PARTITIONS))}
     fixed_masks = "balanced"
+
+    def __new__(cls, ctx=None):
+        if ctx is not None and ctx.hp.model in language_models():
+            return TransformerIST(ctx)
+        return super().__new__(cls)
+
+    @classmethod
+    def validate(cls, hp):
+        if hp.model in language_models():
+            Method.validate.__func__(cls, hp)
+            mlp_only = {k: v.default for k, v in cls.options.items() if k != "partition"}
+            return TransformerIST.validate_transformer(hp, mlp_only)
+        super().validate(hp)
+        if hp.options.get("partition", "ffn") != "ffn":
+            raise ConfigError("options.partition", f"partition={hp.options['partition']} needs a transformer "
+                              f"(gpt_tiny, gpt_small); the mlp's partition is its hidden neurons (ffn)")

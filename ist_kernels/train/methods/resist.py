@@ -14,13 +14,19 @@
    owning a block, 1/S without sharing), which evaluation of the full model uses.
 
 ``min_depth``: partitioned blocks per sub-ResNet (default: min(5, blocks of layer3 after its first)).
+
+On a transformer (``gpt_tiny``, ``gpt_small``) the blocks between the first and the last are dealt
+the same way (:func:`ist_kernels.partition.transformer_resist_plan`; default ``min_depth`` 1) and
+a partitioned block's two branches carry the full model's ``residual_scale``.
 """
 from __future__ import annotations
 
 import torch
 
-from ...partition import resist_plan
+from ...models.gpt import gpt_shape
+from ...partition import is_transformer, resist_plan, transformer_resist_plan
 from ..engine import MOMENTUM_OPTION, LocalModels, SubnetRounds, phase_rounds, state_split, warn_payoff
+from ..models import language_models
 from . import ConfigError, Method, Option, register_method
 
 PLAN = 0x2E51  # generator tag of the round's plan
@@ -35,7 +41,8 @@ class ResIST(Method):
     options = {
         "warmup_fraction": Option(0.1, float, "fraction of the rounds of local-SGD warm-up (paper 003 §2.6)",
                                   check=lambda v: 0 <= v < 1, expected="a number in [0, 1)"),
-        "min_depth": Option(-1, int, "partitioned blocks per sub-ResNet (-1: min(5, partitionable blocks))",
+        "min_depth": Option(-1, int, "partitioned blocks per sub-ResNet (-1: min(5, partitionable blocks); "
+                            "transformers: 1)",
                             check=lambda v: v >= -1, expected="an integer >= 0, or -1"),
         "momentum_state": MOMENTUM_OPTION,
     }
@@ -46,6 +53,14 @@ class ResIST(Method):
         super().validate(hp)
         if hp.model == "mlp":
             raise ConfigError("model", "resist partitions the blocks of a ResNet; use e.g. preact_resnet34")
+        if hp.model in language_models():
+            depth = gpt_shape(hp.model, hp.width, hp.depth)[1]
+            if depth < 3:
+                raise ConfigError("depth", f"resist deals the blocks between the first and the last of {hp.model}: "
+                                  f"it needs depth >= 3, got {depth}")
+            if hp.options.get("min_depth", -1) > depth - 2:
+                raise ConfigError("options.min_depth", f"{hp.options['min_depth']} is more than the {depth - 2} "
+                                  f"blocks between the first and the last of {hp.model}")
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -54,13 +69,16 @@ class ResIST(Method):
         self.warmup_rounds = phase_rounds(ctx.rounds, o["warmup_fraction"])
         self.momentum_state = o["momentum_state"]
         self.model = ctx.build_model()
+        self.make_plan = transformer_resist_plan if is_transformer(self.model) else resist_plan
         # plans made here only describe the model: any permutation does, none touches the global RNG
-        probe = lambda S, depth: resist_plan(self.model, S, depth, torch.Generator().manual_seed(0))  # noqa: E731
+        probe = lambda S, depth: self.make_plan(self.model, S, depth, torch.Generator().manual_seed(0))  # noqa: E731
         blocks = len(probe(1, 0).partitioned_blocks)  # checks the model (ValueError)
-        self.min_depth = min(5, blocks) if o["min_depth"] == -1 else o["min_depth"]
+        default = 1 if self.make_plan is transformer_resist_plan else min(5, blocks)
+        self.min_depth = default if o["min_depth"] == -1 else o["min_depth"]
         if self.min_depth > blocks:
+            where = "blocks between its first and last" if self.make_plan is transformer_resist_plan else "layer3"
             raise ConfigError("options.min_depth", f"{self.min_depth} is more than the {blocks} partitionable "
-                              f"blocks of {ctx.hp.model}'s layer3")
+                              f"blocks of {ctx.hp.model}'s {where}")
         self.full_state_bytes = ctx.full_state_bytes(self.model)
         # the scale every ResIST round's aggregation sets (it depends on S and min_depth, not on
         # the round's permutation); the warm-up trains with it already
@@ -75,7 +93,7 @@ class ResIST(Method):
         self.warmup = LocalModels(ctx, models)
 
     def plan(self, r: int):
-        return resist_plan(self.model, self.ctx.num_workers, self.min_depth, self.ctx.generator(PLAN, r))
+        return self.make_plan(self.model, self.ctx.num_workers, self.min_depth, self.ctx.generator(PLAN, r))
 
     def _start_resist(self):
         self.warmup = None  # after the warm-up's averaging every copy is self.model

@@ -1,0 +1,77 @@
+"""``--method ist`` on a transformer (``gpt_tiny``, ``gpt_small``): IST's partition of every block's
+FFN units (``--option partition=ffn``, default), attention heads (``heads``) or both (``both``)
+among the S workers (:func:`ist_kernels.partition.transformer_ist_plan`). Not a method of its own:
+``ist`` (:mod:`.masked`) runs this class when its model is a language model.
+
+Each round a fresh plan from ``ctx.generator(PLAN, r)`` (the same on every rank, never sent); each
+worker trains its subnetwork (its units / heads, and everything shared: embeddings, positions,
+LayerNorms, output biases) for ``local_steps``, then every slice goes to its next owner and the
+shared tensors are averaged (the round engine's ``SubnetRounds``: decentralized storage by default,
+a rank holds only its subnetwork; ``--storage replicated``; simulated). Optimizer state is fresh
+every round (``momentum_state=reset``, as the MLP's ist). The full model scales the partitioned
+units' outputs by 1/S (``output_scale``): each branch is the mean of the subnetworks' branches.
+"""
+from __future__ import annotations
+
+from ...models.gpt import gpt_shape
+from ...partition import PARTITIONS, transformer_ist_plan
+from ..engine import SubnetRounds, state_split, warn_payoff
+from . import ConfigError, Method, RoundResult
+
+PLAN = 0x157F  # generator tag of the round's plan
+
+
+class TransformerIST(Method):
+    name = "ist"
+
+    @staticmethod
+    def validate_transformer(hp, mlp_defaults) -> None:
+        """The checks of ``ist`` on a transformer; ``mlp_defaults``: the MLP-only options' defaults
+        (a value other than those was given and cannot apply)."""
+        for key, default in mlp_defaults.items():
+            if hp.options.get(key, default) != default:
+                raise ConfigError(f"options.{key}", f"applies to ist on the mlp model, not to {hp.model!r}")
+        partition = hp.options.get("partition", "ffn")
+        if partition not in PARTITIONS:
+            raise ConfigError("options.partition", f"expected one of {', '.join(PARTITIONS)}, got {partition!r}")
+        width, _, heads = gpt_shape(hp.model, hp.width, hp.depth)
+        S = hp.num_workers
+        if partition != "ffn" and heads % S:
+            raise ConfigError("options.partition", f"partition={partition}: {hp.model} of width {width} has {heads} "
+                              f"attention heads, not divisible by the {S} workers (use partition=ffn, or a width "
+                              f"whose heads of 32 S divides)")
+        if partition != "heads" and 4 * width < S:
+            raise ConfigError("workers", f"{S} workers but {hp.model} of width {width} has only {4 * width} FFN units")
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.partition = ctx.options["partition"]
+        self.model = ctx.build_model()
+        self.full_state_bytes = ctx.full_state_bytes(self.model)
+        self.rounds = SubnetRounds(ctx, self.model, "reset", self.plan)
+        first = self.rounds.plan(0)
+        first.scale_outputs(self.model)  # the full model is scored as the mean of the subnetworks from round 0
+        self.split = state_split(first.slices, self.rounds.spec, self.rounds.param_names, False)
+        warn_payoff(self.split, ctx.num_workers, "ist", f" (partition={self.partition}) on {ctx.hp.model}")
+        self.rounds.start(0)
+
+    def plan(self, r: int):
+        return transformer_ist_plan(self.model, self.ctx.num_workers, self.partition, self.ctx.generator(PLAN, r))
+
+    def run_round(self, r: int) -> RoundResult:
+        return self.rounds.run(r, last=r == self.ctx.rounds - 1)
+
+    def global_model(self):
+        return self.rounds.global_model()
+
+    def summary(self):
+        return {"partition": self.partition, **self.split}
+
+    # plans come from (seed, round), optimizers are fresh every round and the scales are 1/S: the
+    # model (decentralized: this rank's part) is all resume needs
+    def state_dict(self):
+        return self.rounds.state_dict()
+
+    def load_state_dict(self, state):
+        self.rounds.load_state_dict(state)
+
