@@ -68,6 +68,40 @@ def momentum_of(named_params, optimizer) -> Dict[str, Tensor]:
     return out
 
 
+@torch.no_grad()
+def outer_step_(params: List[Tensor], grads: List[Tensor], bufs: List[Tensor], lr: float, momentum: float,
+                nesterov: bool = True) -> None:
+    """One outer SGD step with momentum (DiLoCo's outer optimizer; ``--outer-optimizer nesterov``):
+    b = momentum b + g, then p -= lr (g + momentum b) (Nesterov) or p -= lr b: torch.optim.SGD's
+    update without dampening, its buffer starting at zero. Every product and sum is its own
+    correctly rounded op (no fused multiply-add), so a compact slice and the full tensor it was cut
+    from give the same bits. ``grads`` is overwritten."""
+    if not params:
+        return
+    torch._foreach_mul_(bufs, momentum)
+    torch._foreach_add_(bufs, grads)
+    if nesterov:
+        mb = torch._foreach_mul(bufs, momentum)
+        torch._foreach_add_(grads, mb)
+    else:
+        torch._foreach_copy_(grads, bufs)
+    torch._foreach_mul_(grads, lr)
+    torch._foreach_sub_(params, grads)
+
+
+@torch.no_grad()
+def outer_from_previous_(tensors: List[Tensor], previous: List[Tensor], bufs: List[Tensor], lr: float,
+                         momentum: float) -> None:
+    """``--outer-optimizer nesterov`` on tensors that hold the round's aggregate A, ``previous``
+    the model before the round: g = previous - A, then A becomes previous after a Nesterov step on g
+    (:func:`outer_step_`)."""
+    if not tensors:
+        return
+    g = torch._foreach_sub(previous, tensors)
+    torch._foreach_copy_(tensors, previous)
+    outer_step_(tensors, g, bufs, lr, momentum)
+
+
 def phase_rounds(rounds: int, fraction: float) -> int:
     """Rounds of the first phase: ``fraction`` of ``rounds`` (rounded), at least 1 when fraction > 0."""
     if fraction <= 0:
