@@ -34,6 +34,13 @@ Momentum (option ``momentum_state``): ``"reset"`` (default; paper 000 Algorithm 
 reference code aggregate only the weights) starts every subnetwork's round with empty optimizer
 state; ``"aggregate"`` slices the SGD momentum with the weights and aggregates / exchanges it too
 (its bytes counted too).
+
+Outer optimizer (``--outer-optimizer nesterov``, DiLoCo's outer step for the methods that take it):
+after a round's aggregation A, the parameters become θ_prev - lr (g + μ b) with g = θ_prev - A and
+b = μ b + g (:func:`outer_from_previous_`). ``SubnetRounds`` keeps b per plan tensor: simulated and
+replicated, whole; decentralized, for the slices this rank stores: a partitioned slice takes the
+step on the rank that trained it and goes to its next owners with its momentum (one more exchange),
+the shared tensors take it after their average. ``LocalModels`` keeps one b of the whole model.
 """
 from __future__ import annotations
 
