@@ -86,10 +86,11 @@ class DiLoCo(Method):
     @torch.no_grad()
     def _average(self, r: int) -> None:
         """The workers' parameters become the mean pseudo-gradient; their buffers the mean buffers."""
-        for s in self.workers:
-            ps = self._params[s]
-            torch._foreach_sub_(ps, self.theta)
-            torch._foreach_neg_(ps)  # θ - θ_s, exactly
+        with self.ctx.clock("pack"):
+            for s in self.workers:
+                ps = self._params[s]
+                torch._foreach_sub_(ps, self.theta)
+                torch._foreach_neg_(ps)  # θ - θ_s, exactly
         comm = self.ctx.comm
         if self.codec == "fp32":
             comm.average_models_([self._params[s] + self._buffers[s] for s in self.workers], round=r + 1)
