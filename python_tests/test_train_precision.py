@@ -20,6 +20,7 @@ METHODS = {
     "grelu": (TINY_MLP, ["--method", "grelu", "--width", "64"]),
     "ddp": (TINY_MLP, ["--method", "ddp"]),
     "localsgd": (TINY_MLP, ["--method", "localsgd"]),
+    "diloco": (TINY_MLP, ["--method", "diloco", "--lr", "0.01"]),
     "loft": (CNN, ["--method", "loft", "--model", "preact_resnet18", "--prune-ratio", "0.5"]),
     "resist": (CNN, ["--method", "resist", "--model", "preact_resnet34", "--option", "warmup_fraction=0.25",
                      "--option", "min_depth=2"]),

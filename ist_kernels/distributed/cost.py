@@ -33,6 +33,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from .exchange import plan_bytes
+from .quantize import CODEC_BYTES
 
 #: payload / line rate of TCP over IPv4 on Ethernet at MTU 1500 with TCP timestamps: 1448 / 1514
 TCP_EFFICIENCY = 1448 / 1514
@@ -131,6 +132,15 @@ def subnet_round_bytes(partitioned: float, shared: float, S: int, owners: float 
 def localsgd_round_bytes(state: float, S: int) -> float:
     """Per rank, local SGD's round: one ring all-reduce of the whole averaged state."""
     return ring_all_reduce_bytes(state, S)
+
+
+def diloco_round_bytes(state: float, S: int, outer_grad: str = "fp32") -> float:
+    """Per rank, a DiLoCo round: local SGD's bytes (one ring all-reduce of the ``state`` bytes of
+    float32 parameters) times the pseudo-gradient's element size over float32's (``outer_grad``
+    fp32 / bf16 / int8: 4 / 2 / 1 bytes; int8 also sends one 4-byte scale per chunk, left out)."""
+    if outer_grad not in CODEC_BYTES:
+        raise ValueError(f"diloco_round_bytes: outer_grad must be one of {', '.join(CODEC_BYTES)}, got {outer_grad!r}")
+    return localsgd_round_bytes(state, S) * CODEC_BYTES[outer_grad] / 4
 
 
 def rank_state_bytes(partitioned: float, shared: float, S: int, owners: float = 1.0,

@@ -51,3 +51,29 @@ def dequantize_(views: Sequence[Tensor], seg_scales: Tensor) -> None:
     """In place: codes (as floats) times their segment's scale."""
     if views:
         torch._foreach_mul_(list(views), seg_scales.tolist())
+
+
+# ---- whole buffers of an averaged gradient (DiLoCo's outer gradient, ``outer_grad``)
+#: wire bytes per element of each outer-gradient codec
+CODEC_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
+
+
+def encode(x: Tensor, codec: str):
+    """(codes, scale) of a float32 buffer: ``bf16`` the bfloat16 values (scale 1), ``int8`` one
+    absmax / 127 scale for the buffer, codes clamp(round(x / scale), -127, 127). Elementwise ops
+    only, so a buffer gives the same codes wherever it lies in memory."""
+    if codec == "bf16":
+        return x.to(torch.bfloat16), torch.ones((), dtype=torch.float32, device=x.device)
+    if codec != "int8":
+        raise ValueError(f"encode: codec must be bf16 or int8, got {codec!r}")
+    amax = x.abs().max() if x.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
+    scale = (amax / QMAX).float()
+    inv = torch.where(scale > 0, 1.0 / scale.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+    return torch.round(x * inv).clamp_(-QMAX, QMAX).to(torch.int8), scale
+
+
+def decode(codes: Tensor, scale: Tensor) -> Tensor:
+    """float32 values of :func:`encode`'s codes."""
+    if codes.dtype == torch.bfloat16:
+        return codes.float()
+    return codes.float() * scale

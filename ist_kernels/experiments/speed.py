@@ -62,13 +62,13 @@ from . import _common as C, link as L
 EXCLUDED = ("grelu",)
 
 #: the workloads: a CNN deep enough that ResIST partitions most of it (LOFT, ResIST) and an MLP (IST,
-#: masked); every method that validates for one runs it
+#: masked); every method that validates for one runs it (diloco's inner AdamW at its own learning rate)
 CONFIGS: Dict[str, Dict[str, Any]] = {
     "cnn": dict(dataset="digits", model="preact_resnet101_basic", width=16, lr=0.05, batch_size=32, local_steps=8,
                 rounds=16, options={"resist": ["warmup_fraction=0.1"], "loft": ["pretrain_fraction=0.5"]},
-                flags={"loft": ["--prune-ratio", "0.5"]}),
+                flags={"loft": ["--prune-ratio", "0.5"], "diloco": ["--lr", "0.001"]}),
     "mlp": dict(dataset="digits", model="mlp", width=8192, depth=1, lr=0.1, batch_size=64, local_steps=8, rounds=40,
-                options={}, flags={}),
+                options={}, flags={"diloco": ["--lr", "0.001"]}),
 }
 QUICK = dict(width={"cnn": 4, "mlp": 256}, rounds=3, local_steps=2)
 #: --quick runs these methods (one of each kind) unless --methods says otherwise

@@ -46,7 +46,9 @@ class CheckpointError(RuntimeError):
 # Options that must not change between a checkpoint and its resumption.
 RESUME_MUST_MATCH = ("method", "model", "width", "depth", "dataset", "data_path", "seed", "batch_size",
                      "local_steps", "options", "precision", "augment", "dataset_size", "context", "storage",
-                     "shared")
+                     "shared", "outer_optimizer", "outer_lr", "outer_momentum")
+#: options added after checkpoints were first written: a checkpoint without them had their defaults
+_ADDED_DEFAULTS = {"outer_optimizer": "none", "outer_lr": 0.7, "outer_momentum": 0.9}
 
 
 def _atomic_write(path: str, write) -> None:
@@ -245,7 +247,7 @@ def check_resumable(folder: str, cfg, world_size: Optional[int] = None) -> int:
         raise ConfigError("resume", f"no checkpoint in {folder!r}")
     saved, now = _as_compared(latest["config"]), _as_compared(cfg.to_dict())
     for key in RESUME_MUST_MATCH:
-        if saved.get(key) != now.get(key):
+        if saved.get(key, _ADDED_DEFAULTS.get(key)) != now.get(key):
             raise ConfigError(key, f"is {now.get(key)!r} but the checkpoint in {folder!r} was made with "
                               f"{saved.get(key)!r}; it must not change on resume")
     if latest["num_workers"] != cfg.num_workers:

@@ -136,11 +136,13 @@ def build_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
 def _baseline_config(cfg: TrainConfig) -> TrainConfig:
     """Local SGD with the same budget: workers, rounds, local steps, batch size, schedule; run as
     the method's paper compares (``Method.baseline_options``: for loft, pre-train, prune, fine-tune).
-    It holds the whole model on every worker by definition, so --max-rank-state-mb does not apply."""
+    It holds the whole model on every worker by definition, so --max-rank-state-mb does not apply,
+    and it is the papers' plain local SGD (no --outer-optimizer)."""
     out = cfg.resolved_out_dir()
     options = get_method(cfg.method).baseline_options(cfg.options)
     return dataclasses.replace(
-        cfg, method="localsgd", options=options, baseline=False, resume=False, stop_after=None, max_rank_state_mb=None,
+        cfg, method="localsgd", options=options, baseline=False, outer_optimizer="none", resume=False, stop_after=None,
+        max_rank_state_mb=None,
         out_dir=os.path.join(out, "localsgd"),
         checkpoint_dir=os.path.join(cfg.checkpoint_dir, "localsgd") if cfg.checkpoint_dir else None)
 

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..distributed import Exchange, average_model_, gather_bytes, gather_full_model, plan_bytes, ps_bytes
 from ..distributed.group import collective_timeout, wait_collective
+from ..distributed.quantize import decode, encode
 from .timing import Clock
 
 
@@ -158,6 +159,97 @@ class Comm:
             for ts in copies:
                 torch._foreach_copy_(list(ts), [v.view_as(t) for v, t in zip(total.split(sizes), ts)])
         self._sent(all_reduce_wire_bytes(total.numel() * total.element_size(), self.world_size))
+
+    @torch.no_grad()
+    def average_coded_(self, copies: Sequence[Sequence[Tensor]], codec: str, *, round: int) -> None:
+        """Average every worker's copy of the same float32 tensors, sent as ``codec`` (``bf16`` or
+        ``int8``, :func:`ist_kernels.distributed.quantize.encode`) in a reduce-scatter and an
+        all-gather (each one all_to_all_single): the flat buffer is cut into S chunks, every worker
+        sends chunk j coded to worker j, which decodes the S of them, sums them in worker order in
+        float32, divides by S, codes its mean chunk again and sends it to every worker. A rank sends
+        2 (S - 1) / S of the buffer at the codec's size (a ring all-reduce's bytes) plus, for int8,
+        one float32 scale per chunk it sends. Simulated, the same arithmetic in process: the two
+        launch modes give the same bits for any S."""
+        S = self.world_size
+        if S == 1:
+            return
+        if codec not in ("bf16", "int8"):
+            raise ValueError(f"Comm.average_coded_: codec must be bf16 or int8, got {codec!r}")
+        elsize = 2 if codec == "bf16" else 1
+        scale_bytes = 4 if codec == "int8" else 0
+        n = sum(t.numel() for t in copies[0])
+        sizes = [c.numel() for c in torch.empty(n).tensor_split(S)]
+        if self.distributed:
+            (ts,) = copies
+            with self.clock("pack"):
+                flat = torch.cat([t.reshape(-1).float() for t in ts])
+                coded = [encode(c, codec) for c in flat.split(sizes)]
+            mine = self._reduce_scatter_coded(coded, sizes, codec, round)
+            with self.clock("unpack"):
+                mine = encode(mine, codec)
+            chunks = self._all_gather_coded(mine, sizes, codec, round)
+            with self.clock("unpack"):
+                flat = torch.cat(chunks)
+                torch._foreach_copy_(list(ts), [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in ts]), ts)])
+            r = self.rank
+            self._sent((n - sizes[r]) * elsize + (S - 1) * sizes[r] * elsize + 2 * (S - 1) * scale_bytes)
+            return
+        with self.clock("pack"):
+            coded = [[encode(c, codec) for c in torch.cat([t.reshape(-1).float() for t in ts]).split(sizes)]
+                     for ts in copies]
+        with self.clock("unpack"):
+            means = []
+            for j in range(S):
+                acc = decode(*coded[0][j])
+                for s in range(1, S):
+                    acc = acc + decode(*coded[s][j])
+                means.append(decode(*encode(acc / S, codec)))
+            flat = torch.cat(means)
+            for ts in copies:
+                torch._foreach_copy_(list(ts), [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in ts]), ts)])
+        for s in self.local_workers:
+            self._sent((n - sizes[s]) * elsize + (S - 1) * sizes[s] * elsize + 2 * (S - 1) * scale_bytes, [s])
+
+    def _all_to_all(self, out: Tensor, inp: Tensor, out_splits, in_splits, what: str, round: int) -> None:
+        """One all_to_all_single under the run's timeout (bf16, which gloo does not move, travels as
+        the same bytes viewed as int8)."""
+        k = 1
+        if out.dtype == torch.bfloat16:
+            out, inp, k = out.view(torch.int8), inp.view(torch.int8), 2
+        secs = wait_collective(lambda: dist.all_to_all_single(out, inp, [k * n for n in out_splits],
+                                                              [k * n for n in in_splits], async_op=True),
+                               name=f"all_to_all_single ({what})", round=round + 1, timeout=collective_timeout())
+        self.clock.add("comm", secs)
+
+    def _reduce_scatter_coded(self, coded, sizes, codec: str, round: int) -> Tensor:
+        """This rank's chunk of the mean: every rank's coded chunk ``rank`` decoded and summed in
+        rank order, divided by S."""
+        S, r = self.world_size, self.rank
+        send = torch.cat([c for c, _ in coded])
+        recv = torch.empty(S * sizes[r], dtype=send.dtype, device=send.device)
+        self._all_to_all(recv, send, [sizes[r]] * S, sizes, "outer gradient, reduce-scatter", round)
+        scales = torch.ones(S, device=send.device)
+        if codec == "int8":
+            self._all_to_all(scales, torch.stack([sc for _, sc in coded]), [1] * S, [1] * S,
+                             "outer gradient scales", round)
+        with self.clock("unpack"):
+            parts = recv.split(sizes[r])
+            acc = decode(parts[0], scales[0])
+            for s in range(1, S):
+                acc = acc + decode(parts[s], scales[s])
+            return acc / S
+
+    def _all_gather_coded(self, mine, sizes, codec: str, round: int) -> List[Tensor]:
+        """Every rank's coded mean chunk, decoded, in rank order."""
+        S, r = self.world_size, self.rank
+        codes, scale = mine
+        recv = torch.empty(sum(sizes), dtype=codes.dtype, device=codes.device)
+        self._all_to_all(recv, codes.repeat(S), sizes, [sizes[r]] * S, "outer gradient, all-gather", round)
+        scales = torch.ones(S, device=codes.device)
+        if codec == "int8":
+            self._all_to_all(scales, scale.reshape(1).repeat(S), [1] * S, [1] * S, "outer gradient scales", round)
+        with self.clock("unpack"):
+            return [decode(c, scales[j]) for j, c in enumerate(recv.split(sizes))]
 
     def all_reduce_sum_(self, tensor: Tensor, what: str, round: int, *, counted: bool = True) -> Tensor:
         """In-place SUM over the processes (a no-op simulated or with one process); a dead or

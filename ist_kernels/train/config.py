@@ -25,15 +25,17 @@ LR_SCHEDULES = ("constant", "cosine", "step")
 BACKENDS = ("auto", "gloo", "nccl")
 STORAGES = ("decentralized", "replicated")
 SHARED = ("all_reduce", "exact")
+OUTER_OPTIMIZERS = ("none", "nesterov")
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # larger values overflow the backends' millisecond timeouts
 # the values an option takes, where they are a fixed list (--help shows them)
 CHOICES = {"precision": PRECISIONS, "lr_schedule": LR_SCHEDULES, "backend": BACKENDS, "storage": STORAGES,
-           "shared": SHARED}
+           "shared": SHARED, "outer_optimizer": OUTER_OPTIMIZERS}
 # --help's sections: every option of TrainConfig in exactly one
 GROUPS = {
     "data": ("dataset", "data_path", "augment", "dataset_size", "context"),
     "model": ("model", "width", "depth"),
-    "method": ("method", "prune_ratio", "options", "storage", "shared", "baseline"),
+    "method": ("method", "prune_ratio", "options", "storage", "shared", "outer_optimizer", "outer_lr", "outer_momentum",
+               "baseline"),
     "training": ("local_steps", "rounds", "epochs", "batch_size", "eval_batch_size", "lr", "lr_schedule",
                  "lr_warmup_rounds", "lr_milestones", "lr_gamma", "momentum", "nesterov", "weight_decay", "seed",
                  "precision", "eval_interval"),
@@ -81,6 +83,12 @@ class TrainConfig:
                         "(every rank holds the full model; for testing)")
     shared: str = _opt("all_reduce", "how the shared tensors are averaged between rounds: all_reduce (ring; "
                        "equals --simulate to a few ulps) or exact (through the all-to-all; bit for bit, more bytes)")
+    outer_optimizer: str = _opt("none", "ist, masked, loft, resist, localsgd: an outer optimizer after each round's "
+                                "aggregation: nesterov (outer gradient = the previous model - the aggregate, SGD with "
+                                "Nesterov momentum, --outer-lr, --outer-momentum; decentralized storage: a slice's "
+                                "momentum travels with it to its next owner) or none")
+    outer_lr: float = _opt(0.7, "--outer-optimizer nesterov: outer learning rate (DiLoCo's 0.7)")
+    outer_momentum: float = _opt(0.9, "--outer-optimizer nesterov: outer momentum (DiLoCo's 0.9)")
     max_rank_state_mb: Optional[float] = _opt(None, "fail the run when a rank holds more than this many MB "
                                               "(10^6 bytes) of parameters, buffers and optimizer state")
     threads: Optional[int] = _opt(None, "CPU threads per process (default: torch's; spawned workers share the cores)")
@@ -233,6 +241,13 @@ class TrainConfig:
             raise ConfigError("storage", f"must be one of {', '.join(STORAGES)}, got {self.storage!r}")
         if self.shared not in SHARED:
             raise ConfigError("shared", f"must be one of {', '.join(SHARED)}, got {self.shared!r}")
+        if self.outer_optimizer not in OUTER_OPTIMIZERS:
+            raise ConfigError("outer_optimizer", f"must be one of {', '.join(OUTER_OPTIMIZERS)}, "
+                              f"got {self.outer_optimizer!r}")
+        if not (self.outer_lr > 0 and math.isfinite(self.outer_lr)):
+            raise ConfigError("outer_lr", f"must be a finite number > 0, got {self.outer_lr}")
+        if not (0 <= self.outer_momentum < 1):
+            raise ConfigError("outer_momentum", f"must be in [0, 1), got {self.outer_momentum}")
         if self.max_rank_state_mb is not None and not (self.max_rank_state_mb > 0 and
                                                        math.isfinite(self.max_rank_state_mb)):
             raise ConfigError("max_rank_state_mb", f"must be a finite number > 0, got {self.max_rank_state_mb}")

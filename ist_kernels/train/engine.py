@@ -34,6 +34,13 @@ Momentum (option ``momentum_state``): ``"reset"`` (default; paper 000 Algorithm 
 reference code aggregate only the weights) starts every subnetwork's round with empty optimizer
 state; ``"aggregate"`` slices the SGD momentum with the weights and aggregates / exchanges it too
 (its bytes counted too).
+
+Outer optimizer (``--outer-optimizer nesterov``, DiLoCo's outer step for the methods that take it):
+after a round's aggregation A, the parameters become θ_prev - lr (g + μ b) with g = θ_prev - A and
+b = μ b + g (:func:`outer_from_previous_`). ``SubnetRounds`` keeps b per plan tensor: simulated and
+replicated, whole; decentralized, for the slices this rank stores: a partitioned slice takes the
+step on the rank that trained it and goes to its next owners with its momentum (one more exchange),
+the shared tensors take it after their average. ``LocalModels`` keeps one b of the whole model.
 """
 from __future__ import annotations
 
@@ -66,6 +73,40 @@ def momentum_of(named_params, optimizer) -> Dict[str, Tensor]:
         if buf is not None:
             out[name] = buf
     return out
+
+
+@torch.no_grad()
+def outer_step_(params: List[Tensor], grads: List[Tensor], bufs: List[Tensor], lr: float, momentum: float,
+                nesterov: bool = True) -> None:
+    """One outer SGD step with momentum (DiLoCo's outer optimizer; ``--outer-optimizer nesterov``):
+    b = momentum b + g, then p -= lr (g + momentum b) (Nesterov) or p -= lr b: torch.optim.SGD's
+    update without dampening, its buffer starting at zero. Every product and sum is its own
+    correctly rounded op (no fused multiply-add), so a compact slice and the full tensor it was cut
+    from give the same bits. ``grads`` is overwritten."""
+    if not params:
+        return
+    torch._foreach_mul_(bufs, momentum)
+    torch._foreach_add_(bufs, grads)
+    if nesterov:
+        mb = torch._foreach_mul(bufs, momentum)
+        torch._foreach_add_(grads, mb)
+    else:
+        torch._foreach_copy_(grads, bufs)
+    torch._foreach_mul_(grads, lr)
+    torch._foreach_sub_(params, grads)
+
+
+@torch.no_grad()
+def outer_from_previous_(tensors: List[Tensor], previous: List[Tensor], bufs: List[Tensor], lr: float,
+                         momentum: float) -> None:
+    """``--outer-optimizer nesterov`` on tensors that hold the round's aggregate A, ``previous``
+    the model before the round: g = previous - A, then A becomes previous after a Nesterov step on g
+    (:func:`outer_step_`)."""
+    if not tensors:
+        return
+    g = torch._foreach_sub(previous, tensors)
+    torch._foreach_copy_(tensors, previous)
+    outer_step_(tensors, g, bufs, lr, momentum)
 
 
 def phase_rounds(rounds: int, fraction: float) -> int:
@@ -189,6 +230,28 @@ class SubnetRounds:
         self._plans: Dict[int, object] = {}
         # decentralized: the compact module, its optimizer and tensors, kept while the shapes hold
         self._kept: Optional[Tuple[tuple, object, torch.optim.Optimizer, Dict[str, Tensor]]] = None
+        # --outer-optimizer nesterov: name -> outer momentum (decentralized: of this rank's stored slices)
+        self.outer_on = ctx.hp.outer_optimizer == "nesterov"
+        self.outer: Dict[str, Tensor] = {}
+
+    # ---- the outer optimizer (--outer-optimizer nesterov)
+    def _outer_names(self, plan) -> Tuple[List[str], List[str]]:
+        """(partitioned, shared) floating parameters of the stored plan: what the outer step updates."""
+        params = set(self.param_names)
+        part, shared = [], []
+        for t in self.stored(plan).tensors:
+            if t.name in params and self.spec[t.name][1].is_floating_point:
+                (shared if t.shared else part).append(t.name)
+        return part, shared
+
+    def _outer_(self, tensors: Dict[str, Tensor], previous: Dict[str, Tensor], names) -> None:
+        """The outer step on ``tensors[n]`` (the aggregate, or a worker's trained slice) from
+        ``previous[n]`` with the momentum ``self.outer[n]``, for ``names`` held here."""
+        names = [n for n in names if n in tensors]
+        bufs = [self.outer.setdefault(n, torch.zeros_like(previous[n])) for n in names]
+        hp = self.ctx.hp
+        outer_from_previous_([tensors[n] for n in names], [previous[n] for n in names], bufs, hp.outer_lr,
+                             hp.outer_momentum)
 
     # ---- plans (the last two are kept: this round's and the next)
     def plan(self, r: int):
@@ -225,6 +288,8 @@ class SubnetRounds:
                   if ctx.num_workers > 1 else 0)
             if self.aggregate_momentum and ctx.num_workers > 1:
                 ps += ctx.comm.ps_bytes(plan.slices, self.spec, names=self.param_names)
+            if self.outer_on and self.storage == "decentralized" and ctx.num_workers > 1:
+                ps += ctx.comm.ps_bytes(self.stored(plan), self.spec, names=self._outer_names(plan)[0])
         loss, state = self._decentral(plan, nxt, r) if self.decentral else self._global(plan, nxt, r)
         self.held = r if last else r + 1
         return RoundResult(loss, len(ctx.local_workers) * ctx.local_steps, extra=None if phase is None else
@@ -258,12 +323,30 @@ class SubnetRounds:
             sub, opt, params = self._compact(plan, s)
             for name, buf in self.momentum.items():
                 opt.state[params[name]]["momentum_buffer"] = buf
+            if self.outer_on:  # the model before the round, and the momentum of every slice held
+                part_names, shared_names = self._outer_names(plan)
+                prev = {n: self.part[n].detach().clone() for n in part_names + shared_names if n in self.part}
+                for n, t in prev.items():
+                    self.outer.setdefault(n, torch.zeros_like(t))
         loss = ctx.train_local(sub.module, opt, s, r)
         with ctx.clock("metrics"):
             state = self._held_bytes(plan, sub, opt)
+            if self.outer_on:
+                state += held_bytes(self.outer, prev)
         with ctx.clock("plan"):
-            self.part = ctx.comm.exchange(self.stored(plan), self.stored(nxt), self.spec, plan.tensors_of(sub),
-                                          round=r + 1)
+            trained = plan.tensors_of(sub)
+            if self.outer_on:
+                # a partitioned slice takes its outer step where it was trained and goes to its next
+                # owners with its momentum (the step is linear: the owners' mean of the stepped slices
+                # and momenta is the step of their mean); shared tensors take it after their average
+                self._outer_(trained, prev, part_names)
+            self.part = ctx.comm.exchange(self.stored(plan), self.stored(nxt), self.spec, trained, round=r + 1)
+            if self.outer_on:
+                moved = ctx.comm.exchange(self.stored(plan), self.stored(nxt), self.spec,
+                                          {n: self.outer[n] for n in part_names if n in self.outer},
+                                          names=part_names, round=r + 1)
+                self.outer = {**moved, **{n: self.outer[n] for n in shared_names if n in self.outer}}
+                self._outer_(self.part, prev, shared_names)
             if self.aggregate_momentum:
                 names = set(self.param_names)
                 mom = momentum_of(((n, params[n]) for n in params if n in names), opt)
@@ -273,6 +356,12 @@ class SubnetRounds:
 
     def _global(self, plan, nxt, r):
         ctx = self.ctx
+        if self.outer_on:
+            with ctx.clock("plan"):
+                part_names, shared_names = self._outer_names(plan)
+                now = self.tensors()
+                prev = {n: now[n].detach().clone() for n in part_names + shared_names}
+                outer_state = held_bytes(prev, *(self.outer.setdefault(n, torch.zeros_like(t)) for n, t in prev.items()))
         with ctx.clock("pack"):
             subs = plan.build(self.optimizer)
         mine = [subs[s] for s in ctx.local_workers]
@@ -286,6 +375,9 @@ class SubnetRounds:
             loss += ctx.train_local(sub.module, opt, sub.index, r)
             with ctx.clock("metrics"):
                 state[sub.index] = self._held_bytes(plan, sub, opt, extra)
+                if self.outer_on:  # the momentum and the previous model of what the worker stores
+                    state[sub.index] += (outer_state if replicated else ctx.comm.ps_bytes_of(
+                        self.stored(plan), self.spec, sub.index, names=part_names + shared_names))
         with ctx.clock("unpack"):
             plan.aggregate(mine, self.optimizer)
         model = self.tensors()
@@ -297,11 +389,18 @@ class SubnetRounds:
                     ctx.comm.exchange(plan.slices, None, None, mom, names=list(mom), storage="replicated",
                                       round=r + 1)
                 plan.after_aggregate()  # e.g. ResIST's full-model residual scales (already set; cheap)
+                if self.outer_on:
+                    self._outer_(self.tensors(), prev, part_names + shared_names)
             return loss, state
+        if self.outer_on:
+            with ctx.clock("plan"):
+                self._outer_(self.tensors(), prev, part_names + shared_names)
         cur = plan.slices if replicated else self.stored(plan)
         for names in [list(model)] + ([list(mom)] if mom else []):
             # the momentum buffers have their parameters' shapes: the model is the spec for both
             ctx.comm.count_exchange(cur, self.stored(nxt), self.spec, storage=self.storage, names=names)
+        if self.outer_on and self.storage == "decentralized":  # partitioned slices' momentum moves with them
+            ctx.comm.count_exchange(cur, self.stored(nxt), self.spec, storage=self.storage, names=part_names)
         return loss, state
 
     # ---- the full model
@@ -325,17 +424,19 @@ class SubnetRounds:
         """Forget this rank's part (decentralized), e.g. once a pruned model replaces it."""
         self.part = self.momentum = None
         self._kept = None
+        self.outer = {}
 
     # ---- resume: decentralized, this rank's part; otherwise the global model
     def state_dict(self):
         if self.decentral:
-            return {"held": self.held, "part": self.part, "momentum": self.momentum}
+            return {"held": self.held, "part": self.part, "momentum": self.momentum, "outer": self.outer}
         return {"held": self.held, "model": self.model.state_dict(),
-                "optimizer": None if self.optimizer is None else self.optimizer.state_dict()}
+                "optimizer": None if self.optimizer is None else self.optimizer.state_dict(), "outer": self.outer}
 
     def load_state_dict(self, state):
         self.held = state["held"]
         self._kept = None
+        self.outer = dict(state.get("outer") or {})
         if self.decentral:
             self.part, self.momentum = state["part"], state.get("momentum") or {}
             self.model.to("meta")
@@ -358,15 +459,22 @@ def flat_bytes(tensors: List[Tensor]) -> int:
 class LocalModels:
     """This process's workers' copies of one model and their optimizers, trained with local SGD:
     ``run(r)`` is one round (local steps on every local worker, then the average of ``tensors``
-    of every copy: by default parameters and floating buffers). Momentum buffers stay local."""
+    of every copy: by default parameters and floating buffers). Momentum buffers stay local.
+    ``--outer-optimizer nesterov`` (``outer=True``): after the average, a Nesterov step on the
+    parameters with the previous model minus the average as the gradient (one momentum per process,
+    the same on every rank)."""
 
     def __init__(self, ctx, models: Dict[int, nn.Module],
-                 tensors: Callable[[nn.Module], List[Tensor]] = averaged_tensors):
+                 tensors: Callable[[nn.Module], List[Tensor]] = averaged_tensors, outer: bool = False):
         self.ctx = ctx
         self.models = models
         self.tensors = tensors
         self.optimizers = {s: ctx.make_optimizer(m.parameters()) for s, m in models.items()}
         self._averaged = {s: tensors(m) for s, m in models.items()}
+        self.outer_on = outer and ctx.hp.outer_optimizer == "nesterov"
+        self._params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in models.items()}
+        self.outer: List[Tensor] = ([torch.zeros_like(p) for p in self._params[min(models)]]
+                                    if self.outer_on else [])
 
     @property
     def model(self) -> nn.Module:
@@ -379,19 +487,31 @@ class LocalModels:
         ``phase`` tags it (``extra["phase"]``). The average's bytes go through ``ctx.comm``."""
         ctx = self.ctx
         workers = sorted(self.models)
+        prev = [p.detach().clone() for p in self._params[workers[0]]] if self.outer_on else []
         loss = sum(ctx.train_local(self.models[s], self.optimizers[s], s, r) for s in workers)
         with ctx.clock("metrics"):
-            state = {s: held_bytes(self.models[s], self.optimizers[s]) for s in workers}
+            state = {s: held_bytes(self.models[s], self.optimizers[s], self.outer, prev) for s in workers}
         ctx.comm.average_models_([self._averaged[s] for s in workers], round=r + 1)
+        if self.outer_on:
+            with ctx.clock("plan"), torch.no_grad():
+                first = self._params[workers[0]]
+                hp = ctx.hp
+                outer_from_previous_(first, prev, self.outer, hp.outer_lr, hp.outer_momentum)
+                for s in workers[1:]:
+                    torch._foreach_copy_(self._params[s], first)
         ps = sum(2 * flat_bytes(self._averaged[s]) for s in workers) if ctx.num_workers > 1 else 0
         return RoundResult(loss, len(workers) * ctx.local_steps, extra=None if phase is None else
                            {"phase": phase}, ps_bytes=ps, state_bytes=state)
 
     def state_dict(self):
         return {"models": {s: m.state_dict() for s, m in self.models.items()},
-                "optimizers": {s: o.state_dict() for s, o in self.optimizers.items()}}
+                "optimizers": {s: o.state_dict() for s, o in self.optimizers.items()},
+                "outer": list(self.outer)}
 
     def load_state_dict(self, state):
         for s in self.models:
             self.models[s].load_state_dict(state["models"][s])
             self.optimizers[s].load_state_dict(state["optimizers"][s])
+        if self.outer_on and state.get("outer"):
+            with torch.no_grad():
+                torch._foreach_copy_(self.outer, list(state["outer"]))

@@ -53,6 +53,7 @@ from ..errors import ConfigError
 #: name -> the module of this package that registers it (one line per method)
 METHODS = {
     "ddp": "ddp",
+    "diloco": "diloco",
     "grelu": "grelu",
     "ist": "masked",  # masked with balanced masks
     "localsgd": "localsgd",
@@ -61,7 +62,7 @@ METHODS = {
     "resist": "resist",
 }
 # The methods of the papers; one without its module is "not available" in this build.
-KNOWN_METHODS = ("ist", "masked", "loft", "resist", "grelu", "localsgd", "ddp")
+KNOWN_METHODS = ("ist", "masked", "loft", "resist", "grelu", "localsgd", "ddp", "diloco")
 
 _REGISTRY: Dict[str, Type["Method"]] = {}
 
@@ -118,6 +119,8 @@ class Method:
     options: Dict[str, Option] = {}
     #: the method can train with a single worker (S = 1)
     allows_single_worker: bool = True
+    #: the method applies ``--outer-optimizer`` (the round engine's outer step after aggregation)
+    outer_optimizer: bool = False
     #: names of the values of ``RoundResult.extra["phase"]`` (e.g. pretrain, finetune); the summary
     #: splits the bytes (both ways) by them
     phases: Tuple[str, ...] = ()
@@ -155,6 +158,9 @@ class Method:
         still as given); raise ConfigError(option, why)."""
         if not cls.allows_single_worker and hp.num_workers < 2:
             raise ConfigError("workers", f"method {cls.name!r} needs at least 2 workers, got {hp.num_workers}")
+        if getattr(hp, "outer_optimizer", "none") != "none" and not cls.outer_optimizer:
+            raise ConfigError("outer_optimizer", f"method {cls.name!r} takes no outer optimizer (methods that do: "
+                              "ist, masked, loft, resist, localsgd)")
 
     # ---- training ----
     def __init__(self, ctx):

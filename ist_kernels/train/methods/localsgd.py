@@ -29,6 +29,7 @@ class LocalSGD(Method):
                                     expected="a number in (0, 1]"),
     }
     phases = ("pretrain", "finetune")
+    outer_optimizer = True
 
     @classmethod
     def validate(cls, hp):
@@ -42,7 +43,7 @@ class LocalSGD(Method):
         # (.get: a subclass may bring its own options)
         self.pretrain_rounds = phase_rounds(ctx.rounds, ctx.options.get("pretrain_fraction", 1.0))
         self.prunes = self.pretrain_rounds < ctx.rounds
-        self.local = LocalModels(ctx, {s: ctx.build_model() for s in ctx.local_workers})
+        self.local = LocalModels(ctx, {s: ctx.build_model() for s in ctx.local_workers}, outer=True)
         self.full_params = count_params(self.local.model)
         self.full_state_bytes = ctx.full_state_bytes(self.local.model)
         self.dense = None  # the pre-trained model, once pruned
@@ -60,7 +61,8 @@ class LocalSGD(Method):
         self.dense = self.local.model
         # every local worker gets the same pruned copy (deterministic, so equal on every rank)
         ratio = self.ctx.hp.prune_ratio
-        self.local = LocalModels(self.ctx, {s: prune_filters(self.dense, ratio) for s in self.ctx.local_workers})
+        self.local = LocalModels(self.ctx, {s: prune_filters(self.dense, ratio) for s in self.ctx.local_workers},
+                                 outer=True)
 
     def run_round(self, r: int):
         if self.prunes and r >= self.pretrain_rounds and self.dense is None:

@@ -44,6 +44,7 @@ class Loft(Method):
         "momentum_state": MOMENTUM_OPTION,
     }
     phases = ("pretrain", "finetune")
+    outer_optimizer = True
 
     @classmethod
     def baseline_options(cls, options):
@@ -84,7 +85,8 @@ class Loft(Method):
             return self._prune_decentral(r, ratio)
         # the same deterministic pruning on every rank (the replicated models are bit-identical)
         self.kept = {k.rsplit(".", 1)[0]: v for k, v in filters_to_keep(self.model, ratio).items()}
-        self.finetune = LocalModels(self.ctx, {s: prune_filters(self.model, ratio) for s in self.workers})
+        self.finetune = LocalModels(self.ctx, {s: prune_filters(self.model, ratio) for s in self.workers},
+                                    outer=True)
         if self.ctx.simulated and self.ctx.decentralized and not resumed:
             self._count_prune()
 
@@ -111,7 +113,7 @@ class Loft(Method):
         moved = ctx.comm.exchange(plan.slices, pruned.slices, rounds.spec,
                                   {n: rounds.part[n] for n in names if n in rounds.part}, names=names,
                                   round=r + 1, drop_unowned=True)
-        self.finetune = LocalModels(ctx, {s: pruned.attach(s, {**rounds.part, **moved}).module})
+        self.finetune = LocalModels(ctx, {s: pruned.attach(s, {**rounds.part, **moved}).module}, outer=True)
         rounds.drop()  # the pre-trained subnetwork is no longer needed
 
     def _count_prune(self) -> None:
@@ -157,7 +159,7 @@ class Loft(Method):
             self.kept = state["kept"]
             pruned = self._pruned_plan()
             self.finetune = LocalModels(self.ctx, {s: pruned.attach(s, dict(state["models"][s])).module
-                                                   for s in self.workers})
+                                                   for s in self.workers}, outer=True)
         else:
             self._prune(self.pretrain_rounds, resumed=True)
         self.finetune.load_state_dict(state)

@@ -195,6 +195,7 @@ class Masked(Method):
                         check=lambda v: v > 0, expected="a positive number"),
     }
     fixed_masks = None  # ist: "balanced"
+    outer_optimizer = True
 
     @classmethod
     def validate(cls, hp):

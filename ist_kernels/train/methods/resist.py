@@ -47,6 +47,7 @@ class ResIST(Method):
         "momentum_state": MOMENTUM_OPTION,
     }
     phases = ("warmup", "resist")
+    outer_optimizer = True
 
     @classmethod
     def validate(cls, hp):
@@ -90,7 +91,7 @@ class ResIST(Method):
         models = {s: (self.model if s == self.workers[0] else ctx.build_model()) for s in self.workers}
         for m in models.values():
             full_model.scale_residuals(m)
-        self.warmup = LocalModels(ctx, models)
+        self.warmup = LocalModels(ctx, models, outer=True)
 
     def plan(self, r: int):
         return self.make_plan(self.model, self.ctx.num_workers, self.min_depth, self.ctx.generator(PLAN, r))
