@@ -368,3 +368,56 @@ def test_speed_quick(tmp_path):
     for r in scale:
         assert SCALE_KEYS <= set(r)
     _check_claims(tmp_path, "speed")
+
+
+def test_transformer_quick(tmp_path):
+    """Real 2-process runs of a transformer's subnetworks (FFN units, heads, ResIST layers), DiLoCo
+    and local SGD on pycode: bits per byte after every round, bytes and time, and the answers at
+    equal bytes, equal wall-clock and the end of the rounds."""
+    from ist_kernels.experiments import transformer
+
+    assert main(["transformer", "--quick", "--out", str(tmp_path)]) == 0
+    doc = _load_json(tmp_path / "transformer.json")
+    assert doc["experiment"] == "transformer" and doc["errors"] == []
+    runs = doc["runs"]
+    assert {r["variant"] for r in runs} == set(transformer.QUICK_VARIANTS)
+    w = doc["workload"]
+    by = {r["variant"]: r for r in runs}
+    for r in runs:
+        cv = r["curve"]
+        assert r["workers"] == 2 and r["rounds"] == w["rounds"] and cv["round"] == list(range(w["rounds"] + 1))
+        # bits per byte of an untrained byte model: about log2(256) = 8; training lowers it
+        assert 6 < r["initial_bits_per_byte"] < 9 and r["final_bits_per_byte"] < r["initial_bits_per_byte"]
+        assert cv["bytes"][0] == 0 and all(b > a for a, b in zip(cv["bytes"], cv["bytes"][1:]))
+        assert all(b > a for a, b in zip(cv["time_s"], cv["time_s"][1:]))
+        assert r["total_bytes"] == cv["bytes"][-1] and r["bytes_per_round"] == pytest.approx(
+            r["total_bytes"] / w["rounds"], rel=1e-4)
+    # local SGD and DiLoCo start from the same full model on the same test bytes (the subnetwork
+    # methods' full models scale the partitioned units or blocks)
+    assert by["diloco"]["initial_bits_per_byte"] == by["localsgd"]["initial_bits_per_byte"]
+    # the subnetwork methods send less than local SGD; DiLoCo (fp32) as much as local SGD
+    for v in ("ist-ffn", "heads"):
+        assert by[v]["total_bytes"] < by["localsgd"]["total_bytes"]
+    assert by["diloco"]["total_bytes"] == pytest.approx(by["localsgd"]["total_bytes"], rel=1e-4)
+    cmp = {c["at"]: c for c in doc["comparisons"]}
+    assert set(cmp) == {"equal bytes", "equal wall-clock", "end of the rounds"}
+    budget = min(r["total_bytes"] for r in runs)
+    assert cmp["equal bytes"]["budget"] == pytest.approx(budget, rel=1e-4)
+    for at, c in cmp.items():
+        means = {v: s["mean"] for v, s in c["bits_per_byte"].items()}
+        assert c["best"] == min(means, key=means.get)
+    # at the end of the rounds the answer is each run's final value
+    assert {v: s["mean"] for v, s in cmp["end of the rounds"]["bits_per_byte"].items()} == pytest.approx(
+        {v: by[v]["final_bits_per_byte"] for v in by}, rel=1e-4)
+    md = (tmp_path / "transformer.md").read_text()
+    assert "At equal bytes" in md and "At equal wall-clock" in md
+
+
+def test_transformer_best_within():
+    from ist_kernels.experiments.transformer import best_within
+
+    cv = {"bits_per_byte": [8.0, 6.0, 5.0, 4.0], "bytes": [0, 10, 20, 30], "time_s": [0.0, 1.0, 2.0, 3.0]}
+    assert best_within(cv, "bytes", 20) == 5.0
+    assert best_within(cv, "bytes", 19.9) == 6.0
+    assert best_within(cv, "bytes", 0) == 8.0  # the untrained model always qualifies
+    assert best_within(cv, "time_s", 3.0) == 4.0
