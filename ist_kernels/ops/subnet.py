@@ -54,26 +54,20 @@ from ..cuda import subnet as _cuda  # noqa: E402
 register_composition("ist_kernels::subnet_linear", _cuda.subnet_linear)
 register_composition("ist_kernels::subnet_linear_backward", _cuda.subnet_linear_backward)
 
-# The Triton variant (ist_kernels/triton/subnet.py; tested and benchmarked, not registered), given
-# index lists it can read: its kernels load entry p of an index list at base + p (unit stride), so
-# a strided view (rows[::2]) is made contiguous here first (a copy of a short list; contiguous
-# lists pass through untouched).
+# The Triton variant (ist_kernels/triton/subnet.py; tested and benchmarked, not registered). Its
+# launchers check everything and read the index lists through their strides, so these are the
+# launchers themselves (kept under these names for the tests and benchmarks).
 try:
     from ..triton import subnet as _triton
 except ImportError:  # pragma: no cover (no triton)
     _triton = None
 
 
-def _unit_stride(idx):
-    return None if idx is None else idx.contiguous()
-
-
 def triton_subnet_linear(x, weight, bias=None, rows=None, cols=None):
     """subnet_linear on the Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)."""
-    return _triton.subnet_linear(x, weight, bias, _unit_stride(rows), _unit_stride(cols))
+    return _triton.subnet_linear(x, weight, bias, rows, cols)
 
 
 def triton_subnet_linear_backward(grad_out, x, weight, rows=None, cols=None, output_mask=(True, True, True)):
     """subnet_linear_backward on the Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)."""
-    check_output_mask("subnet_linear_backward", output_mask)
-    return _triton.subnet_linear_backward(grad_out, x, weight, _unit_stride(rows), _unit_stride(cols), output_mask)
+    return _triton.subnet_linear_backward(grad_out, x, weight, rows, cols, output_mask)
