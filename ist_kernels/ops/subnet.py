@@ -1,8 +1,8 @@
 """subnet_linear: the linear layer of one subnetwork of neurons (IST, paper 001 §3.1).
 
 y = x W[rows][:, cols]^T + b[rows]; the backward gives grad_x for the compact x and full-size
-grad_weight / grad_bias that are zero outside the selected rows x cols. Fake kernels and autograd
-here; CPU kernels in csrc/cpu/subnet.cpp; CUDA: a compact gather + cuBLAS (ist_kernels/cuda/subnet.py);
+grad_weight / grad_bias that are zero outside the selected rows x cols. Fake kernels here;
+autograd in csrc/autograd.cpp; CPU kernels in csrc/cpu/subnet.cpp; CUDA: a compact gather + cuBLAS (ist_kernels/cuda/subnet.py);
 the Triton gathered-load GEMMs (ist_kernels/triton/subnet.py) are the alternative kernel.
 """
 import torch
@@ -30,22 +30,8 @@ def _subnet_linear_backward_fake(grad_out, x, weight, rows, cols, output_mask):
     return grad_x, grad_weight, grad_bias
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, rows, cols = inputs
-    ctx.has_bias = bias is not None
-    ctx.save_for_backward(x, weight, rows, cols)
+# autograd: in C++ (csrc/autograd.cpp), on the Autograd key, through subnet_linear_backward.
 
-
-def _backward(ctx, grad):
-    x, weight, rows, cols = ctx.saved_tensors
-    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
-    grad_x, grad_weight, grad_bias = torch.ops.ist_kernels.subnet_linear_backward(
-        grad, x, weight, rows, cols, mask)
-    return (grad_x if mask[0] else None, grad_weight if mask[1] else None, grad_bias if mask[2] else None,
-            None, None)
-
-
-torch.library.register_autograd("ist_kernels::subnet_linear", _backward, setup_context=_setup_context)
 
 # CUDA: gather the compact weight once, then cuBLAS GEMMs (ist_kernels/cuda/subnet.py explains why
 # this beats the in-kernel gather of ist_kernels/triton/subnet.py, which stays as the Triton variant).
