@@ -2,14 +2,16 @@
 tensors, where the time is all host (Python, dispatch, checks, allocation), not math.
 
     python bench/bench_overhead.py                       # CPU, and CUDA where present
-    python bench/bench_overhead.py --json overhead.json  # rows {"op", "device", "ours_us", "torch_us", "ratio"}
+    python bench/bench_overhead.py --json overhead.json  # rows {"op", "device", "ours_us", "torch_us", "ratio",
+                                                         #       "timer"}
 
 Each op runs forward, and forward + backward (``torch.autograd.grad``) where it has a gradient.
 CPU: one thread, host clock, the median of ``--repeats`` runs of ``--calls`` calls each, ours and
 torch's runs interleaved so both see the same machine. CUDA: host time from ``torch.profiler``
 (the CPU time of a labelled range around each run of calls; the GPU work of tiny tensors is
 shorter than the host's), so the number is what a step of a small model pays before the GPU
-works. ``ratio`` = ours / torch: above 1, ours costs more host time per call (issue 19 item 1
+works; the profiler adds its own cost to every op it records, so ``--cuda-timer clock`` also gives
+the host clock with the queue drained before each run. ``ratio`` = ours / torch: above 1, ours costs more host time per call (issue 19 item 1
 asks for <= 1.3 on the CPU).
 
 The torch compositions are what a user writes without this package: a float mask instead of
@@ -148,14 +150,17 @@ def cases(device):
 
 
 # ---- timing
-def cpu_runs(fns, calls, repeats):
-    """Median microseconds per call of each fn: ``repeats`` runs of ``calls`` calls, interleaved."""
+def cpu_runs(fns, calls, repeats, before_run=None):
+    """Median microseconds per call of each fn: ``repeats`` runs of ``calls`` calls, interleaved
+    (``before_run``, untimed, before each run)."""
     for fn in fns:
         for _ in range(max(10, calls // 10)):  # warm-up (first-call caches, allocator)
             fn()
     times = [[] for _ in fns]
     for _ in range(repeats):
         for k, fn in enumerate(fns):
+            if before_run is not None:
+                before_run()
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
@@ -188,15 +193,22 @@ def cuda_runs(fns, calls, repeats):
     return [statistics.median(t) for t in times]
 
 
-def measure(device, calls, repeats, only=None):
+def cuda_clock_runs(fns, calls, repeats):
+    """As cpu_runs, with the queue drained before each run and not inside it: host time while the
+    GPU keeps up with tiny kernels, without the profiler's own cost on every op it records."""
+    return cpu_runs(fns, calls, repeats, before_run=torch.cuda.synchronize)
+
+
+def measure(device, calls, repeats, only=None, cuda_timer="profiler"):
     rows = []
     for op, (ours, theirs) in cases(device).items():
         if only and not any(s in op for s in only):
             continue
-        run = cpu_runs if device == "cpu" else cuda_runs
+        run = cpu_runs if device == "cpu" else cuda_runs if cuda_timer == "profiler" else cuda_clock_runs
         ours_us, torch_us = run([ours, theirs], calls, repeats)
         rows.append({"op": op, "device": device, "ours_us": round(ours_us, 2), "torch_us": round(torch_us, 2),
-                     "ratio": round(ours_us / torch_us, 3)})
+                     "ratio": round(ours_us / torch_us, 3),
+                     "timer": "host clock" if device == "cpu" or cuda_timer == "clock" else "torch.profiler"})
     return rows
 
 
@@ -217,6 +229,9 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5, help="runs per op and provider; the median is kept (default 5)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--only", nargs="*", help="ops whose name contains one of these")
+    p.add_argument("--cuda-timer", choices=["profiler", "clock"], default="profiler",
+                   help="CUDA host time: torch.profiler's CPU time of the run (default; the profiler adds its "
+                        "own cost to every op it records), or the host clock with the queue drained per run")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
@@ -224,7 +239,7 @@ def main(argv=None):
         if args.device == "cuda":
             p.error("--device cuda: no CUDA device")
         devices = ["cpu"]
-    rows = [r for d in devices for r in measure(d, args.calls, args.repeats, args.only)]
+    rows = [r for d in devices for r in measure(d, args.calls, args.repeats, args.only, args.cuda_timer)]
     sys.stdout.write(markdown(rows, args.threads))
     if args.json:
         with open(args.json, "w") as f:
