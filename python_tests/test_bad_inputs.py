@@ -577,11 +577,10 @@ def _entry(op, path):
         from ist_kernels.cuda import subnet as C
         return {"subnet_linear": C.subnet_linear, "subnet_linear_backward": C.subnet_linear_backward}[op]
     if path == TRITON:
-        from ist_kernels.ops.subnet import triton_subnet_linear, triton_subnet_linear_backward
-        from ist_kernels.triton import grelu as tg
+        from ist_kernels.triton import grelu as tg, subnet as ts  # the raw launchers (issue 19 item 7)
         return {"relu_gates": tg.relu_gates, "gated_linear": tg.gated_linear,
-                "gated_linear_backward": tg.gated_linear_backward, "subnet_linear": triton_subnet_linear,
-                "subnet_linear_backward": triton_subnet_linear_backward}[op]
+                "gated_linear_backward": tg.gated_linear_backward, "subnet_linear": ts.subnet_linear,
+                "subnet_linear_backward": ts.subnet_linear_backward}[op]
     if op == "F._gather_flat(out=)":
         return lambda out, *a: F._gather_flat(*a, out=out)
     if op == "F.gather_slices(out=GatherBuffers)":

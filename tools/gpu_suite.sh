@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One command on a GPU machine (finishes inside ~9 minutes, never hangs: every step has a limit):
 # build for sm_90, the GPU-only tests (-m gpu), the benchmarks with bench/report.py and a pass/miss
-# line per performance goal (bench/goals.py), then the rest of the suite on CUDA. Results go to the
-# folder $OUT names (default gpu_results/), at most 8 files:
-#   suite.log (environment, build, step times), tests_gpu.log, bench_raw.json, bench_more.json,
-#   report.md, goals.md, tests_all.log, hopper.md (tools/hopper_report.py when it runs there).
+# line per performance goal (bench/goals.py), the per-call host overhead (bench/bench_overhead.py),
+# then the rest of the suite on CUDA. Results go to the folder $OUT names (default gpu_results/), at
+# most 8 files:
+#   suite.log (environment, build, step times, the overhead rows), tests_gpu.log, bench_raw.json,
+#   bench_more.json, report.md (with the overhead table), goals.md, tests_all.log, hopper.md
+#   (tools/hopper_report.py when it runs there).
 # Usage: OUT=somewhere bash tools/gpu_suite.sh   (on the device tool: bash tools/gpu_suite.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,6 +79,12 @@ if [ "${#jsons[@]}" -gt 0 ]; then
   (cd bench && "$PY" report.py "${jsons[@]}" --out "$OUT/report.md" >/dev/null && \
     "$PY" goals.py "${jsons[@]}" --out "$OUT/goals.md") | tee -a "$LOG"
 fi
+# per-call host overhead on tiny tensors (bench/bench_overhead.py; CUDA host time from torch.profiler):
+# its table is appended to report.md and its JSON rows to suite.log (the folder holds at most 8 files)
+OVERHEAD_JSON="${TMPDIR:-/tmp}/ist_overhead_$$.json"
+step bench_overhead 120 "$PY" bench/bench_overhead.py --calls 500 --json "$OVERHEAD_JSON" >>"$OUT/report.md" 2>>"$LOG" \
+  && { echo "bench_overhead.json:"; cat "$OVERHEAD_JSON"; } >>"$LOG"
+rm -f "$OVERHEAD_JSON"
 
 # 4. the rest of the suite with CUDA present (CPU and Triton-on-CUDA paths), in parallel workers;
 # skipped with IST_GPU_SUITE_QUICK=1 (CI runs those tests on every change; a lease is short)

@@ -24,8 +24,10 @@ namespace {
 // Rows per parallel chunk: about 32K elements of epilogue work per chunk.
 int64_t row_grain(int64_t n) { return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(n, 1)); }
 
-// x [..., K] -> [M, K] (a view when possible). M is the product of the leading dims, also when K == 0.
+// x [..., K] -> [M, K] (a view when possible; x itself when 2-D: no new tensor on the common path).
+// M is the product of the leading dims, also when K == 0.
 at::Tensor rows_of(const at::Tensor& t) {
+  if (t.dim() == 2) return t;
   const int64_t K = t.size(-1);
   int64_t M = 1;
   for (int64_t d = 0; d + 1 < t.dim(); ++d) M *= t.size(d);
@@ -36,6 +38,14 @@ at::Tensor rows_of(const at::Tensor& t) {
 at::Tensor linear_rows(const at::Tensor& x2, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   if (bias.has_value()) return at::addmm(*bias, x2, weight.t());
   return at::mm(x2, weight.t());
+}
+
+// z [M, last] as t's leading dims + [last] (z itself when t is 2-D).
+at::Tensor as_leading(const at::Tensor& z, const at::Tensor& t, int64_t last) {
+  if (t.dim() == 2) return z;
+  auto s = t.sizes().vec();
+  s.back() = last;
+  return z.view(s);
 }
 
 std::vector<int64_t> with_last(const at::Tensor& t, int64_t last) {
@@ -191,7 +201,7 @@ std::tuple<at::Tensor, at::Tensor> relu_gates(const at::Tensor& x, const at::Ten
   auto gates = at::empty({M, gate_words(N)}, x.options().dtype(at::kInt));
   IST_GRELU_DISPATCH(z.scalar_type(), "relu_gates",
                      [&] { relu_pack_rows(z.data_ptr<scalar_t>(), gates.data_ptr<int32_t>(), M, N); });
-  return {z.view(with_last(x, N)), gates.view(with_last(x, gate_words(N)))};
+  return {as_leading(z, x, N), as_leading(gates, x, gate_words(N))};
 }
 
 at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -207,7 +217,7 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& weight, const std
     scalar_t* p = z.data_ptr<scalar_t>();
     mask_rows<scalar_t>(p, N, 1, g.const_data_ptr<int32_t>(), p, M, N);
   });
-  return z.view(with_last(x, N));
+  return as_leading(z, x, N);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_linear_backward(const at::Tensor& grad_out, const at::Tensor& x,

@@ -22,9 +22,16 @@ import torch
 
 
 def check(cond: bool, op: str, msg: str, kind: type = ValueError) -> None:
-    """Raise ``kind`` (ValueError unless told otherwise; see the policy above) with "op: msg"."""
+    """Raise ``kind`` (ValueError unless told otherwise; see the policy above) with "op: msg".
+    ``msg`` is built before the call: on a hot path, test the condition first and call
+    :func:`fail` (the checks below build no string when the input is good)."""
     if not cond:
         raise kind(f"{op}: {msg}")
+
+
+def fail(op: str, msg: str, kind: type = ValueError):
+    """Raise ``kind`` with "op: msg" (a failed check; the message is built only here)."""
+    raise kind(f"{op}: {msg}")
 
 
 def check_type(cond: bool, op: str, msg: str) -> None:
@@ -42,13 +49,14 @@ def gate_words(num_features: int) -> int:
 
 
 def check_same_device(op: str, **tensors) -> None:
-    named = [(n, t) for n, t in tensors.items() if t is not None]
-    if not named:
-        return
-    dev = named[0][1].device
-    for n, t in named[1:]:
-        if t.device != dev:
-            raise ValueError(f"{op}: {n} is on {t.device} but {named[0][0]} is on {dev}; all tensors must be on one device")
+    dev = None
+    for n, t in tensors.items():
+        if t is None:
+            continue
+        if dev is None:
+            first, dev = n, t.device
+        elif t.device != dev:
+            fail(op, f"{n} is on {t.device} but {first} is on {dev}; all tensors must be on one device")
 
 
 def check_index_list(idx, size: int, op: str, name: str, what: str, device, values: bool = True,
@@ -59,10 +67,12 @@ def check_index_list(idx, size: int, op: str, name: str, what: str, device, valu
     csrc/checks.h (index math in csrc/common/indices.h)."""
     if idx is None:
         return
-    check_type(idx.dtype == torch.int64, op, f"{name} must be an int64 index list, got {idx.dtype}")
-    check(idx.dim() == 1, op, f"{name} must be 1-D, got {idx.dim()} dimensions")
-    check(idx.device == torch.device(device), op,
-          f"{name} is on {idx.device} but the other tensors are on {device}")
+    if idx.dtype != torch.int64:
+        fail(op, f"{name} must be an int64 index list, got {idx.dtype}", TypeError)
+    if idx.dim() != 1:
+        fail(op, f"{name} must be 1-D, got {idx.dim()} dimensions")
+    if idx.device != torch.device(device):
+        fail(op, f"{name} is on {idx.device} but the other tensors are on {device}")
     if not values or idx.numel() == 0:
         return
     out_of_range = (idx < 0) | (idx >= size)
@@ -75,13 +85,13 @@ def check_index_list(idx, size: int, op: str, name: str, what: str, device, valu
         return
     if bool(out_of_range.any()):
         p = int(out_of_range.nonzero()[0, 0])
-        check_index(False, op, f"{name}[{p}] = {int(idx[p])} is out of range for {what} of size {size}")
+        fail(op, f"{name}[{p}] = {int(idx[p])} is out of range for {what} of size {size}", IndexError)
     # First position (in list order) whose value appeared earlier, and where it first appeared.
     later = order[1:][repeats]
     p = int(later.min())
     v = int(idx[p])
     first = int((idx == v).nonzero()[0, 0])
-    check(False, op, f"{name} must not repeat an index, but {name}[{p}] = {v} repeats {name}[{first}]")
+    fail(op, f"{name} must not repeat an index, but {name}[{p}] = {v} repeats {name}[{first}]")
 
 
 # ---- GReLU layers (relu_gates, gated_linear, gated_linear_backward); mirrors csrc/checks.h.
@@ -90,35 +100,43 @@ GRELU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 def check_grelu_linear(op: str, x, weight, bias) -> None:
     """x [..., K], weight [N, K], bias [N] or None: one device, one supported dtype, matching sizes."""
-    check(x.dim() >= 1, op, "x must have at least 1 dimension (features last), got a 0-d tensor")
-    check(weight.dim() == 2, op, f"weight must be 2-D [out_features, in_features], got {weight.dim()}-D")
-    check_type(x.dtype in GRELU_DTYPES, op, f"x must be float32, float64, bfloat16 or float16, got {x.dtype}")
-    check_type(weight.dtype == x.dtype, op, f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    if x.dim() < 1:
+        fail(op, "x must have at least 1 dimension (features last), got a 0-d tensor")
+    if weight.dim() != 2:
+        fail(op, f"weight must be 2-D [out_features, in_features], got {weight.dim()}-D")
+    if x.dtype not in GRELU_DTYPES:
+        fail(op, f"x must be float32, float64, bfloat16 or float16, got {x.dtype}", TypeError)
+    if weight.dtype != x.dtype:
+        fail(op, f"weight must have x's dtype {x.dtype}, got {weight.dtype}", TypeError)
     check_same_device(op, x=x, weight=weight, bias=bias)
-    check(x.shape[-1] == weight.shape[1], op,
-          f"x has {x.shape[-1]} features (last dim) but weight expects {weight.shape[1]} "
-          f"(weight is {list(weight.shape)})")
+    if x.shape[-1] != weight.shape[1]:
+        fail(op, f"x has {x.shape[-1]} features (last dim) but weight expects {weight.shape[1]} "
+                 f"(weight is {list(weight.shape)})")
     if bias is not None:
-        check_type(bias.dtype == x.dtype, op, f"bias must have x's dtype {x.dtype}, got {bias.dtype}")
-        check(bias.dim() == 1 and bias.shape[0] == weight.shape[0], op,
-              f"bias must be [{weight.shape[0]}] (out_features), got {list(bias.shape)}")
+        if bias.dtype != x.dtype:
+            fail(op, f"bias must have x's dtype {x.dtype}, got {bias.dtype}", TypeError)
+        if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
+            fail(op, f"bias must be [{weight.shape[0]}] (out_features), got {list(bias.shape)}")
 
 
 def check_grelu_gates(op: str, gates, x, num_features: int) -> None:
     """gates: int32 [*x.shape[:-1], ceil(num_features / 32)] on x's device."""
     check_same_device(op, x=x, gates=gates)
-    check_type(gates.dtype == torch.int32, op, f"gates must be int32 (packed with pack_gates), got {gates.dtype}")
-    expected = [*x.shape[:-1], gate_words(num_features)]
-    check(list(gates.shape) == expected, op,
-          f"gates must be {expected} (x's leading dims, ceil({num_features}/32) words), got {list(gates.shape)}")
+    if gates.dtype != torch.int32:
+        fail(op, f"gates must be int32 (packed with pack_gates), got {gates.dtype}", TypeError)
+    if gates.dim() != x.dim() or gates.shape[:-1] != x.shape[:-1] or gates.shape[-1] != gate_words(num_features):
+        expected = [*x.shape[:-1], gate_words(num_features)]
+        fail(op, f"gates must be {expected} (x's leading dims, ceil({num_features}/32) words), got "
+                 f"{list(gates.shape)}")
 
 
 def check_grelu_grad_out(op: str, grad_out, x, num_features: int) -> None:
     check_same_device(op, x=x, grad_out=grad_out)
-    check_type(grad_out.dtype == x.dtype, op, f"grad_out must have x's dtype {x.dtype}, got {grad_out.dtype}")
-    expected = [*x.shape[:-1], num_features]
-    check(list(grad_out.shape) == expected, op,
-          f"grad_out must be {expected} (x's leading dims, out_features), got {list(grad_out.shape)}")
+    if grad_out.dtype != x.dtype:
+        fail(op, f"grad_out must have x's dtype {x.dtype}, got {grad_out.dtype}", TypeError)
+    if grad_out.dim() != x.dim() or grad_out.shape[:-1] != x.shape[:-1] or grad_out.shape[-1] != num_features:
+        expected = [*x.shape[:-1], num_features]
+        fail(op, f"grad_out must be {expected} (x's leading dims, out_features), got {list(grad_out.shape)}")
 
 
 def check_gated_linear_backward(grad_out, x, weight, gates, output_mask) -> int:
@@ -135,8 +153,8 @@ def check_gated_linear_backward(grad_out, x, weight, gates, output_mask) -> int:
 def check_output_mask(op: str, output_mask) -> None:
     """(grad_x, grad_weight, grad_bias) flags: exactly 3 (the schema's bool[3]; the dispatcher does
     not check the length)."""
-    check(len(output_mask) == 3, op,
-          f"output_mask must have 3 entries (grad_x, grad_weight, grad_bias), got {len(output_mask)}")
+    if len(output_mask) != 3:
+        fail(op, f"output_mask must have 3 entries (grad_x, grad_weight, grad_bias), got {len(output_mask)}")
 
 
 # ---- memory overlap (out= / in-place arguments against every input); mirrors ist::memory_overlap

@@ -1,8 +1,9 @@
-"""relu_gates / gated_linear / gated_linear_backward (GReLU, paper 004 §2.1, §4.4): fake kernels,
-autograd, and the CUDA backend: the Triton kernels (an ATen composition without triton; see
-ops/_cuda.py). The CPU backend is csrc/cpu/grelu.cpp; autocast, csrc/autocast.cpp.
+"""relu_gates / gated_linear / gated_linear_backward (GReLU, paper 004 §2.1, §4.4): fake kernels
+and the CUDA backend: the Triton kernels (an ATen composition without triton; see
+ops/_cuda.py). The CPU backend is csrc/cpu/grelu.cpp; autocast, csrc/autocast.cpp; autograd,
+csrc/autograd.cpp.
 
-Gradients:
+Gradients (csrc/autograd.cpp):
 * gated_linear: x, weight and bias, through the gated_linear_backward op (g' = g ⊙ G applied
   inside its kernels).
 * relu_gates: none. It is the frozen gate network (C, Ψ_k); its outputs are constants of the
@@ -41,36 +42,8 @@ def _gated_linear_backward_fake(grad_out, x, weight, gates, output_mask):
             x.new_empty((N,) if output_mask[2] else (0,)))
 
 
-# ---- autograd
-def _gated_linear_setup(ctx, inputs, output):
-    x, weight, bias, gates = inputs
-    ctx.save_for_backward(x, weight, gates)
-    ctx.has_bias = bias is not None
-
-
-def _gated_linear_grad(ctx, grad):
-    x, weight, gates = ctx.saved_tensors
-    need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    need_b = need_b and ctx.has_bias
-    dx, dw, db = _ops.gated_linear_backward(grad, x, weight, gates, [need_x, need_w, need_b])
-    return (dx if need_x else None, dw if need_w else None, db if need_b else None, None)
-
-
-torch.library.register_autograd("ist_kernels::gated_linear", _gated_linear_grad, setup_context=_gated_linear_setup)
-
-
-def _relu_gates_setup(ctx, inputs, output):
-    pass
-
-
-def _relu_gates_grad(ctx, grad_out, grad_gates):
-    raise RuntimeError(
-        "ist_kernels::relu_gates has no gradient: it is GReLU's frozen gate network (paper 004 §2.1), "
-        "whose outputs are constants of the trained network. Pass inputs that do not require grad "
-        "(buffers, or .detach()), or use gated_linear / torch.relu for a trainable layer.")
-
-
-torch.library.register_autograd("ist_kernels::relu_gates", _relu_gates_grad, setup_context=_relu_gates_setup)
+# ---- autograd: in C++ (csrc/autograd.cpp), on the Autograd key: a Python autograd.Function here
+# cost more host time than the CPU kernel itself on small inputs (bench/bench_overhead.py).
 
 
 # ---- CUDA backend: the Triton kernels, traceable by torch.compile where torch allows (ops/_cuda.py);

@@ -1,8 +1,8 @@
 """subnet_linear: the linear layer of one subnetwork of neurons (IST, paper 001 §3.1).
 
 y = x W[rows][:, cols]^T + b[rows]; the backward gives grad_x for the compact x and full-size
-grad_weight / grad_bias that are zero outside the selected rows x cols. Fake kernels and autograd
-here; CPU kernels in csrc/cpu/subnet.cpp; CUDA: a compact gather + cuBLAS (ist_kernels/cuda/subnet.py);
+grad_weight / grad_bias that are zero outside the selected rows x cols. Fake kernels here;
+autograd in csrc/autograd.cpp; CPU kernels in csrc/cpu/subnet.cpp; CUDA: a compact gather + cuBLAS (ist_kernels/cuda/subnet.py);
 the Triton gathered-load GEMMs (ist_kernels/triton/subnet.py) are the alternative kernel.
 """
 import torch
@@ -30,22 +30,8 @@ def _subnet_linear_backward_fake(grad_out, x, weight, rows, cols, output_mask):
     return grad_x, grad_weight, grad_bias
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, rows, cols = inputs
-    ctx.has_bias = bias is not None
-    ctx.save_for_backward(x, weight, rows, cols)
+# autograd: in C++ (csrc/autograd.cpp), on the Autograd key, through subnet_linear_backward.
 
-
-def _backward(ctx, grad):
-    x, weight, rows, cols = ctx.saved_tensors
-    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
-    grad_x, grad_weight, grad_bias = torch.ops.ist_kernels.subnet_linear_backward(
-        grad, x, weight, rows, cols, mask)
-    return (grad_x if mask[0] else None, grad_weight if mask[1] else None, grad_bias if mask[2] else None,
-            None, None)
-
-
-torch.library.register_autograd("ist_kernels::subnet_linear", _backward, setup_context=_setup_context)
 
 # CUDA: gather the compact weight once, then cuBLAS GEMMs (ist_kernels/cuda/subnet.py explains why
 # this beats the in-kernel gather of ist_kernels/triton/subnet.py, which stays as the Triton variant).
@@ -54,26 +40,20 @@ from ..cuda import subnet as _cuda  # noqa: E402
 register_composition("ist_kernels::subnet_linear", _cuda.subnet_linear)
 register_composition("ist_kernels::subnet_linear_backward", _cuda.subnet_linear_backward)
 
-# The Triton variant (ist_kernels/triton/subnet.py; tested and benchmarked, not registered), given
-# index lists it can read: its kernels load entry p of an index list at base + p (unit stride), so
-# a strided view (rows[::2]) is made contiguous here first (a copy of a short list; contiguous
-# lists pass through untouched).
+# The Triton variant (ist_kernels/triton/subnet.py; tested and benchmarked, not registered). Its
+# launchers check everything and read the index lists through their strides, so these are the
+# launchers themselves (kept under these names for the tests and benchmarks).
 try:
     from ..triton import subnet as _triton
 except ImportError:  # pragma: no cover (no triton)
     _triton = None
 
 
-def _unit_stride(idx):
-    return None if idx is None else idx.contiguous()
-
-
 def triton_subnet_linear(x, weight, bias=None, rows=None, cols=None):
     """subnet_linear on the Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)."""
-    return _triton.subnet_linear(x, weight, bias, _unit_stride(rows), _unit_stride(cols))
+    return _triton.subnet_linear(x, weight, bias, rows, cols)
 
 
 def triton_subnet_linear_backward(grad_out, x, weight, rows=None, cols=None, output_mask=(True, True, True)):
     """subnet_linear_backward on the Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)."""
-    check_output_mask("subnet_linear_backward", output_mask)
-    return _triton.subnet_linear_backward(grad_out, x, weight, _unit_stride(rows), _unit_stride(cols), output_mask)
+    return _triton.subnet_linear_backward(grad_out, x, weight, rows, cols, output_mask)

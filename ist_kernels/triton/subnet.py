@@ -14,22 +14,24 @@ import torch
 import triton
 import triton.language as tl
 
+from ..ops._checks import check_output_mask
 from ..ops._subnet_checks import TRITON_DTYPES, check_grad_out, check_subnet
 from .common import INTERPRET, HopperKernel, grouped_tile, tuned
 
 
 @triton.jit
-def _index(idx_ptr, offs, ok, HAS: tl.constexpr):
-    """Entry offs of an optional index list (offs itself when the list is absent), as int64."""
+def _index(idx_ptr, offs, ok, stride, HAS: tl.constexpr):
+    """Entry offs of an optional index list read through its stride (offs itself when the list is
+    absent), as int64. A strided view (rows[::2]) is read in place: entry p at base + p * stride."""
     if HAS:
-        return tl.load(idx_ptr + offs, mask=ok, other=0)
+        return tl.load(idx_ptr + offs.to(tl.int64) * stride, mask=ok, other=0)
     else:
         return offs.to(tl.int64)
 
 
 @triton.jit
 def _fwd_kernel(x_ptr, w_ptr, b_ptr, rows_ptr, cols_ptr, y_ptr, M, NR, KC,
-                s_xm, s_xk, s_wn, s_wk, s_b, s_ym, s_yn,
+                s_xm, s_xk, s_wn, s_wk, s_b, s_ym, s_yn, s_r, s_c,
                 HAS_BIAS: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_COLS: tl.constexpr,
                 PRECISION: tl.constexpr, ACC: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
@@ -39,14 +41,14 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, rows_ptr, cols_ptr, y_ptr, M, NR, KC,
     offs_n = pid_n * BN + tl.arange(0, BN)
     m_ok = offs_m < M
     n_ok = offs_n < NR
-    r = _index(rows_ptr, offs_n, n_ok, HAS_ROWS)
+    r = _index(rows_ptr, offs_n, n_ok, s_r, HAS_ROWS)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * s_xm
     w_rows = w_ptr + r[None, :] * s_wn
     acc = tl.zeros((BM, BN), dtype=ACC)
     for k0 in range(0, KC, BK):
         offs_k = k0 + tl.arange(0, BK)
         k_ok = offs_k < KC
-        c = _index(cols_ptr, offs_k, k_ok, HAS_COLS)
+        c = _index(cols_ptr, offs_k, k_ok, s_c, HAS_COLS)
         a = tl.load(x_rows + offs_k.to(tl.int64)[None, :] * s_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_rows + c[:, None] * s_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
@@ -58,7 +60,7 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, rows_ptr, cols_ptr, y_ptr, M, NR, KC,
 
 @triton.jit
 def _grad_x_kernel(g_ptr, w_ptr, rows_ptr, cols_ptr, dx_ptr, M, NR, KC,
-                   s_gm, s_gn, s_wn, s_wk, s_dxm, s_dxk,
+                   s_gm, s_gn, s_wn, s_wk, s_dxm, s_dxk, s_r, s_c,
                    HAS_ROWS: tl.constexpr, HAS_COLS: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
     # dx[m, k] = sum_n g[m, n] W[rows[n], cols[k]]; here BK tiles the output, BN the reduction.
@@ -67,14 +69,14 @@ def _grad_x_kernel(g_ptr, w_ptr, rows_ptr, cols_ptr, dx_ptr, M, NR, KC,
     offs_k = pid_k * BK + tl.arange(0, BK)
     m_ok = offs_m < M
     k_ok = offs_k < KC
-    c = _index(cols_ptr, offs_k, k_ok, HAS_COLS)
+    c = _index(cols_ptr, offs_k, k_ok, s_c, HAS_COLS)
     g_rows = g_ptr + offs_m.to(tl.int64)[:, None] * s_gm
     w_cols = w_ptr + c[None, :] * s_wk
     acc = tl.zeros((BM, BK), dtype=ACC)
     for n0 in range(0, NR, BN):
         offs_n = n0 + tl.arange(0, BN)
         n_ok = offs_n < NR
-        r = _index(rows_ptr, offs_n, n_ok, HAS_ROWS)
+        r = _index(rows_ptr, offs_n, n_ok, s_r, HAS_ROWS)
         a = tl.load(g_rows + offs_n.to(tl.int64)[None, :] * s_gn, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
         b = tl.load(w_cols + r[:, None] * s_wn, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
@@ -84,7 +86,7 @@ def _grad_x_kernel(g_ptr, w_ptr, rows_ptr, cols_ptr, dx_ptr, M, NR, KC,
 
 @triton.jit
 def _grad_weight_kernel(g_ptr, x_ptr, rows_ptr, cols_ptr, dw_ptr, M, NR, KC,
-                        s_gm, s_gn, s_xm, s_xk, s_dwn, s_dwk,
+                        s_gm, s_gn, s_xm, s_xk, s_dwn, s_dwk, s_r, s_c,
                         HAS_ROWS: tl.constexpr, HAS_COLS: tl.constexpr, PRECISION: tl.constexpr,
                         ACC: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
@@ -103,14 +105,14 @@ def _grad_weight_kernel(g_ptr, x_ptr, rows_ptr, cols_ptr, dw_ptr, M, NR, KC,
         a = tl.load(g_cols + offs_m[None, :] * s_gm, mask=n_ok[:, None] & m_ok[None, :], other=0.0)
         b = tl.load(x_cols + offs_m[:, None] * s_xm, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
-    r = _index(rows_ptr, offs_n, n_ok, HAS_ROWS)
-    c = _index(cols_ptr, offs_k, k_ok, HAS_COLS)
+    r = _index(rows_ptr, offs_n, n_ok, s_r, HAS_ROWS)
+    c = _index(cols_ptr, offs_k, k_ok, s_c, HAS_COLS)
     dw = dw_ptr + r[:, None] * s_dwn + c[None, :] * s_dwk
     tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
 @triton.jit
-def _grad_bias_kernel(g_ptr, rows_ptr, db_ptr, M, NR, s_gm, s_gn, s_db,
+def _grad_bias_kernel(g_ptr, rows_ptr, db_ptr, M, NR, s_gm, s_gn, s_db, s_r,
                       HAS_ROWS: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     # db[rows[n]] = sum_m g[m, n]
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -122,7 +124,7 @@ def _grad_bias_kernel(g_ptr, rows_ptr, db_ptr, M, NR, s_gm, s_gn, s_db,
         g = tl.load(g_ptr + offs_m[:, None] * s_gm + offs_n.to(tl.int64)[None, :] * s_gn,
                     mask=m_ok[:, None] & n_ok[None, :], other=0.0)
         acc += tl.sum(g.to(ACC), axis=0)
-    r = _index(rows_ptr, offs_n, n_ok, HAS_ROWS)
+    r = _index(rows_ptr, offs_n, n_ok, s_r, HAS_ROWS)
     tl.store(db_ptr + r * s_db, acc.to(db_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -188,6 +190,12 @@ class _device:
             self.ctx.__exit__(*exc)
 
 
+def _stride(idx):
+    """The element stride of an optional index list (the kernels read entry p at base + p * stride;
+    0 when the list is absent and not read)."""
+    return 0 if idx is None else idx.stride(0)
+
+
 def _cdiv(a, b):
     return (a + b - 1) // b
 
@@ -204,7 +212,7 @@ def subnet_linear(x, weight, bias=None, rows=None, cols=None):
                     x2, weight, bias if bias is not None else weight, rows if rows is not None else weight,
                     cols if cols is not None else weight, y, M, Nr, Kc,
                     x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
-                    bias.stride(0) if bias is not None else 0, y.stride(0), y.stride(1),
+                    bias.stride(0) if bias is not None else 0, y.stride(0), y.stride(1), _stride(rows), _stride(cols),
                     HAS_BIAS=bias is not None, HAS_ROWS=rows is not None, HAS_COLS=cols is not None,
                     PRECISION=_precision(x.dtype), ACC=_acc(x.dtype))
     return y.reshape(*x.shape[:-1], Nr)
@@ -216,6 +224,7 @@ def subnet_linear_backward(grad_out, x, weight, rows=None, cols=None, output_mas
     op = "subnet_linear_backward"
     Nr, Kc = check_subnet(op, x, weight, None, rows, cols, values=True, dtypes=TRITON_DTYPES)
     check_grad_out(op, grad_out, x, weight, Nr)
+    check_output_mask(op, output_mask)
     N, K = weight.shape
     M = x.shape[:-1].numel()
     x2 = x.reshape(M, Kc)
@@ -232,7 +241,7 @@ def subnet_linear_backward(grad_out, x, weight, rows=None, cols=None, output_mas
                 _launch(_grad_x, lambda m: _cdiv(M, m["BM"]) * _cdiv(Kc, m["BK"]),
                         g2, weight, rows_arg, cols_arg, grad_x, M, Nr, Kc,
                         g2.stride(0), g2.stride(1), weight.stride(0), weight.stride(1),
-                        grad_x.stride(0), grad_x.stride(1),
+                        grad_x.stride(0), grad_x.stride(1), _stride(rows), _stride(cols),
                         PRECISION=_precision(x.dtype), ACC=_acc(x.dtype), **flags)
             grad_x = grad_x.reshape(x.shape)
         if output_mask[1]:
@@ -241,20 +250,21 @@ def subnet_linear_backward(grad_out, x, weight, rows=None, cols=None, output_mas
                 _launch(_grad_weight, lambda m: _cdiv(Nr, m["BN"]) * _cdiv(Kc, m["BK"]),
                         g2, x2, rows_arg, cols_arg, grad_weight, M, Nr, Kc,
                         g2.stride(0), g2.stride(1), x2.stride(0), x2.stride(1),
-                        grad_weight.stride(0), grad_weight.stride(1),
+                        grad_weight.stride(0), grad_weight.stride(1), _stride(rows), _stride(cols),
                         PRECISION=_precision(x.dtype), ACC=_acc(x.dtype), **flags)
         if output_mask[2]:
             grad_bias = torch.zeros((N,), dtype=weight.dtype, device=weight.device)
             if Nr > 0:
                 BN = 16 if INTERPRET else 128
                 _grad_bias_kernel[(_cdiv(Nr, BN),)](
-                    g2, rows_arg, grad_bias, M, Nr, g2.stride(0), g2.stride(1), grad_bias.stride(0),
+                    g2, rows_arg, grad_bias, M, Nr, g2.stride(0), g2.stride(1), grad_bias.stride(0), _stride(rows),
                     HAS_ROWS=rows is not None, ACC=_acc(x.dtype), BM=16 if INTERPRET else 64, BN=BN)
     return grad_x, grad_weight, grad_bias
 
 
 # ---- sm_90a report (tools/hopper_report.py): the gathered path (rows and cols given), contiguous operands.
 def _hopper_args(unit_strides, **flags):
+    unit_strides = (*unit_strides, "s_r", "s_c")  # contiguous index lists
     return lambda dtype, meta: dict(rows_ptr="*i64", cols_ptr="*i64", HAS_ROWS=True, HAS_COLS=True,
                                     PRECISION=_precision(dtype), ACC=_acc(dtype),
                                     **dict.fromkeys(unit_strides, 1), **flags)
