@@ -44,7 +44,11 @@ class CheckpointError(RuntimeError):
 
 # Options that must not change between a checkpoint and its resumption.
 RESUME_MUST_MATCH = ("method", "model", "width", "depth", "dataset", "data_path", "seed", "batch_size",
-                     "local_steps", "options", "precision", "augment", "dataset_size", "storage", "shared")
+                     "local_steps", "options", "precision", "augment", "dataset_size", "storage", "shared",
+                     "compress")
+
+#: options added after checkpoints existed: the value an older checkpoint was made with
+_ADDED_LATER = {"compress": "none"}
 
 
 def _atomic_write(path: str, write) -> None:
@@ -233,7 +237,7 @@ def check_resumable(folder: str, cfg, world_size: Optional[int] = None) -> int:
         raise ConfigError("resume", f"no checkpoint in {folder!r}")
     saved, now = latest["config"], cfg.to_dict()
     for key in RESUME_MUST_MATCH:
-        if saved.get(key) != now.get(key):
+        if saved.get(key, _ADDED_LATER.get(key)) != now.get(key):
             raise ConfigError(key, f"is {now.get(key)!r} but the checkpoint in {folder!r} was made with "
                               f"{saved.get(key)!r}; it must not change on resume")
     if latest["num_workers"] != cfg.num_workers:

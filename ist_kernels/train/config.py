@@ -25,15 +25,16 @@ LR_SCHEDULES = ("constant", "cosine", "step")
 BACKENDS = ("auto", "gloo", "nccl")
 STORAGES = ("decentralized", "replicated")
 SHARED = ("all_reduce", "exact")
+COMPRESS = ("none", "bf16", "int8")  # ist_kernels.distributed.compress.COMPRESS (checked by a test)
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # larger values overflow the backends' millisecond timeouts
 # the values an option takes, where they are a fixed list (--help shows them)
 CHOICES = {"precision": PRECISIONS, "lr_schedule": LR_SCHEDULES, "backend": BACKENDS, "storage": STORAGES,
-           "shared": SHARED}
+           "shared": SHARED, "compress": COMPRESS}
 # --help's sections: every option of TrainConfig in exactly one
 GROUPS = {
     "data": ("dataset", "data_path", "augment", "dataset_size"),
     "model": ("model", "width", "depth"),
-    "method": ("method", "prune_ratio", "options", "storage", "shared", "baseline"),
+    "method": ("method", "prune_ratio", "options", "storage", "shared", "compress", "baseline"),
     "training": ("local_steps", "rounds", "epochs", "batch_size", "eval_batch_size", "lr", "lr_schedule",
                  "lr_warmup_rounds", "lr_milestones", "lr_gamma", "momentum", "nesterov", "weight_decay", "seed",
                  "precision", "eval_interval"),
@@ -77,6 +78,10 @@ class TrainConfig:
                         "(every rank holds the full model; for testing)")
     shared: str = _opt("all_reduce", "how the shared tensors are averaged between rounds: all_reduce (ring; "
                        "equals --simulate to a few ulps) or exact (through the all-to-all; bit for bit, more bytes)")
+    compress: str = _opt("none", "encode what the rounds send: none, bf16 (2 bytes a value) or int8 (1 byte a "
+                         "value and a fp32 scale per slice / segment); the exchanges of the subnetwork methods "
+                         "and the averages of local SGD (not ddp's gradients); simulated and distributed runs "
+                         "give the same model")
     max_rank_state_mb: Optional[float] = _opt(None, "fail the run when a rank holds more than this many MB "
                                               "(10^6 bytes) of parameters, buffers and optimizer state")
     threads: Optional[int] = _opt(None, "CPU threads per process (default: torch's; spawned workers share the cores)")
@@ -227,6 +232,11 @@ class TrainConfig:
             raise ConfigError("storage", f"must be one of {', '.join(STORAGES)}, got {self.storage!r}")
         if self.shared not in SHARED:
             raise ConfigError("shared", f"must be one of {', '.join(SHARED)}, got {self.shared!r}")
+        if self.compress not in COMPRESS:
+            raise ConfigError("compress", f"--compress must be one of {', '.join(COMPRESS)}, got {self.compress!r}")
+        if self.compress != "none" and self.method == "ddp":
+            raise ConfigError("compress", f"--compress {self.compress}: ddp averages gradients inside torch's "
+                              "DistributedDataParallel, which sends them uncompressed; use --compress none")
         if self.max_rank_state_mb is not None and not (self.max_rank_state_mb > 0 and
                                                        math.isfinite(self.max_rank_state_mb)):
             raise ConfigError("max_rank_state_mb", f"must be a finite number > 0, got {self.max_rank_state_mb}")

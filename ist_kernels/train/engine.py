@@ -30,6 +30,13 @@ A method drives them through its worker view (``ctx``: :class:`ist_kernels.train
 and never touches communication or counters itself: every byte goes through ``ctx.comm`` and every
 second into ``ctx.clock`` (:mod:`.timing`).
 
+Compression (``--compress bf16|int8``, ``ctx.comm.compress``): every round's exchange of weights and
+every local-SGD average encode what a worker sends (its own copy too); the simulated path encodes
+the same values (``plan.compact(sub)`` or ``plan.tensors_of(sub)``: a subnetwork's tensors in the
+plan's view) before aggregating them. Momentum (``momentum_state=aggregate``) and the one-time moves
+of pruning travel uncompressed. Nothing is kept between rounds (no error feedback): resume stays
+exact.
+
 Momentum (option ``momentum_state``): ``"reset"`` (default; paper 000 Algorithm 1 and the ResIST
 reference code aggregate only the weights) starts every subnetwork's round with empty optimizer
 state; ``"aggregate"`` slices the SGD momentum with the weights and aggregates / exchanges it too
@@ -189,6 +196,7 @@ class SubnetRounds:
         self._plans: Dict[int, object] = {}
         # decentralized: the compact module, its optimizer and tensors, kept while the shapes hold
         self._kept: Optional[Tuple[tuple, object, torch.optim.Optimizer, Dict[str, Tensor]]] = None
+        self.compress = ctx.comm.compress if ctx.num_workers > 1 else None
 
     # ---- plans (the last two are kept: this round's and the next)
     def plan(self, r: int):
@@ -221,8 +229,8 @@ class SubnetRounds:
         nxt = plan if last else self.plan(r + 1)
         ctx = self.ctx
         with ctx.clock("metrics"):
-            ps = (ctx.comm.ps_bytes(plan.slices, self.spec, download=getattr(plan, "ps_download", None))
-                  if ctx.num_workers > 1 else 0)
+            ps = (ctx.comm.ps_bytes(plan.slices, self.spec, download=getattr(plan, "ps_download", None),
+                                    compress=self.compress) if ctx.num_workers > 1 else 0)
             if self.aggregate_momentum and ctx.num_workers > 1:
                 ps += ctx.comm.ps_bytes(plan.slices, self.spec, names=self.param_names)
         loss, state = self._decentral(plan, nxt, r) if self.decentral else self._global(plan, nxt, r)
@@ -263,7 +271,7 @@ class SubnetRounds:
             state = self._held_bytes(plan, sub, opt)
         with ctx.clock("plan"):
             self.part = ctx.comm.exchange(self.stored(plan), self.stored(nxt), self.spec, plan.tensors_of(sub),
-                                          round=r + 1)
+                                          round=r + 1, compress=self.compress)
             if self.aggregate_momentum:
                 names = set(self.param_names)
                 mom = momentum_of(((n, params[n]) for n in params if n in names), opt)
@@ -286,22 +294,34 @@ class SubnetRounds:
             loss += ctx.train_local(sub.module, opt, sub.index, r)
             with ctx.clock("metrics"):
                 state[sub.index] = self._held_bytes(plan, sub, opt, extra)
+        shared_means = {}
+        if self.compress is not None and not ctx.distributed:  # what the compressed exchange delivers
+            compact = getattr(plan, "compact", None) or plan.tensors_of
+            shared_means = ctx.comm.compress_contributions(plan.slices, [compact(sub) for sub in mine])
         with ctx.clock("unpack"):
             plan.aggregate(mine, self.optimizer)
         model = self.tensors()
+        if self.compress is not None and not ctx.distributed:
+            with ctx.clock("unpack"), torch.no_grad():
+                for n, v in shared_means.items():
+                    model[n].copy_(v)
+            if not replicated:
+                ctx.comm.compress_held(plan.slices, self.stored(plan), model)
         mom = momentum_of(self.model.named_parameters(), self.optimizer) if self.optimizer is not None else {}
         if ctx.distributed:  # replicated storage
             with ctx.clock("plan"):
-                ctx.comm.exchange(plan.slices, None, None, model, storage="replicated", round=r + 1)
+                ctx.comm.exchange(plan.slices, None, None, model, storage="replicated", round=r + 1,
+                                  compress=self.compress)
                 if mom:
                     ctx.comm.exchange(plan.slices, None, None, mom, names=list(mom), storage="replicated",
                                       round=r + 1)
                 plan.after_aggregate()  # e.g. ResIST's full-model residual scales (already set; cheap)
             return loss, state
         cur = plan.slices if replicated else self.stored(plan)
-        for names in [list(model)] + ([list(mom)] if mom else []):
+        for names, comp in [(list(model), self.compress)] + ([(list(mom), None)] if mom else []):
             # the momentum buffers have their parameters' shapes: the model is the spec for both
-            ctx.comm.count_exchange(cur, self.stored(nxt), self.spec, storage=self.storage, names=names)
+            ctx.comm.count_exchange(cur, self.stored(nxt), self.spec, storage=self.storage, names=names,
+                                    compress=comp)
         return loss, state
 
     # ---- the full model
@@ -383,7 +403,7 @@ class LocalModels:
         with ctx.clock("metrics"):
             state = {s: held_bytes(self.models[s], self.optimizers[s]) for s in workers}
         ctx.comm.average_models_([self._averaged[s] for s in workers], round=r + 1)
-        ps = sum(2 * flat_bytes(self._averaged[s]) for s in workers) if ctx.num_workers > 1 else 0
+        ps = sum(ctx.comm.model_ps_bytes(self._averaged[s]) for s in workers) if ctx.num_workers > 1 else 0
         return RoundResult(loss, len(workers) * ctx.local_steps, extra=None if phase is None else
                            {"phase": phase}, ps_bytes=ps, state_bytes=state)
 
