@@ -187,3 +187,44 @@ def test_resume_is_exact_with_compression(tmp_path, runs):
     # the compression must not change on resume
     assert cli.main([*TINY_MLP, "--out-dir", str(tmp_path / "r"), "--device", "cpu", *map(str, IST),
                      "--simulate", "2", "--resume", "--compress", "bf16"]) == 2
+
+
+# ---------------------------------------------------------------- the cost model and the speed experiment
+
+def test_cost_model_counts_compressed_bytes():
+    from ist_kernels.distributed import cost
+
+    S = 2
+    spec = {"w": ((64, 1024), torch.float32), "b": ((1000,), torch.float32)}
+    cur = SlicePlan(S, (TensorSlices("w", 0, (torch.arange(0, 32), torch.arange(32, 64))), TensorSlices("b", None)))
+    nxt = SlicePlan(S, (TensorSlices("w", 0, (torch.arange(32, 64), torch.arange(0, 32))), TensorSlices("b", None)))
+    for comp in ("int8", "bf16"):
+        st = plan_bytes(cur, nxt, spec, compress=comp)
+        assert cost.exchange_bytes(cur, nxt, spec, compress=comp) == [
+            (s.all_to_all_bytes_sent + s.average_bytes_sent, s.all_to_all_bytes_received + s.average_bytes_received, 0)
+            for s in st]
+    assert cost.exchange_bytes(cur, nxt, spec) == cost.exchange_bytes(cur, nxt, spec, compress="none")
+    assert cost.localsgd_round_bytes(4e6, 4, "int8") == cost.localsgd_round_bytes(4e6, 4) / 4
+    assert cost.localsgd_round_bytes(4e6, 4, "bf16") == cost.localsgd_round_bytes(4e6, 4) / 2
+    plain, small = cost.subnet_round_bytes(8e6, 1e6, 4, 2.0), cost.subnet_round_bytes(8e6, 1e6, 4, 2.0, "int8")
+    assert small["wire"] == plain["wire"] / 4 and small["all_to_all"] == plain["all_to_all"] / 4
+    with pytest.raises(ValueError, match="compress"):
+        cost.wire_fraction("int4")
+
+
+def test_speed_runs_compressed_rows():
+    from ist_kernels.experiments import speed
+
+    quick = speed.parse(["--quick"])
+    todo, _ = speed.cells(quick)
+    compressed = {(c[3], c[4]) for c in todo if c[4] != "none"}
+    assert compressed == {("resist", "int8")}  # --quick: one compressed method, beside its uncompressed run
+    assert all((c[0], c[1], c[2], c[3], "none", c[5]) in todo for c in todo)
+    full = speed.parse([])
+    todo, _ = speed.cells(full)
+    methods = {c[3] for c in todo}
+    for m in methods - {"ddp"}:
+        assert {c[4] for c in todo if c[3] == m} == {"none", "int8", "bf16"}, m
+    assert {c[4] for c in todo if c[3] == "ddp"} <= {"none"}
+    with pytest.raises(SystemExit):
+        speed.parse(["--compress", "int4"])
