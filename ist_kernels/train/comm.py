@@ -162,7 +162,8 @@ class Comm:
                         C.fake_(x, t.dim, self.compress)
                     elif self.shared == "exact":
                         C.fake_(x.reshape(1, -1), 0, self.compress)
-            shared = [t.name for t in plan.tensors if t.shared and contributions[0][t.name].is_floating_point()]
+            shared = [t.name for t in plan.tensors if t.shared and t.name in contributions[0]
+                      and contributions[0][t.name].is_floating_point()]
             out: Dict[str, Tensor] = {}
             if self.shared == "exact" or not shared:
                 return out
