@@ -133,6 +133,9 @@ class _Mover:
     ones first, then integer ones), then this rank's own part, which never goes on the wire.
     Quantised wire chunk per peer: [fp32 scale per floating segment][integer segments, raw in the
     buffer dtype][int8 codes of the floating segments], each part padded to the alignment.
+    Compressed (``compress``, :mod:`.compress`) chunk per peer: [fp32 scale per slice of every coded
+    segment (int8)][uncoded segments (integer tensors; int8: slices of one element), raw][codes:
+    int8 or bf16], the chunk padded to the alignment (the padding is not counted as sent).
     """
 
     def __init__(self, entries: List[Entry], routing: Routing, dtype: torch.dtype):
