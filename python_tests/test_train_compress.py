@@ -154,6 +154,7 @@ def runs(tmp_path_factory):
         assert cli.main([*TINY_MLP, *map(str, IST), "--baseline", "--device", "cpu", "--out-dir", str(root / mode),
                          *map(str, args)]) == 0
         out[mode] = {m: outputs(root / mode / m) for m in ("ist", "localsgd")}
+    out["root"] = root
     return out
 
 
@@ -162,6 +163,7 @@ def test_int8_distributed_equals_simulated(runs, method):
     (s_sum, s_model, s_hist), (d_sum, d_model, d_hist) = runs["sim"][method], runs["dist"][method]
     assert (s_sum["mode"], d_sum["mode"]) == ("simulated", "distributed")
     assert s_sum["compress"] == d_sum["compress"] == "int8"
+    assert f"| {method} (int8) " in (runs["root"] / "dist" / "summary.md").read_text()
     assert_equal_states(s_model, d_model)
     assert untimed(s_hist) == untimed(d_hist)  # losses, accuracies and bytes (both conventions), round by round
     p_sum, p_model, p_hist = runs["plain"][method]
