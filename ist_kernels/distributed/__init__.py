@@ -7,7 +7,9 @@ assembles the model on one rank in one collective; :func:`average_model_` is the
 baseline; :func:`plan_bytes`, :func:`gather_bytes` and :func:`ps_bytes` count, from the plans
 alone, what they move (and what the papers' parameter-server convention counts). Process groups
 come from :func:`init_process_group` (created once, one timeout), and a collective that fails or
-stalls raises :class:`CollectiveError` naming itself and the round.
+stalls raises :class:`CollectiveError` naming itself and the round. ``compress`` ("bf16", "int8";
+:mod:`.compress`) encodes what the exchange and the averages send, routing-independently, so that a
+simulated run can encode the same values.
 """
 from .exchange import (  # noqa: F401
     CommStats,

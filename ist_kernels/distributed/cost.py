@@ -18,6 +18,12 @@ Plain functions of the plans (their byte counts) and of measured compute, no pro
   fixed per-round work (plans, packing; measured) and the communication; :func:`time_to_target`
   reads a run's curve.
 
+Compression (the trainer's ``--compress``): :func:`exchange_bytes` counts the encoded bytes exactly
+(``plan_bytes(compress=...)``, scales included, the shared tensors' two-stage average in the
+all-to-all entries); :func:`subnet_round_bytes` and :func:`localsgd_round_bytes` scale by
+:func:`wire_fraction` (bf16 1/2, int8 1/4; int8's fp32 scale per slice or segment is left out: under
+1% for slices of 400 values or more).
+
 Everything is in bytes and seconds. What the model leaves out: compute and communication never
 overlap (true of the subnetwork methods and local SGD here; DDP overlaps its bucketed all-reduces
 with the backward pass, so its prediction is an upper bound), and the CPU time of the network
@@ -32,6 +38,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from .compress import COMPRESS
 from .exchange import plan_bytes
 from .quantize import CODEC_BYTES
 
@@ -61,6 +68,15 @@ class Link:
         if self.bandwidth_bps is None or nbytes <= 0:
             return 0.0
         return 8.0 * nbytes / (self.bandwidth_bps * self.efficiency)
+
+
+def wire_fraction(compress: Optional[str] = "none") -> float:
+    """Bytes on the wire per fp32 byte under ``--compress`` (int8's scales left out)."""
+    if compress is None:
+        return 1.0
+    if compress not in COMPRESS:
+        raise ValueError(f"wire_fraction: compress must be one of {', '.join(COMPRESS)}, got {compress!r}")
+    return {"none": 1.0, "bf16": 0.5, "int8": 0.25}[compress]
 
 
 # ---------------------------------------------------------------- collectives
@@ -105,14 +121,19 @@ def comm_s(bytes_per_rank: float, link: Link, latencies: int = 0) -> float:
 # ---------------------------------------------------------------- bytes from the plans
 
 def exchange_bytes(current, next, spec, *, storage: str = "decentralized",
-                   shared: str = "all_reduce") -> List[Tuple[int, int, int]]:
+                   shared: str = "all_reduce", compress: Optional[str] = None) -> List[Tuple[int, int, int]]:
     """(all-to-all bytes sent, received, all-reduced buffer bytes) of every rank for one exchange
-    from plan ``current`` to ``next``, counted exactly from the plans (``plan_bytes``)."""
-    return [(st.all_to_all_bytes_sent, st.all_to_all_bytes_received, st.all_reduce_bytes)
-            for st in plan_bytes(current, next, spec, storage=storage, shared=shared)]
+    from plan ``current`` to ``next``, counted exactly from the plans (``plan_bytes``). ``compress``
+    ("bf16", "int8"): the encoded bytes; the shared tensors' compressed average runs as all-to-alls,
+    so its bytes are in the first two entries and the buffer is 0."""
+    return [(st.all_to_all_bytes_sent + st.average_bytes_sent,
+             st.all_to_all_bytes_received + st.average_bytes_received, st.all_reduce_bytes)
+            for st in plan_bytes(current, next, spec, storage=storage, shared=shared,
+                                 compress=None if compress == "none" else compress)]
 
 
-def subnet_round_bytes(partitioned: float, shared: float, S: int, owners: float = 1.0) -> Dict[str, float]:
+def subnet_round_bytes(partitioned: float, shared: float, S: int, owners: float = 1.0,
+                       compress: Optional[str] = "none") -> Dict[str, float]:
     """Per rank, one decentralized round of subnetworks cut from a state of ``partitioned`` bytes
     (dealt among the S subnetworks, each slice to ``owners`` of them) and ``shared`` bytes (held
     whole by all): a rank holds partitioned * owners / S of the partitioned state and sends each of
@@ -122,16 +143,20 @@ def subnet_round_bytes(partitioned: float, shared: float, S: int, owners: float 
     Returns ``all_to_all`` (sent = received, on average), ``all_reduce`` (the buffer) and ``wire``
     (what the rank sends). With owners = 1 (LOFT, IST: every slice has one owner) the all-to-all is
     partitioned (S - 1) / S^2; with owners k > 1 (ResIST once S x min_depth exceeds the blocks)
-    it is partitioned k^2 (S - 1) / S^2: owner averaging sends every copy to every next owner."""
+    it is partitioned k^2 (S - 1) / S^2: owner averaging sends every copy to every next owner.
+    ``compress``: every byte times :func:`wire_fraction` (the compressed average of the shared
+    state sends what the ring all-reduce sends, encoded)."""
     if S < 1 or owners < 1 or owners > S:
         raise ValueError(f"subnet_round_bytes: need 1 <= owners <= S, got S={S}, owners={owners}")
-    a2a = partitioned * owners * owners * (S - 1) / S ** 2
-    return {"all_to_all": a2a, "all_reduce": float(shared), "wire": a2a + ring_all_reduce_bytes(shared, S)}
+    f = wire_fraction(compress)
+    a2a = partitioned * owners * owners * (S - 1) / S ** 2 * f
+    return {"all_to_all": a2a, "all_reduce": float(shared) * f, "wire": a2a + ring_all_reduce_bytes(shared, S) * f}
 
 
-def localsgd_round_bytes(state: float, S: int) -> float:
-    """Per rank, local SGD's round: one ring all-reduce of the whole averaged state."""
-    return ring_all_reduce_bytes(state, S)
+def localsgd_round_bytes(state: float, S: int, compress: Optional[str] = "none") -> float:
+    """Per rank, local SGD's round: one ring all-reduce of the whole averaged state (``compress``:
+    the two-stage compressed average, the same 2 (S - 1) / S of it, encoded)."""
+    return ring_all_reduce_bytes(state, S) * wire_fraction(compress)
 
 
 def diloco_round_bytes(state: float, S: int, outer_grad: str = "fp32") -> float:

@@ -35,7 +35,7 @@ from torch import Tensor
 from .. import functional as F
 from ..partition.aggregate import aggregate_slices_
 from ..partition.plan import SlicePlan
-from . import quantize as Q
+from . import compress as C, quantize as Q
 from .group import collective_timeout, wait_collective
 from .routing import (
     Entry,
@@ -69,6 +69,10 @@ class CommStats:
     #: receive buffers into the targets (owner means); the rest is the collectives and the routing
     pack_seconds: float = 0.0
     unpack_seconds: float = 0.0
+    #: compressed averages (``compress``): bytes this rank sent / received in their two all-to-alls
+    #: (they replace the ring all_reduce, whose buffer ``all_reduce_bytes`` then does not count)
+    average_bytes_sent: int = 0
+    average_bytes_received: int = 0
 
     @property
     def all_reduce_wire_bytes(self) -> int:
@@ -79,11 +83,11 @@ class CommStats:
 
     @property
     def bytes_sent(self) -> int:
-        return self.all_to_all_bytes_sent + self.all_reduce_wire_bytes
+        return self.all_to_all_bytes_sent + self.all_reduce_wire_bytes + self.average_bytes_sent
 
     @property
     def bytes_received(self) -> int:
-        return self.all_to_all_bytes_received + self.all_reduce_wire_bytes
+        return self.all_to_all_bytes_received + self.all_reduce_wire_bytes + self.average_bytes_received
 
 
 def _normalise_spec(spec: Spec) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
@@ -129,6 +133,9 @@ class _Mover:
     ones first, then integer ones), then this rank's own part, which never goes on the wire.
     Quantised wire chunk per peer: [fp32 scale per floating segment][integer segments, raw in the
     buffer dtype][int8 codes of the floating segments], each part padded to the alignment.
+    Compressed (``compress``, :mod:`.compress`) chunk per peer: [fp32 scale per slice of every coded
+    segment (int8)][uncoded segments (integer tensors; int8: slices of one element), raw][codes:
+    int8 or bf16], the chunk padded to the alignment (the padding is not counted as sent).
     """
 
     def __init__(self, entries: List[Entry], routing: Routing, dtype: torch.dtype):
@@ -157,15 +164,115 @@ class _Mover:
         codes = raw + pad(self.esize * i_el)
         return pad(codes + f_el), n_f, raw, codes, f_el
 
+    def coded(self, e: Entry, compress: str) -> bool:
+        return C.coded(compress, e.slice_numel, not e.integral)
+
+    def _clayout(self, segs, compress: str):
+        """(wire size, payload bytes, raw part offset, codes offset) of one compressed chunk:
+        [fp32 scale per coded slice (int8)][uncoded segments, raw in the buffer dtype][codes]."""
+        n_sc = raw_el = code_el = 0
+        for s in segs:
+            e = self.entries[s.entry]
+            if self.coded(e, compress):
+                code_el += s.numel
+                n_sc += s.index.numel() if compress == "int8" else 0
+            else:
+                raw_el += s.numel
+        raw = C.SCALE_BYTES * n_sc
+        codes = raw + self.esize * raw_el
+        payload = codes + C.code_bytes(compress) * code_el
+        return (payload + self.align - 1) // self.align * self.align, payload, raw, codes
+
+    def _encode(self, send: Tensor, compress: str, device) -> Tuple[Tensor, List[int], List[int]]:
+        """Compressed: the wire buffer of every peer's chunk; ``send``'s own part (this rank's copy)
+        left as its receivers decode it. Returns (wire, split sizes, payload bytes) per rank."""
+        r, S = self.routing.rank, self.routing.world_size
+        views = torch.split(send, [s.numel for s in self.pack])
+        scales: List[Optional[Tensor]] = []
+        for j, s in enumerate(self.pack):  # codes in place (int8), one scale per slice
+            e = self.entries[s.entry]
+            if compress == "int8" and self.coded(e, compress):
+                x3 = C.view3(views[j].view(e.compact_shape(s.index.numel())), e.dim)
+                sc = C.scales_of(x3)
+                C.to_codes_(x3, sc)
+                scales.append(sc)
+            else:
+                scales.append(None)
+        lay = {q: self._clayout(self.routing.send[q], compress) for q in self.peers}
+        wire = _scratch().take(sum(lay[q][0] for q in self.peers), torch.uint8, device)
+        off = j = 0
+        for q in self.peers:
+            size, payload, raw, codes = lay[q]
+            chunk = wire[off:off + size]
+            sc_off, raw_off, code_off = 0, raw, codes
+            for s in self.routing.send[q]:
+                e, v = self.entries[s.entry], views[j]
+                if not self.coded(e, compress):
+                    chunk[raw_off:raw_off + self.esize * s.numel].view(self.dtype).copy_(v)
+                    raw_off += self.esize * s.numel
+                elif compress == "int8":
+                    k = scales[j].numel()
+                    chunk[sc_off:sc_off + C.SCALE_BYTES * k].view(torch.float32).copy_(scales[j])
+                    chunk[code_off:code_off + s.numel].view(torch.int8).copy_(v)
+                    sc_off, code_off = sc_off + C.SCALE_BYTES * k, code_off + s.numel
+                else:
+                    chunk[code_off:code_off + 2 * s.numel].view(torch.bfloat16).copy_(v)
+                    code_off += 2 * s.numel
+                j += 1
+            off += size
+        for s in self.routing.send[r]:  # this rank's own copy: decoded as its receivers decode it
+            e, v = self.entries[s.entry], views[j]
+            if self.coded(e, compress):
+                if compress == "int8":
+                    C.from_codes_(C.view3(v.view(e.compact_shape(s.index.numel())), e.dim), scales[j])
+                else:
+                    v.copy_(v.to(torch.bfloat16))
+            j += 1
+        splits = [lay[q][0] if q != r else 0 for q in range(S)]
+        pays = [lay[q][1] if q != r else 0 for q in range(S)]
+        return wire, splits, pays
+
+    def _decode(self, out: Tensor, compress: str, device) -> Tuple[Tensor, List[int], List[int]]:
+        """Compressed: the received chunks decoded into one flat buffer in rank order."""
+        r, S = self.routing.rank, self.routing.world_size
+        recv = _scratch().take(self.recv_wire_numel, self.dtype, device)
+        lay = {k: self._clayout(self.routing.recv[k], compress) for k in self.peers}
+        off = el = 0
+        for k in self.peers:
+            size, payload, raw, codes = lay[k]
+            chunk = out[off:off + size]
+            sc_off, raw_off, code_off = 0, raw, codes
+            for s in self.routing.recv[k]:
+                e, v = self.entries[s.entry], recv[el:el + s.numel]
+                if not self.coded(e, compress):
+                    v.copy_(chunk[raw_off:raw_off + self.esize * s.numel].view(self.dtype))
+                    raw_off += self.esize * s.numel
+                elif compress == "int8":
+                    n = s.index.numel()
+                    sc = chunk[sc_off:sc_off + C.SCALE_BYTES * n].view(torch.float32)
+                    v.copy_(chunk[code_off:code_off + s.numel].view(torch.int8))
+                    C.from_codes_(C.view3(v.view(e.compact_shape(n)), e.dim), sc)
+                    sc_off, code_off = sc_off + C.SCALE_BYTES * n, code_off + s.numel
+                else:
+                    v.copy_(chunk[code_off:code_off + 2 * s.numel].view(torch.bfloat16))
+                    code_off += 2 * s.numel
+                el += s.numel
+            off += size
+        splits = [lay[k][0] if k != r else 0 for k in range(S)]
+        pays = [lay[k][1] if k != r else 0 for k in range(S)]
+        return recv, splits, pays
+
     def _indices(self, device):
         """The index lists of the pack and unpack, kept on the host whatever ``device`` is: the slice
         ops read CPU index lists without waiting for the device (no device->host sync in a round)."""
         return [s.index.cpu() for s in self.pack], [[s.index.cpu() for s in segs] for segs in self.routing.recv]
 
     def run(self, sources: Dict[int, Tensor], targets: Dict[int, Tensor], *, quantize: bool, device,
-            name: str, round: Optional[int], group, timeout: timedelta, stats: CommStats) -> None:
+            name: str, round: Optional[int], group, timeout: timedelta, stats: CommStats,
+            compress: Optional[str] = None) -> None:
         """sources: entry -> this rank's tensor, viewed as the entry's compact shape;
-        targets: entry -> tensor to write the owner means into (same views, own dtype)."""
+        targets: entry -> tensor to write the owner means into (same views, own dtype).
+        compress: None, "bf16" or "int8" (per slice, :mod:`.compress`; replaces ``quantize``)."""
         F = _functional()
         t_pack = time.perf_counter()
         r, S = self.routing.rank, self.routing.world_size
@@ -182,7 +289,13 @@ class _Mover:
             send = torch.empty(0, dtype=self.dtype, device=device)
         own = send[self.wire_numel:]
 
-        if quantize:
+        if compress is not None:
+            wire, in_splits, sent_pay = self._encode(send, compress, device)
+            out = scratch.take(sum(self._clayout(self.routing.recv[k], compress)[0] for k in self.peers),
+                               torch.uint8, device)
+            out_splits = [self._clayout(self.routing.recv[k], compress)[0] if k != r else 0 for k in range(S)]
+            esize = 1
+        elif quantize:
             # one scale per (this rank, tensor) over everything it sends of that tensor; its own
             # part is dequantised too, so every copy of a slice ends up equal on every rank
             views = torch.split(send, [s.numel for s in self.pack])
@@ -218,10 +331,17 @@ class _Mover:
             name=name, round=round, timeout=timeout, group=group)
         t_unpack = time.perf_counter()
         stats.collectives += 1
-        stats.all_to_all_bytes_sent += sum(in_splits) * esize
-        stats.all_to_all_bytes_received += sum(out_splits) * esize
+        if compress is not None:  # the payload (a chunk's alignment padding is not counted)
+            recv, _, recv_pay = self._decode(out, compress, device)
+            stats.all_to_all_bytes_sent += sum(sent_pay)
+            stats.all_to_all_bytes_received += sum(recv_pay)
+        else:
+            stats.all_to_all_bytes_sent += sum(in_splits) * esize
+            stats.all_to_all_bytes_received += sum(out_splits) * esize
 
-        if quantize:  # decode every peer's chunk into one flat buffer in rank order
+        if compress is not None:
+            pass
+        elif quantize:  # decode every peer's chunk into one flat buffer in rank order
             recv = scratch.take(self.recv_wire_numel, self.dtype, device)
             off = el = 0
             scales_in, fviews = [], []
@@ -284,6 +404,73 @@ def _all_reduce_mean_(tensors: List[Tensor], *, name: str, round, group, timeout
         views = list(torch.split(flat, [t.numel() for t in ts]))
         torch._foreach_copy_(ts, [v.view(t.shape) for v, t in zip(views, ts)])
         stats.unpack_seconds += time.perf_counter() - t_unpack
+
+
+def _compressed_mean_(tensors: List[Tensor], compress: str, *, name: str, round, group, timeout,
+                      stats: CommStats) -> None:
+    """Average ``tensors`` over the group in place, compressed (:mod:`.compress`): per dtype, the
+    flat buffer cut into S chunks; one all_to_all_single sends every rank its chunk of this rank's
+    values, encoded; each rank decodes the S copies of its chunk, sums them in rank order, divides
+    by S and encodes the mean; a second all_to_all_single sends it to every other rank. Equal to
+    :func:`ist_kernels.distributed.compress.two_stage_mean` of the ranks' buffers bit for bit."""
+    S, r = dist.get_world_size(group), dist.get_rank(group)
+    by_dtype: Dict[torch.dtype, List[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype, ts in by_dtype.items():
+        if not dtype.is_floating_point:
+            raise TypeError(f"{name}: can only average floating tensors, got {dtype}")
+        t_pack = time.perf_counter()
+        sizes = [t.numel() for t in ts]
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        chunks = C.chunk_segments(sizes, S)
+        lo = [segs[0][0] if segs else 0 for segs in chunks]
+        hi = [segs[-1][1] if segs else 0 for segs in chunks]
+        pay = [C.chunk_payload(segs, compress) for segs in chunks]
+        enc = {q: C.encode_chunk(flat[lo[q]:hi[q]], chunks[q], compress, lo[q]) for q in range(S) if q != r}
+        C.fake_segments_(flat[lo[r]:hi[r]], chunks[r], compress, lo[r])  # this rank's own copy
+        wire = torch.cat([enc[q] for q in range(S) if q != r]) if S > 1 else torch.zeros(0, dtype=torch.uint8)
+        in_splits = [enc[q].numel() if q != r else 0 for q in range(S)]
+        out_splits = [C.padded(pay[r]) if k != r else 0 for k in range(S)]
+        out = torch.empty(sum(out_splits), dtype=torch.uint8, device=flat.device)
+        stats.pack_seconds += time.perf_counter() - t_pack
+        secs = wait_collective(lambda: dist.all_to_all_single(out, wire, out_splits, in_splits, group=group,
+                                                              async_op=True),
+                               name=f"{name}, stage 1 of 2", round=round, timeout=timeout, group=group)
+        t_mid = time.perf_counter()
+        mine, off = flat[lo[r]:hi[r]], 0
+        acc = None
+        for k in range(S):  # the S copies of this rank's chunk, summed in rank order
+            if k == r:
+                v = mine
+            else:
+                v = C.decode_chunk(out[off:off + out_splits[k]], chunks[r], compress, torch.empty_like(mine), lo[r])
+                off += out_splits[k]
+            acc = v.clone() if acc is None else acc.add_(v)
+        acc.div_(S)
+        own = C.encode_chunk(acc, chunks[r], compress, lo[r])  # acc: now as the others decode it
+        wire2 = own.repeat(S - 1)
+        in2 = [own.numel() if q != r else 0 for q in range(S)]
+        out2_splits = [C.padded(pay[k]) if k != r else 0 for k in range(S)]
+        out2 = torch.empty(sum(out2_splits), dtype=torch.uint8, device=flat.device)
+        mid = time.perf_counter() - t_mid
+        secs += wait_collective(lambda: dist.all_to_all_single(out2, wire2, out2_splits, in2, group=group,
+                                                               async_op=True),
+                                name=f"{name}, stage 2 of 2", round=round, timeout=timeout, group=group)
+        t_unpack = time.perf_counter()
+        flat[lo[r]:hi[r]].copy_(acc)
+        off = 0
+        for k in range(S):
+            if k != r:
+                C.decode_chunk(out2[off:off + out2_splits[k]], chunks[k], compress, flat[lo[k]:hi[k]], lo[k])
+                off += out2_splits[k]
+        views = list(torch.split(flat, sizes))
+        torch._foreach_copy_(ts, [v.view(t.shape) for v, t in zip(views, ts)])
+        stats.collective_seconds[name] = stats.collective_seconds.get(name, 0.0) + secs
+        stats.collectives += 2
+        stats.average_bytes_sent += sum(pay) - pay[r] + (S - 1) * pay[r]
+        stats.average_bytes_received += (S - 1) * pay[r] + sum(pay) - pay[r]
+        stats.unpack_seconds += time.perf_counter() - t_unpack + mid
 
 
 def _plan_masks(plan: SlicePlan, spec, S: int, shared_as_slice: bool, what: str):
@@ -365,23 +552,26 @@ def plan_fingerprint(plan: SlicePlan) -> int:
     return h
 
 
-def _bytes_matrix(entries: List[Entry], src: Tensor, dst: Tensor, chosen) -> Tensor:
+def _bytes_matrix(entries: List[Entry], src: Tensor, dst: Tensor, chosen, compress: Optional[str] = None) -> Tensor:
     """[S, S] float64: bytes rank k sends rank q when k contributes ``src[k]`` and q needs ``dst[q]``
-    (the diagonal is a rank's message to itself, which never goes on the wire)."""
+    (the diagonal is a rank's message to itself, which never goes on the wire); ``compress``: each
+    slice encoded (:func:`.compress.slice_bytes`)."""
     w = torch.zeros(src.shape[1], dtype=torch.float64)
     picked = [e for e in entries if e.name in chosen]
     esize = torch.empty(0, dtype=_buffer_dtype(picked, "plan_bytes")).element_size() if picked else 0
     for e in picked:
-        w[e.base:e.base + e.size] = e.slice_numel * esize
+        w[e.base:e.base + e.size] = C.slice_bytes(compress, e.slice_numel, esize, not e.integral)
     return (src.double() * w) @ dst.double().T
 
 
 def plan_bytes(current: SlicePlan, next: Optional[SlicePlan], spec: Spec, *, storage: str = "decentralized",
-               shared: str = "all_reduce", names: Optional[Sequence[str]] = None) -> List[CommStats]:
+               shared: str = "all_reduce", names: Optional[Sequence[str]] = None,
+               compress: Optional[str] = None) -> List[CommStats]:
     """What every rank's :class:`Exchange` call will move, from the plans alone (no process group):
-    one CommStats per rank (bytes unquantised; ``seconds`` 0)."""
+    one CommStats per rank (bytes without ``quantize``; with the Exchange's ``compress``; ``seconds`` 0)."""
     if storage not in _STORAGE or shared not in _SHARED:
         raise ValueError(f"plan_bytes: storage in {_STORAGE}, shared in {_SHARED}")
+    compress = C.check(compress, "plan_bytes")
     spec = _normalise_spec(spec)
     S = current.num_subnetworks
     chosen = set(names if names is not None else current.names())
@@ -392,18 +582,24 @@ def plan_bytes(current: SlicePlan, next: Optional[SlicePlan], spec: Spec, *, sto
         dst = _plan_masks(next, spec, S, shared == "exact", "next")[1]
     else:
         dst = torch.ones_like(cur)
-    M = _bytes_matrix(entries, cur, dst, chosen)
+    M = _bytes_matrix(entries, cur, dst, chosen, compress)
     diag = M.diagonal()
     sent, recv = (M.sum(1) - diag).tolist(), (M.sum(0) - diag).tolist()
-    ar_bytes, ar_dtypes = 0, set()
+    ar_bytes, ar_sizes = 0, {}
     if shared == "all_reduce":
         for t in current.shared:
             shape, dtype = spec[t.name]
             if t.name in chosen and dtype.is_floating_point:
                 ar_bytes += prod(shape) * torch.empty(0, dtype=dtype).element_size()
-                ar_dtypes.add(dtype)
+                ar_sizes.setdefault(dtype, []).append(prod(shape))
     a2a = 1 if any(e.name in chosen for e in entries) else 0
-    return [CommStats(None, S, a2a + len(ar_dtypes), int(sent[r]), int(recv[r]), ar_bytes) for r in range(S)]
+    if compress is None:
+        return [CommStats(None, S, a2a + len(ar_sizes), int(sent[r]), int(recv[r]), ar_bytes) for r in range(S)]
+    avg = [0] * S  # the two-stage compressed average of the shared tensors (per dtype)
+    for sizes in ar_sizes.values():
+        avg = [a + b for a, b in zip(avg, C.two_stage_bytes(sizes, S, compress))]
+    return [CommStats(None, S, a2a + 2 * len(ar_sizes), int(sent[r]), int(recv[r]), 0,
+                      average_bytes_sent=avg[r], average_bytes_received=avg[r]) for r in range(S)]
 
 
 def _gather_masks(plan: SlicePlan, spec, S: int, dst: int, reduce: str, who: str):
@@ -436,13 +632,16 @@ def gather_bytes(plan: SlicePlan, spec: Spec, *, dst: int = 0, reduce: str = "co
 
 
 def ps_bytes(plan: SlicePlan, spec: Spec, *, download: Optional[SlicePlan] = None,
-             names: Optional[Sequence[str]] = None) -> List[int]:
+             names: Optional[Sequence[str]] = None, compress: Optional[str] = None) -> List[int]:
     """The papers' parameter-server count of one round (paper 000 Table 1, paper 003 Table 1): per
     worker, the bytes of the floating tensors it uploads (its subnetwork under ``plan``: its slices of
     the partitioned tensors, the shared ones whole) plus those it downloads (its subnetwork under
     ``download``, default ``plan``). Local SGD moves 2 full models per worker by this count.
-    Integer tensors (step counters) are not counted, as local SGD does not average them."""
+    Integer tensors (step counters) are not counted, as local SGD does not average them.
+    ``compress``: the values encoded as the exchange encodes them (int8: a scale per slice of a
+    partitioned tensor, one per shared tensor; a one-element slice stays fp32)."""
     spec = _normalise_spec(spec)
+    compress = C.check(compress, "ps_bytes")
     chosen = set(names if names is not None else plan.names())
 
     def held(p: SlicePlan) -> List[int]:
@@ -451,12 +650,13 @@ def ps_bytes(plan: SlicePlan, spec: Spec, *, download: Optional[SlicePlan] = Non
             shape, dtype = spec[t.name]
             if t.name not in chosen or not dtype.is_floating_point:
                 continue
-            full = prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            esize = torch.empty(0, dtype=dtype).element_size()
             for s in range(p.num_subnetworks):
                 if t.shared:
-                    out[s] += full
+                    out[s] += C.slice_bytes(compress, prod(shape), esize)
                 elif t.owners[s].numel():
-                    out[s] += full // shape[t.dim] * t.owners[s].numel() if shape else full
+                    out[s] += (C.slice_bytes(compress, prod(shape) // shape[t.dim], esize) * t.owners[s].numel()
+                               if shape else C.slice_bytes(compress, 1, esize))
         return out
 
     up = held(plan)
@@ -480,7 +680,13 @@ class Exchange:
         owned a slice this round, unchanged elsewhere.
     shared: "all_reduce" (one flat all_reduce; ulp-close) or "exact" (through the all-to-all;
         bit-identical to the simulated path). See the module docstring.
-    quantize: None or "int8" (paper 003 A.5; the all-to-all part only, one scale per slice).
+    quantize: None or "int8" (paper 003 A.5; the all-to-all part only, one scale per (rank, tensor)
+        over what the rank sends of it).
+    compress: None, "bf16" or "int8" (the trainer's ``--compress``; :mod:`.compress`): every value
+        a rank contributes is encoded, its own copy included (no tensor is handed back as it is):
+        int8 with one scale per slice; the shared tensors' ring all_reduce becomes a two-stage
+        compressed average (``shared="exact"``: through the all-to-all, one scale per tensor).
+        Equal to the simulated path that encodes the same values (``ist_kernels.train.comm``).
     Integer tensors: a shared one (a counter such as BN num_batches_tracked) is returned as it is,
     never averaged; a partitioned one (a ResIST block's counter) moves with its slices, exactly, in
     the floating buffer, and takes its owners' maximum (``partition.aggregate_slices_``, as the
@@ -499,7 +705,10 @@ class Exchange:
     def __init__(self, current: SlicePlan, next: Optional[SlicePlan] = None, spec: Optional[Spec] = None, *,
                  storage: str = "decentralized", shared: str = "all_reduce", quantize: Optional[str] = None,
                  round: Optional[int] = None, group=None, timeout: Union[None, float, timedelta] = None,
-                 verify_plans: bool = False, drop_unowned: bool = False):
+                 verify_plans: bool = False, drop_unowned: bool = False, compress: Optional[str] = None):
+        compress = C.check(compress, "Exchange")
+        if compress is not None and quantize is not None:
+            raise ValueError("Exchange: give quantize or compress, not both")
         if storage not in _STORAGE:
             raise ValueError(f"Exchange: storage must be one of {_STORAGE}, got {storage!r}")
         if shared not in _SHARED:
@@ -519,6 +728,7 @@ class Exchange:
                                  f"has {self.world_size} ranks (one subnetwork per rank)")
         self.current, self.next, self.storage, self.shared = current, next, storage, shared
         self.quantize, self.round, self.drop_unowned = quantize, round, drop_unowned
+        self.compress = compress
         self.timeout = collective_timeout(timeout)
         self.last_stats: Optional[CommStats] = None
         self.history: List[CommStats] = []
@@ -565,7 +775,7 @@ class Exchange:
                                f"slice owned by >= 1 subnetwork, but in the {what} plan (round {self.round})",
                                "use storage='replicated' for plans with unowned slices (e.g. Bernoulli masks)")
 
-    def _layout(self, names: Tuple[str, ...], quantized: bool):
+    def _layout(self, names: Tuple[str, ...], quantized: Union[bool, str]):
         key = (names, quantized)
         if key in self._layouts:
             return self._layouts[key]
@@ -583,6 +793,8 @@ class Exchange:
             # a compact tensor that stays with its sole owner is handed back as it is
             nxt = self._nxt_mask[:, cols]
             passthrough = passthrough_entries(sub, cur, nxt, r)
+            if self.compress is not None:  # every copy is encoded, this rank's own too
+                passthrough = []
             flag = torch.zeros(len(sub), dtype=torch.bool)
             flag[passthrough] = True
             keep = torch.repeat_interleave(flag, torch.tensor([e.size for e in sub], dtype=torch.int64))
@@ -609,7 +821,7 @@ class Exchange:
             raise ValueError("Exchange.prepare: needs the spec (given at construction)")
         plan_names = self.current.names()
         chosen = set(plan_names if names is None else names)
-        self._layout(tuple(n for n in plan_names if n in chosen), self.quantize == "int8")
+        self._layout(tuple(n for n in plan_names if n in chosen), self.compress or self.quantize == "int8")
         return self
 
     def _names(self, local: Mapping[str, Tensor], names: Optional[Sequence[str]]) -> Tuple[str, ...]:
@@ -644,7 +856,7 @@ class Exchange:
         if q not in (None, "int8"):
             raise ValueError(f"Exchange: quantize must be None or 'int8', got {q!r}")
         names = self._names(local, names)
-        sub, mover, cur_rows, nxt_rows, ar, passthrough = self._layout(names, q == "int8")
+        sub, mover, cur_rows, nxt_rows, ar, passthrough = self._layout(names, self.compress or q == "int8")
         r = self.rank
         decentral = self.storage == "decentralized"
 
@@ -696,15 +908,19 @@ class Exchange:
         if sub:
             mover.run(sources, targets, quantize=q == "int8", device=device,
                       name="all_to_all_single (partitioned slices)", round=self.round, group=self.group,
-                      timeout=self.timeout, stats=stats)
+                      timeout=self.timeout, stats=stats, compress=self.compress)
         for n in names:
             if n in self._counters and n in local:
                 out[n] = local[n]
-        if ar:
+        if ar and self.compress is not None:
+            _compressed_mean_([local[n] for n in ar], self.compress, name="all_to_all_single (shared tensors' "
+                              "compressed average)", round=self.round, group=self.group, timeout=self.timeout,
+                              stats=stats)
+        elif ar:
             _all_reduce_mean_([local[n] for n in ar], name="all_reduce (shared tensors)", round=self.round,
                               group=self.group, timeout=self.timeout, stats=stats)
-            for n in ar:
-                out[n] = local[n]
+        for n in ar:
+            out[n] = local[n]
         stats.seconds = time.perf_counter() - t0
         self.last_stats = stats
         self.history.append(stats)
@@ -776,16 +992,23 @@ def gather_full_model(local: Mapping[str, Tensor], plan: SlicePlan, spec: Spec, 
 
 @torch.no_grad()
 def average_model_(tensors: Union[Mapping[str, Tensor], Sequence[Tensor]], *, round: Optional[int] = None,
-                   group=None, timeout: Union[None, float, timedelta] = None) -> CommStats:
+                   group=None, timeout: Union[None, float, timedelta] = None,
+                   compress: Optional[str] = None) -> CommStats:
     """The local-SGD baseline: average the whole model over the group in place, one flat all_reduce
-    (per dtype). Returns what it moved."""
+    (per dtype); ``compress`` ("bf16", "int8"): the two-stage compressed average instead
+    (:mod:`.compress`; equal to ``compress.two_stage_mean`` bit for bit). Returns what it moved."""
+    compress = C.check(compress, "average_model_")
     t0 = time.perf_counter()
     ts = list(tensors.values()) if isinstance(tensors, Mapping) else list(tensors)
     bad = [i for i, t in enumerate(ts) if not t.is_contiguous()]
     if bad:
         raise ValueError(f"average_model_: tensors are averaged in place and must be contiguous (not: {bad[:8]})")
     st = CommStats(round, dist.get_world_size(group))
-    _all_reduce_mean_(ts, name="all_reduce (local SGD, full model)", round=round, group=group,
-                      timeout=collective_timeout(timeout), stats=st)
+    if compress is not None:
+        _compressed_mean_(ts, compress, name="all_to_all_single (local SGD, compressed average)", round=round,
+                          group=group, timeout=collective_timeout(timeout), stats=st)
+    else:
+        _all_reduce_mean_(ts, name="all_reduce (local SGD, full model)", round=round, group=group,
+                          timeout=collective_timeout(timeout), stats=st)
     st.seconds = time.perf_counter() - t0
     return st

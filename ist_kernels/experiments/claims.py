@@ -191,7 +191,8 @@ def rows_speed(doc: Optional[Dict]) -> List[List[str]]:
                  else "loopback (no emulated link on the machine that ran it)")
         model = cells[0]["model"]
         scale = [r for r in doc.get("scale", []) if r["method"] == method and r["workers"] in (4, 8)
-                 and r["bandwidth_bps"] == 1e9 and r.get("speedup_vs_localsgd")]
+                 and r["bandwidth_bps"] == 1e9 and r.get("speedup_vs_localsgd")
+                 and r.get("compress", "none") == "none"]
         model_note = ("; the cost model per round at 1 Gbit/s: " + ", ".join(
             f"S={r['workers']} {r['speedup_vs_localsgd']:.2f}x ({r['model']})" for r in scale)) if scale else ""
         meas = (f"speed-up in time to local SGD's target accuracy (digits, {model}, real processes over a {where}): "

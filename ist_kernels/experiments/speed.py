@@ -73,6 +73,10 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
 QUICK = dict(width={"cnn": 4, "mlp": 256}, rounds=3, local_steps=2)
 #: --quick runs these methods (one of each kind) unless --methods says otherwise
 QUICK_METHODS = ("localsgd", "loft", "resist", "ist")
+#: --compress's default: every method that compresses runs uncompressed and with these
+COMPRESS = ("none", "int8", "bf16")
+#: --quick runs its compressed modes (int8) for these methods only (one compressed row per link)
+QUICK_COMPRESSED = ("resist",)
 
 RUN_TIMEOUT_S = 1200  # one run's processes (bounded; a stuck run is killed and reported)
 
@@ -106,8 +110,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target", type=float, default=None, help="target test accuracy (default: --target-fraction)")
     p.add_argument("--target-fraction", type=float, default=0.98,
                    help="target = this fraction of local SGD's final accuracy (same workload, S, seed)")
-    p.add_argument("--compress", type=C.names, default=["none"],
-                   help="the trainer's --compress modes to run the subnetwork methods and local SGD with")
+    p.add_argument("--compress", type=C.names, default=None,
+                   help="the trainer's --compress modes to run the subnetwork methods and local SGD with (default: "
+                        f"{','.join(COMPRESS)}; --quick: none,int8, int8 for {', '.join(QUICK_COMPRESSED)} only)")
     p.add_argument("--no-scale", action="store_true", help="skip the 1,024-worker table")
     p.add_argument("--device-tflops", type=float, default=10.0,
                    help="sustained FLOP rate of a worker in the scale table, TFLOP/s (default 10: a V100, "
@@ -142,6 +147,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         args.latency_s = L.parse_time(args.latency)
     except ValueError as e:
         p.error(str(e))
+    if args.compress is None:
+        args.compress = ["none", "int8"] if args.quick else list(COMPRESS)
+    bad = [c for c in args.compress if c not in COMPRESS]
+    if bad or "none" not in args.compress:
+        p.error(f"--compress: each of {', '.join(COMPRESS)}, none among them (the uncompressed runs are the "
+                f"baseline), got {','.join(args.compress)}")
     if args.methods is not None:
         unknown = [m for m in args.methods if m not in METHODS]
         if unknown:
@@ -206,7 +217,8 @@ def cells(args) -> Tuple[List[Tuple], List[str]]:
             for S in args.workers:
                 for link in args.links:
                     for comp in args.compress:
-                        if comp != "none" and not compresses(m):
+                        if comp != "none" and (not compresses(m) or args.quick and m not in QUICK_COMPRESSED
+                                               and args.methods is None):
                             continue
                         for seed in args.seeds:
                             out.append((c, S, link, m, comp, seed))
@@ -468,13 +480,14 @@ def scale_table(args, models: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
             fits = m["limit"] is None or S <= m["limit"]
             k = cost.resist_owners(S, m["blocks"], m["min_depth"]) if m["method"] == "resist" else 1.0
             # the exchange sends weights only (momentum reset each round): the param half of the split
-            wb = cost.subnet_round_bytes(part / 2, shared / 2, S, k) if fits else None
             sub_step = fixed + (m["shared_flops"] + m["partitioned_flops"] * k / S) / rate
-            for g in SCALE_GBPS:
+            for g, comp in ((g, comp) for comp in args.compress for g in SCALE_GBPS):
+                wb = cost.subnet_round_bytes(part / 2, shared / 2, S, k, compress=comp) if fits else None
                 link = cost.Link(g * 1e9, 0.0)
                 ls = cost.predict_round(steps=tau, step_s=full_step, link=link, latencies=2 * (S - 1),
-                                        bytes_per_rank=cost.localsgd_round_bytes(avg_bytes, S))
-                base = {"model": m["model"], "dataset": m["dataset"], "workers": S, "bandwidth_bps": g * 1e9}
+                                        bytes_per_rank=cost.localsgd_round_bytes(avg_bytes, S, compress=comp))
+                base = {"model": m["model"], "dataset": m["dataset"], "workers": S, "bandwidth_bps": g * 1e9,
+                        "compress": comp}
                 rows.append({**base, "method": "localsgd", "round_time_s": ls.total, "compute_s": ls.compute,
                              "bytes_per_round": ls.bytes_per_rank, "rank_state_bytes": m["state_bytes"],
                              "speedup_vs_localsgd": 1.0})
@@ -528,14 +541,14 @@ def markdown(args, runs, scale, skipped, errors, link_note) -> str:
                f"round, {args.device_tflops:g} TFLOP/s per worker plus {args.step_overhead_ms:g} ms per step, no latency", "",
                "Per round: bytes a rank sends, its state (weights, buffers, momentum), the round's time and the "
                "speed-up over local SGD of the same model (per round).", "",
-               "| model | method | S | Gbit/s | MB / round / rank | state / rank (MB) | s / round | speed-up |",
-               "|---|---|---|---|---|---|---|---|"]
+               "| model | method | compress | S | Gbit/s | MB / round / rank | state / rank (MB) | s / round | speed-up |",
+               "|---|---|---|---|---|---|---|---|---|"]
         for r in scale:
             if r["method"] == "localsgd" and r["bandwidth_bps"] != 1e9:
                 continue
             if r["workers"] not in (2, 8, 64, 1024):
                 continue
-            L_.append(f"| {r['model']} | {r['method']} | {r['workers']} | {r['bandwidth_bps'] / 1e9:g} | "
+            L_.append(f"| {r['model']} | {r['method']} | {r['compress']} | {r['workers']} | {r['bandwidth_bps'] / 1e9:g} | "
                       f"{_f(None if r['bytes_per_round'] is None else r['bytes_per_round'] / 1e6, '.4g')} | "
                       f"{_f(None if r['rank_state_bytes'] is None else r['rank_state_bytes'] / 1e6, '.4g')} | "
                       f"{_f(r['round_time_s'], '.3g')} | {_f(r['speedup_vs_localsgd'], '.2f', r.get('note', '—'))} |")

@@ -12,6 +12,13 @@ workers put on the wire: all-to-all bytes to other ranks plus the ring all-reduc
 of each all-reduced buffer; ``gathered``: assembling the full model for evaluation or saving,
 counted apart; the parameter-server count of the papers is a model of traffic, not traffic, and
 comes from :meth:`ps_bytes`.
+
+Compression (``--compress bf16|int8``, :mod:`ist_kernels.distributed.compress`): what a worker
+sends is encoded and its receivers decode it; the worker's own copy is replaced by the decoded
+value too. Distributed, the collectives move the encoded bytes; simulated, the same encode-decode
+is applied to each worker's values (:meth:`compress_contributions`, :meth:`average_models_`) in
+the same order, so both give the same model bit for bit, and both count the encoded bytes (scales
+included), in both conventions.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..distributed import Exchange, average_model_, gather_bytes, gather_full_model, plan_bytes, ps_bytes
+from ..distributed import Exchange, average_model_, compress as C, gather_bytes, gather_full_model, plan_bytes, ps_bytes
 from ..distributed.group import collective_timeout, wait_collective
 from ..distributed.quantize import decode, encode
 from .timing import Clock
@@ -41,7 +48,9 @@ class Comm:
     """
 
     def __init__(self, *, world_size: int, rank: int, distributed: bool, local_workers: Sequence[int],
-                 shared: str, clock: Clock):
+                 shared: str, clock: Clock, compress: str = "none"):
+        #: None, "bf16" or "int8": how the exchanges and averages of the rounds encode what they send
+        self.compress = C.check(compress, "Comm")
         self.world_size = world_size
         self.rank = rank
         self.distributed = distributed
@@ -83,42 +92,113 @@ class Comm:
     # ---- slices of subnetworks ------------------------------------------------------------------
     def exchange(self, current, next, spec, local: Mapping[str, Tensor], *, round: int,
                  names: Optional[Sequence[str]] = None, storage: str = "decentralized",
-                 shared: Optional[str] = None, drop_unowned: bool = False) -> Dict[str, Tensor]:
+                 shared: Optional[str] = None, drop_unowned: bool = False,
+                 compress: Optional[str] = None) -> Dict[str, Tensor]:
         """Distributed: move this rank from its part of plan ``current`` to its part of ``next``
         (``ist_kernels.distributed.Exchange``; replicated storage: owner-average the full tensors in
         place). ``shared``: how shared tensors are averaged (default: the run's ``--shared``).
+        ``compress``: encode what is sent (pass :attr:`compress` for the rounds' exchanges).
         Returns this rank's tensors for the next round."""
         if not self.distributed:
             raise RuntimeError("Comm.exchange needs a distributed run; simulated runs aggregate in process "
                                "and count with Comm.count_exchange")
         ex = Exchange(current, next, spec, storage=storage, shared=shared or self.shared, round=round,
-                      drop_unowned=drop_unowned)
+                      drop_unowned=drop_unowned, compress=compress)
         out = ex(local, names=names)
         self._sent(ex.last_stats.bytes_sent)
         self._charge(ex.last_stats)
         return out
 
     def count_exchange(self, current, next, spec, *, names: Optional[Sequence[str]] = None,
-                       storage: str = "decentralized", shared: Optional[str] = None) -> None:
+                       storage: str = "decentralized", shared: Optional[str] = None,
+                       compress: Optional[str] = None) -> None:
         """Simulated: count what :meth:`exchange` would send for this process's workers."""
         if self.world_size < 2:
             return
         with self.clock("metrics"):
-            stats = plan_bytes(current, next, spec, storage=storage, shared=shared or self.shared, names=names)
+            stats = plan_bytes(current, next, spec, storage=storage, shared=shared or self.shared, names=names,
+                               compress=compress)
             for s in self.local_workers:
                 self._sent(stats[s].bytes_sent, [s])
 
-    def ps_bytes(self, plan, spec, *, names: Optional[Sequence[str]] = None, download=None) -> int:
+    def ps_bytes(self, plan, spec, *, names: Optional[Sequence[str]] = None, download=None,
+                 compress: Optional[str] = None) -> int:
         """The papers' parameter-server bytes of this process's workers in a round of ``plan``
-        (each uploads its subnetwork and downloads its next one, or ``download``'s part)."""
+        (each uploads its subnetwork and downloads its next one, or ``download``'s part), encoded
+        as ``compress`` encodes them."""
         with self.clock("metrics"):
-            per = ps_bytes(plan, spec, names=names, download=download)
+            per = ps_bytes(plan, spec, names=names, download=download, compress=compress)
             return sum(per[s] for s in self.local_workers)
 
     def ps_bytes_of(self, plan, spec, worker: int, *, names: Optional[Sequence[str]] = None) -> int:
         """:meth:`ps_bytes` of one worker."""
         with self.clock("metrics"):
             return ps_bytes(plan, spec, names=names)[worker]
+
+    def model_ps_bytes(self, tensors: Sequence[Tensor]) -> int:
+        """The parameter-server bytes of one worker that uploads and downloads ``tensors`` (local
+        SGD), encoded as the run's ``--compress`` encodes them (int8: one scale per tensor)."""
+        return 2 * sum(C.slice_bytes(self.compress, t.numel(), t.element_size(), t.is_floating_point())
+                       for t in tensors)
+
+    # ---- compression of the simulated rounds ------------------------------------------------------
+    @torch.no_grad()
+    def compress_contributions(self, plan, contributions: Sequence[Mapping[str, Tensor]]
+                               ) -> Dict[str, Tensor]:
+        """Simulated subnetwork rounds under ``--compress``: in place, every worker's tensors (plan
+        name -> its compact tensor in the plan's view, workers in rank order) become what the
+        compressed exchange's receivers decode: partitioned tensors slice by slice; shared ones with
+        ``--shared exact`` as one slice. With the ring all_reduce (default), the shared tensors are
+        left as they are and their two-stage compressed mean is returned (name -> tensor): write it
+        over the aggregate's shared tensors."""
+        if self.compress is None or self.world_size < 2:
+            return {}
+        with self.clock("pack"):
+            for t in plan.tensors:
+                for c in contributions:
+                    x = c.get(t.name)
+                    if x is None:
+                        continue
+                    if not t.shared:
+                        C.fake_(x, t.dim, self.compress)
+                    elif self.shared == "exact":
+                        C.fake_(x.reshape(1, -1), 0, self.compress)
+            shared = [t.name for t in plan.tensors if t.shared and t.name in contributions[0]
+                      and contributions[0][t.name].is_floating_point()]
+            out: Dict[str, Tensor] = {}
+            if self.shared == "exact" or not shared:
+                return out
+            by_dtype: Dict[torch.dtype, List[str]] = {}
+            for n in shared:
+                by_dtype.setdefault(contributions[0][n].dtype, []).append(n)
+            for names in by_dtype.values():
+                sizes = [contributions[0][n].numel() for n in names]
+                flats = [torch.cat([c[n].reshape(-1) for n in names]) for c in contributions]
+                mean = C.two_stage_mean(flats, sizes, self.compress)
+                for n, v in zip(names, mean.split(sizes)):
+                    out[n] = v.view_as(contributions[0][n])
+            return out
+
+    @torch.no_grad()
+    def compress_held(self, trained, stored, tensors: Mapping[str, Tensor]) -> None:
+        """Simulated decentralized rounds under ``--compress``: the slices a rank stores but no
+        subnetwork trained (``stored`` minus ``trained``, e.g. Bernoulli masks' unowned neurons)
+        pass through the exchange encoded too; in place in the global ``tensors`` (plan view)."""
+        if self.compress is None or self.world_size < 2 or stored is trained:
+            return
+        with self.clock("pack"):
+            owned = {t.name: t for t in trained.partitioned}
+            for t in stored.partitioned:
+                x = tensors[t.name]
+                held = torch.zeros(x.shape[t.dim], dtype=torch.bool)
+                for o in t.owners:
+                    held[o.cpu()] = True
+                for o in owned[t.name].owners:
+                    held[o.cpu()] = False
+                rows = held.nonzero().flatten().to(x.device)
+                if rows.numel():
+                    part = x.index_select(t.dim, rows)
+                    x.index_copy_(t.dim, rows, C.fake_(part, t.dim, self.compress))
 
     # ---- the full model ---------------------------------------------------------------------------
     def gather_full(self, local: Mapping[str, Tensor], plan, spec, *, round: int) -> Optional[Dict[str, Tensor]]:
@@ -145,9 +225,21 @@ class Comm:
             return
         if self.distributed:
             (ts,) = copies
-            st = average_model_(list(ts), round=round)
+            st = average_model_(list(ts), round=round, compress=self.compress)
             self._sent(st.bytes_sent)
             self._charge(st)
+            return
+        if self.compress is not None:  # the two-stage compressed average, as every rank gets it
+            with self.clock("pack"):
+                sizes = [t.numel() for t in copies[0]]
+                mean = C.two_stage_mean([torch.cat([t.reshape(-1) for t in ts]) for ts in copies], sizes,
+                                        self.compress)
+            with self.clock("unpack"):
+                for ts in copies:
+                    torch._foreach_copy_(list(ts), [v.view_as(t) for v, t in zip(mean.split(sizes), ts)])
+            per = C.two_stage_bytes(sizes, self.world_size, self.compress)
+            for s in self.local_workers:
+                self._sent(per[s], [s])
             return
         with self.clock("pack"):
             total = torch.cat([t.reshape(-1) for t in copies[0]])

@@ -26,16 +26,17 @@ BACKENDS = ("auto", "gloo", "nccl")
 STORAGES = ("decentralized", "replicated")
 SHARED = ("all_reduce", "exact")
 OUTER_OPTIMIZERS = ("none", "nesterov")
+COMPRESS = ("none", "bf16", "int8")  # ist_kernels.distributed.compress.COMPRESS (checked by a test)
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # larger values overflow the backends' millisecond timeouts
 # the values an option takes, where they are a fixed list (--help shows them)
 CHOICES = {"precision": PRECISIONS, "lr_schedule": LR_SCHEDULES, "backend": BACKENDS, "storage": STORAGES,
-           "shared": SHARED, "outer_optimizer": OUTER_OPTIMIZERS}
+           "shared": SHARED, "outer_optimizer": OUTER_OPTIMIZERS, "compress": COMPRESS}
 # --help's sections: every option of TrainConfig in exactly one
 GROUPS = {
     "data": ("dataset", "data_path", "augment", "dataset_size", "context"),
     "model": ("model", "width", "depth"),
-    "method": ("method", "prune_ratio", "options", "storage", "shared", "outer_optimizer", "outer_lr", "outer_momentum",
-               "baseline"),
+    "method": ("method", "prune_ratio", "options", "storage", "shared", "compress", "outer_optimizer",
+               "outer_lr", "outer_momentum", "baseline"),
     "training": ("local_steps", "rounds", "epochs", "batch_size", "eval_batch_size", "lr", "lr_schedule",
                  "lr_warmup_rounds", "lr_milestones", "lr_gamma", "momentum", "nesterov", "weight_decay", "seed",
                  "precision", "eval_interval"),
@@ -89,6 +90,10 @@ class TrainConfig:
                                 "momentum travels with it to its next owner) or none")
     outer_lr: float = _opt(0.7, "--outer-optimizer nesterov: outer learning rate (DiLoCo's 0.7)")
     outer_momentum: float = _opt(0.9, "--outer-optimizer nesterov: outer momentum (DiLoCo's 0.9)")
+    compress: str = _opt("none", "encode what the rounds send: none, bf16 (2 bytes a value) or int8 (1 byte a "
+                         "value and a fp32 scale per slice / segment); the exchanges of the subnetwork methods "
+                         "and the averages of local SGD (not ddp's gradients); simulated and distributed runs "
+                         "give the same model")
     max_rank_state_mb: Optional[float] = _opt(None, "fail the run when a rank holds more than this many MB "
                                               "(10^6 bytes) of parameters, buffers and optimizer state")
     threads: Optional[int] = _opt(None, "CPU threads per process (default: torch's; spawned workers share the cores)")
@@ -248,6 +253,18 @@ class TrainConfig:
             raise ConfigError("outer_lr", f"must be a finite number > 0, got {self.outer_lr}")
         if not (0 <= self.outer_momentum < 1):
             raise ConfigError("outer_momentum", f"must be in [0, 1), got {self.outer_momentum}")
+        if self.compress not in COMPRESS:
+            raise ConfigError("compress", f"--compress must be one of {', '.join(COMPRESS)}, got {self.compress!r}")
+        if self.compress != "none" and self.method == "ddp":
+            raise ConfigError("compress", f"--compress {self.compress}: ddp averages gradients inside torch's "
+                              "DistributedDataParallel, which sends them uncompressed; use --compress none")
+        if self.compress != "none" and self.method == "diloco":
+            raise ConfigError("compress", f"--compress {self.compress}: diloco codes its pseudo-gradients itself; "
+                              "use --option outer_grad=bf16 or outer_grad=int8 (and --compress none)")
+        if self.compress != "none" and self.outer_optimizer != "none":
+            raise ConfigError("compress", f"--compress {self.compress} with --outer-optimizer {self.outer_optimizer}: "
+                              "not supported together (the outer step would act on coded values in one launch mode "
+                              "and before coding in the other); use one of them")
         if self.max_rank_state_mb is not None and not (self.max_rank_state_mb > 0 and
                                                        math.isfinite(self.max_rank_state_mb)):
             raise ConfigError("max_rank_state_mb", f"must be a finite number > 0, got {self.max_rank_state_mb}")

@@ -30,6 +30,13 @@ A method drives them through its worker view (``ctx``: :class:`ist_kernels.train
 and never touches communication or counters itself: every byte goes through ``ctx.comm`` and every
 second into ``ctx.clock`` (:mod:`.timing`).
 
+Compression (``--compress bf16|int8``, ``ctx.comm.compress``): every round's exchange of weights and
+every local-SGD average encode what a worker sends (its own copy too); the simulated path encodes
+the same values (``plan.compact(sub)`` or ``plan.tensors_of(sub)``: a subnetwork's tensors in the
+plan's view) before aggregating them. Momentum (``momentum_state=aggregate``) and the one-time moves
+of pruning travel uncompressed. Nothing is kept between rounds (no error feedback): resume stays
+exact.
+
 Momentum (option ``momentum_state``): ``"reset"`` (default; paper 000 Algorithm 1 and the ResIST
 reference code aggregate only the weights) starts every subnetwork's round with empty optimizer
 state; ``"aggregate"`` slices the SGD momentum with the weights and aggregates / exchanges it too
@@ -233,6 +240,7 @@ class SubnetRounds:
         # --outer-optimizer nesterov: name -> outer momentum (decentralized: of this rank's stored slices)
         self.outer_on = ctx.hp.outer_optimizer == "nesterov"
         self.outer: Dict[str, Tensor] = {}
+        self.compress = ctx.comm.compress if ctx.num_workers > 1 else None
 
     # ---- the outer optimizer (--outer-optimizer nesterov)
     def _outer_names(self, plan) -> Tuple[List[str], List[str]]:
@@ -284,8 +292,8 @@ class SubnetRounds:
         nxt = plan if last else self.plan(r + 1)
         ctx = self.ctx
         with ctx.clock("metrics"):
-            ps = (ctx.comm.ps_bytes(plan.slices, self.spec, download=getattr(plan, "ps_download", None))
-                  if ctx.num_workers > 1 else 0)
+            ps = (ctx.comm.ps_bytes(plan.slices, self.spec, download=getattr(plan, "ps_download", None),
+                                    compress=self.compress) if ctx.num_workers > 1 else 0)
             if self.aggregate_momentum and ctx.num_workers > 1:
                 ps += ctx.comm.ps_bytes(plan.slices, self.spec, names=self.param_names)
             if self.outer_on and self.storage == "decentralized" and ctx.num_workers > 1:
@@ -340,7 +348,8 @@ class SubnetRounds:
                 # owners with its momentum (the step is linear: the owners' mean of the stepped slices
                 # and momenta is the step of their mean); shared tensors take it after their average
                 self._outer_(trained, prev, part_names)
-            self.part = ctx.comm.exchange(self.stored(plan), self.stored(nxt), self.spec, trained, round=r + 1)
+            self.part = ctx.comm.exchange(self.stored(plan), self.stored(nxt), self.spec, trained, round=r + 1,
+                                          compress=self.compress)
             if self.outer_on:
                 moved = ctx.comm.exchange(self.stored(plan), self.stored(nxt), self.spec,
                                           {n: self.outer[n] for n in part_names if n in self.outer},
@@ -378,13 +387,24 @@ class SubnetRounds:
                 if self.outer_on:  # the momentum and the previous model of what the worker stores
                     state[sub.index] += (outer_state if replicated else ctx.comm.ps_bytes_of(
                         self.stored(plan), self.spec, sub.index, names=part_names + shared_names))
+        shared_means = {}
+        if self.compress is not None and not ctx.distributed:  # what the compressed exchange delivers
+            compact = getattr(plan, "compact", None) or plan.tensors_of
+            shared_means = ctx.comm.compress_contributions(plan.slices, [compact(sub) for sub in mine])
         with ctx.clock("unpack"):
             plan.aggregate(mine, self.optimizer)
         model = self.tensors()
+        if self.compress is not None and not ctx.distributed:
+            with ctx.clock("unpack"), torch.no_grad():
+                for n, v in shared_means.items():
+                    model[n].copy_(v)
+            if not replicated:
+                ctx.comm.compress_held(plan.slices, self.stored(plan), model)
         mom = momentum_of(self.model.named_parameters(), self.optimizer) if self.optimizer is not None else {}
         if ctx.distributed:  # replicated storage
             with ctx.clock("plan"):
-                ctx.comm.exchange(plan.slices, None, None, model, storage="replicated", round=r + 1)
+                ctx.comm.exchange(plan.slices, None, None, model, storage="replicated", round=r + 1,
+                                  compress=self.compress)
                 if mom:
                     ctx.comm.exchange(plan.slices, None, None, mom, names=list(mom), storage="replicated",
                                       round=r + 1)
@@ -396,9 +416,10 @@ class SubnetRounds:
             with ctx.clock("plan"):
                 self._outer_(self.tensors(), prev, part_names + shared_names)
         cur = plan.slices if replicated else self.stored(plan)
-        for names in [list(model)] + ([list(mom)] if mom else []):
+        for names, comp in [(list(model), self.compress)] + ([(list(mom), None)] if mom else []):
             # the momentum buffers have their parameters' shapes: the model is the spec for both
-            ctx.comm.count_exchange(cur, self.stored(nxt), self.spec, storage=self.storage, names=names)
+            ctx.comm.count_exchange(cur, self.stored(nxt), self.spec, storage=self.storage, names=names,
+                                    compress=comp)
         if self.outer_on and self.storage == "decentralized":  # partitioned slices' momentum moves with them
             ctx.comm.count_exchange(cur, self.stored(nxt), self.spec, storage=self.storage, names=part_names)
         return loss, state
@@ -499,7 +520,7 @@ class LocalModels:
                 outer_from_previous_(first, prev, self.outer, hp.outer_lr, hp.outer_momentum)
                 for s in workers[1:]:
                     torch._foreach_copy_(self._params[s], first)
-        ps = sum(2 * flat_bytes(self._averaged[s]) for s in workers) if ctx.num_workers > 1 else 0
+        ps = sum(ctx.comm.model_ps_bytes(self._averaged[s]) for s in workers) if ctx.num_workers > 1 else 0
         return RoundResult(loss, len(workers) * ctx.local_steps, extra=None if phase is None else
                            {"phase": phase}, ps_bytes=ps, state_bytes=state)
 

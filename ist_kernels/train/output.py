@@ -258,7 +258,8 @@ def summary_table(summaries: Sequence[Dict[str, Any]]) -> str:
     for s in summaries:
         acc = "-" if s.get("accuracy") is None else f"{100 * s['accuracy']:.2f}%"
         loss = "-" if s.get("test_loss") is None else f"{s['test_loss']:.4f}"
-        row = [s["method"], s["model"], f"{s['workers']} ({s['mode']})", str(s["rounds"]), acc, loss,
+        comp = s.get("compress", "none")
+        row = [s["method"] + ("" if comp == "none" else f" ({comp})"), s["model"], f"{s['workers']} ({s['mode']})", str(s["rounds"]), acc, loss,
                f"{s['train_time']:.1f}", human_bytes(s["total_bytes"]), human_bytes(s["bytes_per_round"]),
                human_bytes(s["ps_bytes_per_round"]),
                f"{human_bytes(s['rank_state_bytes'])} of {human_bytes(s['full_state_bytes'])}"]

@@ -218,7 +218,7 @@ def _write_outputs(cfg, world, method, model, hist, final_gather, rounds, out_di
     summary = {
         "method": cfg.method, "model": cfg.model, "dataset": cfg.dataset, "workers": S,
         "mode": "simulated" if world.simulated else ("distributed" if world.distributed else "single"),
-        "storage": cfg.storage, "shared": cfg.shared,
+        "storage": cfg.storage, "shared": cfg.shared, "compress": cfg.compress,
         "rounds": final["round"], "finished": final["round"] == rounds,
         "accuracy": final.get("accuracy"), "test_loss": final.get("test_loss"),
         **({"bits_per_byte": final["bits_per_byte"]} if "bits_per_byte" in final else {}),

@@ -96,7 +96,8 @@ class RunContext:
         sync = (lambda: torch.cuda.synchronize(world.device)) if world.device.type == "cuda" else None
         self.clock = Clock(sync)
         self.comm = Comm(world_size=cfg.num_workers, rank=world.rank, distributed=world.distributed,
-                         local_workers=self.local_workers, shared=cfg.shared, clock=self.clock)
+                         local_workers=self.local_workers, shared=cfg.shared, clock=self.clock,
+                         compress=cfg.compress)
         self._scalers: Dict[int, Any] = {}  # worker -> torch.amp.GradScaler (--precision fp16)
         dtype = AUTOCAST_DTYPES.get(cfg.precision)
         if dtype is not None and not _autocasts(self.device.type, dtype):

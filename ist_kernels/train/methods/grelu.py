@@ -91,6 +91,10 @@ class RowPlan:
         return {s: _RowSub(s, RowSubnet(self.model, {n: owners[s] for n, owners in self.rows.items()}))
                 for s in self.workers}
 
+    def compact(self, sub):
+        """Plan name -> the subnetwork's compact rows (sharing storage)."""
+        return {n: t.detach() for n, t in sub.module.compact.items()}
+
     def aggregate(self, subs, optimizer=None):
         full = dict(self.model.named_parameters())
         with torch.no_grad():  # each row from its (single) owner

@@ -122,6 +122,12 @@ class NeuronPlan:
         params = m.net.extract_all(mine)
         return {s: _Sub(s, SubnetModule(m.net, p, ns), p, ns) for s, p, ns in zip(m.workers, params, mine)}
 
+    def compact(self, sub):
+        """Plan name -> the subnetwork's compact tensor in the plan's view (sharing storage)."""
+        net = self.method.net
+        return {name: net.exchange_view(name, p.detach())
+                for (name, _, _), p in zip(net.compact_layout(sub.neurons), sub.params)}
+
     def aggregate(self, subs, optimizer=None):
         self.method.net.aggregate_([sub.params for sub in subs], [sub.neurons for sub in subs])
 
