@@ -411,6 +411,11 @@ def test_transformer_quick(tmp_path):
         {v: by[v]["final_bits_per_byte"] for v in by}, rel=1e-4)
     md = (tmp_path / "transformer.md").read_text()
     assert "At equal bytes" in md and "At equal wall-clock" in md
+    # the claims rows (DiLoCo against DDP, the subnetworks against local SGD and DiLoCo) read this JSON
+    rows = claims.rows_transformer(doc)
+    assert len(rows) == 2 and all(r[1] != "not run" and r[2] != "—" for r in rows)
+    assert f"DDP sends {by['ddp']['bytes_per_round'] / by['diloco']['bytes_per_round']:.1f}x" in rows[0][1]
+    assert all(r[1] == "not run" for r in claims.rows_transformer(None))
 
 
 def test_transformer_best_within():

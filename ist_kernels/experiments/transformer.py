@@ -55,7 +55,7 @@ VARIANTS: Dict[str, Tuple[str, List[str], List[str]]] = {
 #: the subnetwork variants and their outer-optimizer twins
 OUTER_PAIRS = [("ist-ffn", "ist-ffn+nesterov"), ("heads", "heads+nesterov"),
                ("resist-layers", "resist-layers+nesterov")]
-QUICK_VARIANTS = ("ist-ffn", "heads", "resist-layers", "diloco", "localsgd")
+QUICK_VARIANTS = ("ist-ffn", "heads", "resist-layers", "diloco", "localsgd", "ddp")
 
 #: the workload (digits of the MLP experiments do not apply: a byte-level language model)
 #: (gpt_tiny: width 128 = 4 heads of 32, so heads partition at S = 2 and 4; 4 blocks, 2 of them dealt by ResIST)
