@@ -101,3 +101,69 @@ def test_subnet_linear_cpu(benchmark, peaks, keep, provider, backward):
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_subnet_linear_cuda(benchmark, peaks, keep, provider, backward):
     bench_one(benchmark, peaks, 8192, 8192, 8192, keep, torch.bfloat16, provider, backward)
+
+
+# ---- One round of tau local steps of one subnetwork (issue 19 item 3): the round as IST trains it
+# (SubnetMLP.compact: one planned gather, tau dense steps on compact tensors, one planned scatter)
+# against a hand-compacted dense MLP of the same shapes (tau steps, no gather, no scatter: the
+# floor) and against the per-call path (tau steps of model(x, neurons) through subnet_linear, whose
+# gradients are full-size). SGD, ReLU hidden layers, biases, a trained output layer.
+ROUND = dict(cpu=dict(batch=256, in_features=256, width=2048, depth=2, out=10, S=4, tau=8),
+             cuda=dict(batch=4096, in_features=1024, width=16384, depth=2, out=10, S=4, tau=8))
+ROUND_PROVIDERS = ["ist_kernels SubnetMLP.compact (gather, tau steps, scatter)", "hand-compacted dense MLP (tau steps)",
+                   "per call subnet_linear (model(x, neurons))"]
+
+
+def round_problem():
+    from ist_kernels.nn import SubnetMLP
+    from ist_kernels.partition import categorical_partition, round_generator
+
+    c = ROUND[DEVICE]
+    g = torch.Generator().manual_seed(0)
+    model = SubnetMLP(c["in_features"], c["width"], c["depth"], c["out"], bias=True, train_output=True,
+                      generator=g).to(DEVICE)
+    neurons = [categorical_partition(c["width"], c["S"], round_generator(seed=0, round=l), balanced=True)[0]
+               for l in range(c["depth"])]
+    x = torch.randn(c["batch"], c["in_features"], generator=g).to(DEVICE)
+    y = torch.randn(c["batch"], c["out"], generator=g).to(DEVICE)
+    return model, neurons, x, y, c
+
+
+def sgd_steps(module_or_fn, params, x, y, tau, lr=1e-3):
+    for _ in range(tau):
+        loss = (module_or_fn(x) - y).square().sum()
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            torch._foreach_add_(params, grads, alpha=-lr)
+
+
+@pytest.mark.parametrize("provider", ROUND_PROVIDERS)
+def test_round_of_local_steps(benchmark, peaks, provider):
+    model, neurons, x, y, c = round_problem()
+    n = [len(i) for i in neurons]
+    fan = [c["in_features"]] + n[:-1]
+    # FLOPs of the subnetwork's tau steps (forward + backward of every layer: 6 * batch * in * out)
+    flops = c["tau"] * 6 * c["batch"] * (sum(a * b for a, b in zip(fan, n)) + n[-1] * c["out"])
+    if provider == ROUND_PROVIDERS[0]:
+        def fn():
+            with model.compact([neurons]) as rnd:
+                mod = rnd.modules[0]
+                sgd_steps(mod, list(mod.parameters()), x, y, c["tau"])
+    elif provider == ROUND_PROVIDERS[1]:
+        layers = []
+        for a, b in zip(fan, n):
+            layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+        dense = torch.nn.Sequential(*layers, torch.nn.Linear(n[-1], c["out"])).to(DEVICE)
+        params = list(dense.parameters())
+
+        def fn():
+            sgd_steps(dense, params, x, y, c["tau"])
+    else:
+        params = model.subnet_parameters()
+
+        def fn():
+            sgd_steps(lambda inp: model(inp, neurons), params, x, y, c["tau"])
+    record(benchmark, group=f"one round of tau={c['tau']} local steps of one subnetwork (1/{c['S']} of "
+           f"width {c['width']}, depth {c['depth']}, batch {c['batch']})", provider=provider, flops=flops,
+           dtype=torch.float32, peaks=peaks)
+    run(benchmark, fn, rounds=5 if DEVICE == "cpu" else None)

@@ -232,6 +232,9 @@ inline at::Tensor build_slice_plan(at::TensorList tensors, at::IntArrayRef ids, 
   for (int64_t j = 0; j < J; ++j) segs_of[ids[j]].push_back(j);
   std::vector<int64_t> order, pos_offset(J), owned, active;
   std::vector<int32_t> pos;
+  int64_t pos_total = 0;
+  for (int64_t j = 0; j < J; ++j) pos_total += tensors[ids[j]].size(d[ids[j]]);
+  pos.reserve(static_cast<size_t>(pos_total));
   std::vector<int64_t> seg_begin{0}, owned_begin{0};
   for (int64_t t = 0; t < T; ++t) {
     if (segs_of[t].empty()) continue;
@@ -260,18 +263,23 @@ inline at::Tensor build_slice_plan(at::TensorList tensors, at::IntArrayRef ids, 
   m.insert(m.end(), pos_offset.begin(), pos_offset.end());
   m[kOwned] = here();
   m.insert(m.end(), owned.begin(), owned.end());
+  // The large parts (index lists, inverse maps) go straight into the result, copied once.
   m[kIndices] = here();
+  int64_t at_idx = m[kIndices];
   for (int64_t j = 0; j < J; ++j) {
-    m[m[kSegs] + 4 * j + 3] = here();
-    m.insert(m.end(), idx.ptr[j], idx.ptr[j] + idx.len[j]);
+    m[m[kSegs] + 4 * j + 3] = at_idx;
+    at_idx += idx.len[j];
   }
-  m[kPos] = here();
+  m[kPos] = at_idx;
   m[kPosCount] = static_cast<int64_t>(pos.size());
-  const size_t at_pos = m.size();
-  m.resize(at_pos + (pos.size() + 1) / 2, -1);
-  if (!pos.empty()) std::memcpy(m.data() + at_pos, pos.data(), pos.size() * sizeof(int32_t));
-  auto out = at::empty({static_cast<int64_t>(m.size())}, at::TensorOptions().dtype(at::kLong));
-  std::memcpy(out.data_ptr<int64_t>(), m.data(), m.size() * sizeof(int64_t));
+  const int64_t words = at_idx + (static_cast<int64_t>(pos.size()) + 1) / 2;
+  auto out = at::empty({words}, at::TensorOptions().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  std::memcpy(o, m.data(), m.size() * sizeof(int64_t));
+  for (int64_t j = 0; j < J; ++j)
+    if (idx.len[j]) std::memcpy(o + m[m[kSegs] + 4 * j + 3], idx.ptr[j], idx.len[j] * sizeof(int64_t));
+  if (pos.size() % 2) o[words - 1] = -1;  // the padding half of an odd count
+  if (!pos.empty()) std::memcpy(o + at_idx, pos.data(), pos.size() * sizeof(int32_t));
   return out;
 }
 

@@ -83,7 +83,10 @@ struct GatherLaunch {
   }
   int64_t segments() const { return static_cast<int64_t>(live.size()); }
 
-  void encode(const GatherPlan& plan, const at::Tensor& out, const Sink& buf) {
+  int64_t record_bytes() const { return records; }
+
+  // statics: also write the index lists (the records only, when comparing with a cached upload).
+  void encode(const GatherPlan& plan, const at::Tensor& out, const Sink& buf, bool statics = true) {
     const int64_t esize = plan.sources[0].element_size();
     const int64_t L = segments();
     auto* seg = buf.host_at<GatherSegment>(0);
@@ -112,7 +115,7 @@ struct GatherLaunch {
       s.block_start = blocks;
       const int64_t per_block = kSliceThreads * gather_items_per_thread(s.store / s.unit);
       blocks += (s.items + per_block - 1) / per_block;
-      std::memcpy(buf.host_at<int64_t>(idx_at), plan.idx.ptr[j], s.n * sizeof(int64_t));
+      if (statics) std::memcpy(buf.host_at<int64_t>(idx_at), plan.idx.ptr[j], s.n * sizeof(int64_t));
       s.idx = buf.device_at<const int64_t>(idx_at);
       idx_at += s.n * static_cast<int64_t>(sizeof(int64_t));
     }
@@ -180,13 +183,16 @@ struct ScatterLaunch {
     bytes = t_bytes + s_bytes + plan.pos_count * static_cast<int64_t>(sizeof(int32_t));
   }
 
-  void encode(const ScatterPlan& plan, const Sink& buf) {
+  int64_t record_bytes() const { return t_bytes + s_bytes; }
+
+  // statics: also write the inverse maps (the records only, when comparing with a cached upload).
+  void encode(const ScatterPlan& plan, const Sink& buf, bool statics = true) {
     const int64_t A = plan.active();
     const int64_t esize = plan.work[0].element_size();
     std::memset(buf.host, 0, static_cast<size_t>(t_bytes + s_bytes));  // padding too: compared bytewise
     auto* tgt = buf.host_at<ScatterTarget>(0);
     auto* seg = buf.host_at<ScatterSegment>(t_bytes);
-    if (plan.pos_count)
+    if (statics && plan.pos_count)
       std::memcpy(buf.host_at<int32_t>(t_bytes + s_bytes), plan.pos_ptr, plan.pos_count * sizeof(int32_t));
     const int32_t* pos = buf.device_at<const int32_t>(t_bytes + s_bytes);
     blocks = 0;
@@ -251,9 +257,9 @@ void slice_scatter_cuda(at::TensorList targets, at::IntArrayRef target_ids, at::
 }
 
 // ---- From a plan built once (slice_plan). cache = [host bytes (CPU), device bytes (this device)],
-// the plan's records as last uploaded. Each call encodes its records on the host (O(segments), no
-// index work) and compares them with the host copy: unchanged (the same tensors as before), it
-// only launches, which a CUDA graph can capture and which never waits for the device; changed (a
+// the plan's records as last uploaded (then its index lists / inverse maps, which never change).
+// Each call encodes its records on the host (O(segments), no index work) and compares them with
+// the host copy: unchanged (the same tensors as before), it only launches, which a CUDA graph can capture and which never waits for the device; changed (a
 // tensor moved), it uploads them from a fresh pinned block, stream-ordered, which cannot be
 // captured (run a call once before capturing).
 constexpr int64_t kCacheHeader = 16;
@@ -270,8 +276,9 @@ void run_cached(Launch& l, at::TensorList cache, const at::Device& device, const
   // The first 8 bytes of the host copy hold the size last uploaded (0: never); records start at kCacheHeader.
   uint8_t* host = cache[0].data_ptr<uint8_t>();
   uint8_t* device_bytes = cache[1].data_ptr<uint8_t>() + kCacheHeader;
-  std::vector<uint8_t> fresh(static_cast<size_t>(l.bytes));
-  encode(Sink{fresh.data(), device_bytes});
+  const int64_t records = l.record_bytes();
+  std::vector<uint8_t> fresh(static_cast<size_t>(records));
+  encode(Sink{fresh.data(), device_bytes}, /*statics=*/false);
   int64_t last = 0;
   std::memcpy(&last, host, sizeof(last));
   if (last != l.bytes || std::memcmp(host + kCacheHeader, fresh.data(), fresh.size()) != 0) {
@@ -280,10 +287,10 @@ void run_cached(Launch& l, at::TensorList cache, const at::Device& device, const
                       "changed since the last call), which a CUDA graph cannot capture; call it once before capturing");
     const int64_t nbytes = l.bytes;
     at::Tensor pinned = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-    std::memcpy(pinned.data_ptr<uint8_t>(), fresh.data(), fresh.size());
-    cache[1].narrow(0, kCacheHeader, l.bytes).copy_(pinned, /*non_blocking=*/true);
+    encode(Sink{pinned.data_ptr<uint8_t>(), device_bytes}, /*statics=*/true);
+    cache[1].narrow(0, kCacheHeader, nbytes).copy_(pinned, /*non_blocking=*/true);
     std::memcpy(host + kCacheHeader, fresh.data(), fresh.size());
-    std::memcpy(host, &l.bytes, sizeof(l.bytes));
+    std::memcpy(host, &nbytes, sizeof(nbytes));
   }
   run(device_bytes);
 }
@@ -297,7 +304,7 @@ void slice_plan_gather_cuda(at::Tensor& out, at::TensorList sources, const at::T
   g.check_out(out, sources, {}, op);
   if (g.total() == 0) return;
   GatherLaunch l(g);
-  run_cached(l, cache, out.device(), op, [&](const Sink& sink) { l.encode(g, out, sink); },
+  run_cached(l, cache, out.device(), op, [&](const Sink& sink, bool statics) { l.encode(g, out, sink, statics); },
              [&](const uint8_t* device) { l.launch(device); });
 }
 
@@ -310,7 +317,7 @@ void slice_plan_scatter_cuda(at::TensorList targets, at::TensorList updates, con
   const ScatterPlan sp(p, targets, updates, reduce, op);
   if (sp.active() == 0) return;
   ScatterLaunch l(sp);
-  run_cached(l, cache, targets[0].device(), op, [&](const Sink& sink) { l.encode(sp, sink); },
+  run_cached(l, cache, targets[0].device(), op, [&](const Sink& sink, bool statics) { l.encode(sp, sink, statics); },
              [&](const uint8_t* device) { l.launch(sp, device); });
   sp.copy_back(targets);
 }

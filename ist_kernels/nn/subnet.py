@@ -347,15 +347,18 @@ class CompactRound:
         device, cpu = model.hidden_weights[0].device, torch.device("cpu")
         self.neurons = [model._neurons(n, device) for n in neurons_list]
         # The plan's index lists stay on the host (the slice ops then never wait for the device).
-        self._targets = [tensor for tensor, _, _, _ in model._slices(None)]
-        dims = [dim for _, dim, _, _ in model._slices(None)]
-        ids, indices, shapes = [], [], []
-        for neurons in neurons_list:
-            for t, (_, _, idx, shape) in enumerate(model._layout(model._neurons(neurons, cpu), cpu)):
+        full = dict(model.named_parameters())
+        targets, dims, ids, indices, shapes = [], [], [], [], []
+        for s, neurons in enumerate(neurons_list):
+            for t, (name, dim, idx, shape) in enumerate(model._layout(model._neurons(neurons, cpu), cpu)):
+                if s == 0:
+                    w = full[name].detach()
+                    targets.append(w.view(-1) if model._flat(name) else w)
+                    dims.append(dim)
                 ids.append(t)
                 indices.append(idx)
                 shapes.append(shape)
-        targets = self._targets
+        self._targets = targets
         self._plan = IF.slice_plan(targets, ids, indices, dims)
         per = len(ids) // len(self.neurons)
         segments = self._plan.gather(targets)
