@@ -492,11 +492,18 @@ struct ScatterPlan {
                        " but targets[", t, "] has ", dtype);
       TORCH_CHECK_VALUE(u.device() == p.device(), op, ": updates[", j, "] is on ", u.device(),
                         " but targets are on ", p.device());
-      auto expect = targets[t].sizes().vec();
-      expect[p.dim(t)] = n[j];
-      TORCH_CHECK_VALUE(u.sizes().vec() == expect, op, ": updates[", j, "] has shape ", shape_str(u.sizes()),
-                        " but targets[", t, "] ", shape_str(targets[t].sizes()), " sliced along dim ", p.dim(t),
-                        " by the plan's segment ", j, " (", n[j], " slices) needs ", shape_str(expect));
+      const auto ts = targets[t].sizes();
+      const auto us = u.sizes();
+      bool same = us.size() == ts.size();
+      for (size_t k = 0; same && k < ts.size(); ++k)
+        same = us[k] == (static_cast<int64_t>(k) == p.dim(t) ? n[j] : ts[k]);
+      if (!same) {  // the message builds the expected shape; the check itself allocates nothing
+        auto expect = ts.vec();
+        expect[p.dim(t)] = n[j];
+        TORCH_CHECK_VALUE(false, op, ": updates[", j, "] has shape ", shape_str(us), " but targets[", t, "] ",
+                          shape_str(ts), " sliced along dim ", p.dim(t), " by the plan's segment ", j, " (", n[j],
+                          " slices) needs ", shape_str(expect));
+      }
     }
     const int64_t A = p.active();
     for (int64_t a = 0; a <= A; ++a) {
