@@ -117,13 +117,15 @@ def loop_owner_average(xs, ids, updates, indices, dims):
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-@pytest.mark.parametrize("provider", ["ist_kernels", "ist_kernels into a reused buffer", "loop_index_select",
-                                      "device copy"])
+@pytest.mark.parametrize("provider", ["ist_kernels", "ist_kernels into a reused buffer",
+                                      "ist_kernels planned (F.slice_plan)", "loop_index_select", "device copy"])
 def test_gather(benchmark, peaks, width, provider):
     xs, dims, ids, indices, _, seg_bytes, _, numel = setup(width)
     buffers = F.GatherBuffers()
     dev_indices = on_device(indices)
+    planned = F.slice_plan(xs, ids, indices, dims) if "planned" in provider else None
     fn = {"ist_kernels": lambda: F.gather_slices(xs, ids, indices, dims),
+          "ist_kernels planned (F.slice_plan)": lambda: planned.gather(xs),
           "ist_kernels into a reused buffer": lambda: F.gather_slices(xs, ids, indices, dims, out=buffers),
           "loop_index_select": lambda: loop_gather(xs, ids, dev_indices, dims),
           "device copy": device_copy(seg_bytes)}[provider]
@@ -134,7 +136,7 @@ def test_gather(benchmark, peaks, width, provider):
 
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("reduce,provider", [
-    ("mean", "ist_kernels"), ("mean", "loop_index_add_count_where"),
+    ("mean", "ist_kernels"), ("mean", "ist_kernels planned (F.slice_plan)"), ("mean", "loop_index_add_count_where"),
     ("sum", "ist_kernels"), ("sum", "loop_index_add_"),
     ("copy", "ist_kernels"), ("copy", "loop_index_copy_"), ("copy", "device copy"),
 ])
@@ -147,6 +149,11 @@ def test_scatter(benchmark, peaks, width, reduce, provider):
     elif provider == "ist_kernels":
         def fn():
             F.scatter_slices_(xs, ids, updates, indices, dims, reduce)
+    elif provider.startswith("ist_kernels planned"):
+        planned = F.slice_plan(xs, ids, indices, dims)
+
+        def fn():
+            planned.scatter_(xs, updates, reduce)
     else:
         dev_indices = on_device(indices)
 
