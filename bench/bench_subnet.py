@@ -167,3 +167,47 @@ def test_round_of_local_steps(benchmark, peaks, provider):
            f"width {c['width']}, depth {c['depth']}, batch {c['batch']})", provider=provider, flops=flops,
            dtype=torch.float32, peaks=peaks)
     run(benchmark, fn, rounds=5 if DEVICE == "cpu" else None)
+
+
+def compare_round(repeats: int = 4) -> dict:
+    """The round providers interleaved, best of ``repeats`` each (steadier than separate runs on a
+    shared machine): provider -> (seconds, ratio to the hand-compacted dense MLP)."""
+    import time
+
+    model, neurons, x, y, c = round_problem()
+    n = [len(i) for i in neurons]
+    layers = []
+    for a, b in zip([c["in_features"]] + n[:-1], n):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    dense = torch.nn.Sequential(*layers, torch.nn.Linear(n[-1], c["out"])).to(DEVICE)
+
+    def compact():
+        with model.compact([neurons]) as rnd:
+            sgd_steps(rnd.modules[0], list(rnd.modules[0].parameters()), x, y, c["tau"])
+
+    fns = {ROUND_PROVIDERS[0]: compact,
+           ROUND_PROVIDERS[1]: lambda: sgd_steps(dense, list(dense.parameters()), x, y, c["tau"]),
+           ROUND_PROVIDERS[2]: lambda: sgd_steps(lambda i: model(i, neurons), model.subnet_parameters(), x, y,
+                                                 c["tau"])}
+    best = {k: float("inf") for k in fns}
+    for f in fns.values():
+        f()
+    for _ in range(repeats):
+        for k, f in fns.items():
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            f()
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return {k: (v, v / best[ROUND_PROVIDERS[1]]) for k, v in best.items()}
+
+
+if __name__ == "__main__":  # python3 bench/bench_subnet.py [threads]: the round comparison alone
+    import sys
+
+    if len(sys.argv) > 1:
+        torch.set_num_threads(int(sys.argv[1]))
+    for name, (sec, ratio) in compare_round().items():
+        print(f"{name:60s} {sec * 1e3:9.1f} ms  {ratio:5.2f}x the dense MLP")
