@@ -196,10 +196,10 @@ def test_opcheck(device, gen):
     total = int(plan[3])
     cache = F.slice_plan(xs, ids, indices, dims)._groups[0]
     out = torch.empty(total, device=device)
-    torch.library.opcheck(ops.slice_plan_gather_.default, (out, xs, plan, cache.gather_cache))
+    torch.library.opcheck(ops.slice_plan_gather_.default, (out, xs, plan, cache.cache("gather_cache")))
     updates = compact_updates(gen, xs, ids, indices, dims, torch.float32, device)
     for reduce in ("copy", "sum", "mean"):
-        torch.library.opcheck(ops.slice_plan_scatter_.default, (xs, updates, plan, reduce, cache.scatter_cache))
+        torch.library.opcheck(ops.slice_plan_scatter_.default, (xs, updates, plan, reduce, cache.cache("scatter_cache")))
 
 
 def test_repr_and_segments(gen):

@@ -292,14 +292,17 @@ class _Group:
     def __init__(self, members, segs, meta, buffer, views, shapes, gather_bytes, scatter_bytes):
         self.members, self.segs, self.meta, self.buffer, self.views = members, segs, meta, buffer, views
         self.shapes = shapes  # expected update shapes of the group's segments
-        device = buffer.device
-        if device.type == "cuda":  # [host copy, device copy] of the records; the first call fills them
-            self.gather_cache = [torch.zeros(gather_bytes, dtype=torch.uint8),
-                                 torch.empty(gather_bytes, dtype=torch.uint8, device=device)]
-            self.scatter_cache = [torch.zeros(scatter_bytes, dtype=torch.uint8),
-                                  torch.empty(scatter_bytes, dtype=torch.uint8, device=device)]
-        else:
-            self.gather_cache, self.scatter_cache = [], []
+        # CUDA: [host copy, device copy] of the launch records, allocated by the first gather /
+        # scatter (a plan that only gathers holds no scatter records); none on the CPU.
+        self.gather_cache = [] if buffer.device.type != "cuda" else gather_bytes
+        self.scatter_cache = [] if buffer.device.type != "cuda" else scatter_bytes
+
+    def cache(self, kind: str) -> list:
+        c = getattr(self, kind)
+        if isinstance(c, int):
+            c = [torch.zeros(c, dtype=torch.uint8), torch.empty(c, dtype=torch.uint8, device=self.buffer.device)]
+            setattr(self, kind, c)
+        return c
 
 
 class PlannedSlices:
@@ -389,16 +392,16 @@ class PlannedSlices:
             check(len(self._groups) == 1, op, f"out is one tensor but the plan has {len(self._groups)} dtypes")
             g = self._groups[0]
             with torch.no_grad():
-                torch.ops.ist_kernels.slice_plan_gather_(out, sources, g.meta, g.gather_cache)
+                torch.ops.ist_kernels.slice_plan_gather_(out, sources, g.meta, g.cache("gather_cache"))
             return [v.view(s) for v, s in zip(torch.split(out, [_numel(s) for s in g.shapes]), g.shapes)]
         with torch.no_grad():
             if self._single:
                 g = self._groups[0]
-                torch.ops.ist_kernels.slice_plan_gather_(g.buffer, sources, g.meta, g.gather_cache)
+                torch.ops.ist_kernels.slice_plan_gather_(g.buffer, sources, g.meta, g.cache("gather_cache"))
             else:
                 for g in self._groups:
                     torch.ops.ist_kernels.slice_plan_gather_(g.buffer, [sources[t] for t in g.members], g.meta,
-                                                             g.gather_cache)
+                                                             g.cache("gather_cache"))
         return list(self._views)
 
     def scatter_(self, targets: Sequence[torch.Tensor], updates: Optional[Sequence[torch.Tensor]] = None,
@@ -414,7 +417,7 @@ class PlannedSlices:
         with torch.no_grad():
             if self._single:
                 g = self._groups[0]
-                torch.ops.ist_kernels.slice_plan_scatter_(targets, updates, g.meta, reduce, g.scatter_cache)
+                torch.ops.ist_kernels.slice_plan_scatter_(targets, updates, g.meta, reduce, g.cache("scatter_cache"))
                 return
             # Several launches: check every group's updates first, so that a failed call writes nothing.
             for g in self._groups:
@@ -427,7 +430,7 @@ class PlannedSlices:
             check_no_alias(op, targets, sorted({t for g in self._groups for t in g.members}), updates, [])
             for g in self._groups:
                 torch.ops.ist_kernels.slice_plan_scatter_([targets[t] for t in g.members], [updates[j] for j in g.segs],
-                                                          g.meta, reduce, g.scatter_cache)
+                                                          g.meta, reduce, g.cache("scatter_cache"))
 
     def __repr__(self) -> str:
         return (f"PlannedSlices(tensors={self.num_tensors}, segments={self.num_segments}, "
