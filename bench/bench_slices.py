@@ -15,7 +15,7 @@ import torch
 
 import ist_kernels.functional as F
 
-from conftest import DEVICE, record, run
+from conftest import DEVICE, record, run, sync
 
 S = 4
 
@@ -117,13 +117,15 @@ def loop_owner_average(xs, ids, updates, indices, dims):
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-@pytest.mark.parametrize("provider", ["ist_kernels", "ist_kernels into a reused buffer", "loop_index_select",
-                                      "device copy"])
+@pytest.mark.parametrize("provider", ["ist_kernels", "ist_kernels into a reused buffer",
+                                      "ist_kernels planned (F.slice_plan)", "loop_index_select", "device copy"])
 def test_gather(benchmark, peaks, width, provider):
     xs, dims, ids, indices, _, seg_bytes, _, numel = setup(width)
     buffers = F.GatherBuffers()
     dev_indices = on_device(indices)
+    planned = F.slice_plan(xs, ids, indices, dims) if "planned" in provider else None
     fn = {"ist_kernels": lambda: F.gather_slices(xs, ids, indices, dims),
+          "ist_kernels planned (F.slice_plan)": lambda: planned.gather(xs),
           "ist_kernels into a reused buffer": lambda: F.gather_slices(xs, ids, indices, dims, out=buffers),
           "loop_index_select": lambda: loop_gather(xs, ids, dev_indices, dims),
           "device copy": device_copy(seg_bytes)}[provider]
@@ -134,7 +136,7 @@ def test_gather(benchmark, peaks, width, provider):
 
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("reduce,provider", [
-    ("mean", "ist_kernels"), ("mean", "loop_index_add_count_where"),
+    ("mean", "ist_kernels"), ("mean", "ist_kernels planned (F.slice_plan)"), ("mean", "loop_index_add_count_where"),
     ("sum", "ist_kernels"), ("sum", "loop_index_add_"),
     ("copy", "ist_kernels"), ("copy", "loop_index_copy_"), ("copy", "device copy"),
 ])
@@ -147,6 +149,11 @@ def test_scatter(benchmark, peaks, width, reduce, provider):
     elif provider == "ist_kernels":
         def fn():
             F.scatter_slices_(xs, ids, updates, indices, dims, reduce)
+    elif provider.startswith("ist_kernels planned"):
+        planned = F.slice_plan(xs, ids, indices, dims)
+
+        def fn():
+            planned.scatter_(xs, updates, reduce)
     else:
         dev_indices = on_device(indices)
 
@@ -154,4 +161,64 @@ def test_scatter(benchmark, peaks, width, reduce, provider):
             loops[reduce](xs, ids, updates, dev_indices, dims)
     record(benchmark, group=f"slice scatter {reduce} S={S} xi=1/2 {len(xs)} tensors {numel / 1e6:.1f}M el",
            provider=provider, bytes=nbytes, dtype=torch.float32, peaks=peaks, segments=len(ids))
+    run(benchmark, fn)
+
+
+# ---- Host time per call (issue 19 item 2): a round's gather and scatter of 64 small tensors, where
+# the call's host work (checks, planning, launch) is all there is. The plan (F.slice_plan) is built
+# once, outside the timing, as a round builds it once; target: <= 100 us per call.
+def host_case():
+    tensors = model_tensors(2, DEVICE)  # 64 tensors, base width 2: every copy is a few bytes
+    xs = [x for x, _ in tensors]
+    dims = [d for _, d in tensors]
+    ids, indices = plan(tensors, owners=1)
+    return xs, dims, ids, indices
+
+
+def host_seconds(fn, calls=200, repeats=7):
+    """Median host seconds per call of ``fn`` (no device sync inside the timing: what the host spends
+    issuing the call; on a GPU the launches run behind it)."""
+    import time
+
+    for _ in range(20):
+        fn()
+    sync()
+    per = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per.append((time.perf_counter() - t0) / calls)
+        sync()
+    return sorted(per)[len(per) // 2]
+
+
+HOST_PROVIDERS = {
+    "gather": ["planned (F.slice_plan, built once)", "per call (F.gather_slices)", "per call op (slice_gather)",
+               "torch.cat of index_select"],
+    "scatter mean": ["planned (F.slice_plan, built once)", "per call (F.scatter_slices_)"],
+}
+
+
+@pytest.mark.parametrize("what,provider", [(w, p) for w, ps in HOST_PROVIDERS.items() for p in ps])
+def test_host_time_per_call(benchmark, what, provider):
+    xs, dims, ids, indices = host_case()
+    planned = F.slice_plan(xs, ids, indices, dims)
+    targets = [x.clone() for x in xs]
+    parts = planned.gather(xs)
+    dev_indices = on_device(indices)
+    fn = {
+        ("gather", HOST_PROVIDERS["gather"][0]): lambda: planned.gather(xs),
+        ("gather", HOST_PROVIDERS["gather"][1]): lambda: F.gather_slices(xs, ids, indices, dims),
+        ("gather", HOST_PROVIDERS["gather"][2]): lambda: torch.ops.ist_kernels.slice_gather(xs, ids, indices, dims),
+        ("gather", HOST_PROVIDERS["gather"][3]):
+            lambda: torch.cat([xs[t].index_select(dims[t], i).reshape(-1) for t, i in zip(ids, dev_indices)]),
+        ("scatter mean", HOST_PROVIDERS["scatter mean"][0]): lambda: planned.scatter_(targets, parts, "mean"),
+        ("scatter mean", HOST_PROVIDERS["scatter mean"][1]):
+            lambda: F.scatter_slices_(targets, ids, parts, indices, dims, "mean"),
+    }[(what, provider)]
+    seconds = host_seconds(fn)
+    record(benchmark, group=f"host time per call: slice {what}, {len(xs)} tensors, {len(ids)} segments",
+           provider=provider, segments=len(ids), host_us=seconds * 1e6, target_us=100)
+    print(f"\n{what:12s} {provider:40s} {seconds * 1e6:8.1f} us per call (host)")
     run(benchmark, fn)

@@ -101,3 +101,113 @@ def test_subnet_linear_cpu(benchmark, peaks, keep, provider, backward):
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_subnet_linear_cuda(benchmark, peaks, keep, provider, backward):
     bench_one(benchmark, peaks, 8192, 8192, 8192, keep, torch.bfloat16, provider, backward)
+
+
+# ---- One round of tau local steps of one subnetwork (issue 19 item 3): the round as IST trains it
+# (SubnetMLP.compact: one planned gather, tau dense steps on compact tensors, one planned scatter)
+# against a hand-compacted dense MLP of the same shapes (tau steps, no gather, no scatter: the
+# floor) and against the per-call path (tau steps of model(x, neurons) through subnet_linear, whose
+# gradients are full-size). SGD, ReLU hidden layers, biases, a trained output layer.
+ROUND = dict(cpu=dict(batch=256, in_features=256, width=2048, depth=2, out=10, S=4, tau=8),
+             cuda=dict(batch=4096, in_features=1024, width=16384, depth=2, out=10, S=4, tau=8))
+ROUND_PROVIDERS = ["ist_kernels SubnetMLP.compact (gather, tau steps, scatter)", "hand-compacted dense MLP (tau steps)",
+                   "per call subnet_linear (model(x, neurons))"]
+
+
+def round_problem():
+    from ist_kernels.nn import SubnetMLP
+    from ist_kernels.partition import categorical_partition, round_generator
+
+    c = ROUND[DEVICE]
+    g = torch.Generator().manual_seed(0)
+    model = SubnetMLP(c["in_features"], c["width"], c["depth"], c["out"], bias=True, train_output=True,
+                      generator=g).to(DEVICE)
+    neurons = [categorical_partition(c["width"], c["S"], round_generator(seed=0, round=l), balanced=True)[0]
+               for l in range(c["depth"])]
+    x = torch.randn(c["batch"], c["in_features"], generator=g).to(DEVICE)
+    y = torch.randn(c["batch"], c["out"], generator=g).to(DEVICE)
+    return model, neurons, x, y, c
+
+
+def sgd_steps(module_or_fn, params, x, y, tau, lr=1e-3):
+    for _ in range(tau):
+        loss = (module_or_fn(x) - y).square().sum()
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            torch._foreach_add_(params, grads, alpha=-lr)
+
+
+@pytest.mark.parametrize("provider", ROUND_PROVIDERS)
+def test_round_of_local_steps(benchmark, peaks, provider):
+    model, neurons, x, y, c = round_problem()
+    n = [len(i) for i in neurons]
+    fan = [c["in_features"]] + n[:-1]
+    # FLOPs of the subnetwork's tau steps (forward + backward of every layer: 6 * batch * in * out)
+    flops = c["tau"] * 6 * c["batch"] * (sum(a * b for a, b in zip(fan, n)) + n[-1] * c["out"])
+    if provider == ROUND_PROVIDERS[0]:
+        def fn():
+            with model.compact([neurons]) as rnd:
+                mod = rnd.modules[0]
+                sgd_steps(mod, list(mod.parameters()), x, y, c["tau"])
+    elif provider == ROUND_PROVIDERS[1]:
+        layers = []
+        for a, b in zip(fan, n):
+            layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+        dense = torch.nn.Sequential(*layers, torch.nn.Linear(n[-1], c["out"])).to(DEVICE)
+        params = list(dense.parameters())
+
+        def fn():
+            sgd_steps(dense, params, x, y, c["tau"])
+    else:
+        params = model.subnet_parameters()
+
+        def fn():
+            sgd_steps(lambda inp: model(inp, neurons), params, x, y, c["tau"])
+    record(benchmark, group=f"one round of tau={c['tau']} local steps of one subnetwork (1/{c['S']} of "
+           f"width {c['width']}, depth {c['depth']}, batch {c['batch']})", provider=provider, flops=flops,
+           dtype=torch.float32, peaks=peaks)
+    run(benchmark, fn, rounds=5 if DEVICE == "cpu" else None)
+
+
+def compare_round(repeats: int = 4) -> dict:
+    """The round providers interleaved, best of ``repeats`` each (steadier than separate runs on a
+    shared machine): provider -> (seconds, ratio to the hand-compacted dense MLP)."""
+    import time
+
+    model, neurons, x, y, c = round_problem()
+    n = [len(i) for i in neurons]
+    layers = []
+    for a, b in zip([c["in_features"]] + n[:-1], n):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    dense = torch.nn.Sequential(*layers, torch.nn.Linear(n[-1], c["out"])).to(DEVICE)
+
+    def compact():
+        with model.compact([neurons]) as rnd:
+            sgd_steps(rnd.modules[0], list(rnd.modules[0].parameters()), x, y, c["tau"])
+
+    fns = {ROUND_PROVIDERS[0]: compact,
+           ROUND_PROVIDERS[1]: lambda: sgd_steps(dense, list(dense.parameters()), x, y, c["tau"]),
+           ROUND_PROVIDERS[2]: lambda: sgd_steps(lambda i: model(i, neurons), model.subnet_parameters(), x, y,
+                                                 c["tau"])}
+    best = {k: float("inf") for k in fns}
+    for f in fns.values():
+        f()
+    for _ in range(repeats):
+        for k, f in fns.items():
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            f()
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return {k: (v, v / best[ROUND_PROVIDERS[1]]) for k, v in best.items()}
+
+
+if __name__ == "__main__":  # python3 bench/bench_subnet.py [threads]: the round comparison alone
+    import sys
+
+    if len(sys.argv) > 1:
+        torch.set_num_threads(int(sys.argv[1]))
+    for name, (sec, ratio) in compare_round().items():
+        print(f"{name:60s} {sec * 1e3:9.1f} ms  {ratio:5.2f}x the dense MLP")

@@ -66,4 +66,16 @@ TORCH_LIBRARY(ist_kernels, m) {
   m.def(
       "slice_scatter_(Tensor(a!)[] targets, int[] target_ids, Tensor[] updates, Tensor[] indices,"
       " int[] dims, str reduce) -> ()");
+  // A round's slices validated once and laid out for the two ops below (an int64 CPU tensor;
+  // csrc/slices_plan.h): tensors are the round's full tensors (one dtype, one device), segment j
+  // is tensors[ids[j]] along dims[ids[j]] at indices[j]. Host-side; not traceable.
+  m.def("slice_plan(Tensor[] tensors, int[] ids, Tensor[] indices, int[] dims) -> Tensor");
+  // slice_gather_into_ / slice_scatter_ from a plan: per call only the cheap checks (the tensors'
+  // count, dtype, device and shape match the plan), no index work. cache: none on the CPU; on CUDA
+  // [host bytes, device bytes] that keep the plan's device records across calls (uploaded again
+  // only when a tensor's address changed), so a call that finds them current only launches.
+  m.def("slice_plan_gather_(Tensor(a!) out, Tensor[] sources, Tensor plan, Tensor(b!)[] cache) -> ()");
+  m.def(
+      "slice_plan_scatter_(Tensor(a!)[] targets, Tensor[] updates, Tensor plan, str reduce, Tensor(b!)[] cache)"
+      " -> ()");
 }

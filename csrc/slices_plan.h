@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -118,6 +119,170 @@ inline SliceView view_of(const at::Tensor& t, int64_t dim) {
   return slice_view(t.sizes().data(), t.dim(), dim);
 }
 
+// ---- A round's plan, built and validated once (slice_plan), read by every slice_plan_gather_ /
+// slice_plan_scatter_ of the round: one int64 CPU tensor holding the tensors' shapes, every
+// segment's index list and offset, and the scatter's owners (active targets, their segments in
+// order, owned slices, inverse maps). Offsets are in int64 words from the start of the tensor.
+enum PlanField : int64_t {
+  kMagic, kTensors, kSegments, kTotal, kActive, kDtype, kDeviceType, kDeviceIndex,
+  kShapes,    // T offsets, each to [ndim, dim, size_0 .. size_{ndim-1}]
+  kSegs,      // J records [tensor, n, offset (gather elements), index list (word offset)]
+  kTargets,   // A + 1 records [tensor, first of its segments in kSegOrder, first of its owned slices]
+  kSegOrder,  // J segment ids, grouped by target, in segment order within a target
+  kPosOffset, // J offsets into kPos (int32 units)
+  kOwned,     // slices with >= 1 owner, ascending within a target
+  kIndices,   // the index lists
+  kPos,       // int32 inverse maps, two per word
+  kPosCount,
+  kHeader
+};
+constexpr int64_t kPlanMagic = 0x49535450;  // "ISTP"
+
+struct PlanView {
+  const int64_t* m;
+
+  PlanView(const at::Tensor& plan, const char* op) {
+    TORCH_CHECK_VALUE(plan.device().is_cpu() && plan.scalar_type() == at::kLong && plan.dim() == 1 &&
+                          plan.is_contiguous() && plan.numel() >= kHeader,
+                      op, ": plan must be the int64 CPU tensor slice_plan returns");
+    m = plan.const_data_ptr<int64_t>();
+    TORCH_CHECK_VALUE(m[kMagic] == kPlanMagic, op, ": plan must be the int64 CPU tensor slice_plan returns");
+  }
+  int64_t tensors() const { return m[kTensors]; }
+  int64_t segments() const { return m[kSegments]; }
+  int64_t total() const { return m[kTotal]; }
+  int64_t active() const { return m[kActive]; }
+  at::ScalarType dtype() const { return static_cast<at::ScalarType>(m[kDtype]); }
+  at::Device device() const {
+    return at::Device(static_cast<at::DeviceType>(m[kDeviceType]), static_cast<at::DeviceIndex>(m[kDeviceIndex]));
+  }
+  const int64_t* shape_record(int64_t t) const { return m + m[m[kShapes] + t]; }  // [ndim, dim, sizes...]
+  int64_t dim(int64_t t) const { return shape_record(t)[1]; }
+  at::IntArrayRef shape(int64_t t) const {
+    const int64_t* r = shape_record(t);
+    return at::IntArrayRef(r + 2, static_cast<size_t>(r[0]));
+  }
+  const int64_t* seg(int64_t j) const { return m + m[kSegs] + 4 * j; }
+  const int64_t* target(int64_t a) const { return m + m[kTargets] + 3 * a; }
+  const int64_t* seg_order() const { return m + m[kSegOrder]; }
+  const int64_t* pos_offset() const { return m + m[kPosOffset]; }
+  const int64_t* owned() const { return m + m[kOwned]; }
+  const int32_t* pos() const { return reinterpret_cast<const int32_t*>(m + m[kPos]); }
+  int64_t pos_count() const { return m[kPosCount]; }
+};
+
+// The per-call checks of a planned op: the tensors are the ones the plan was built for (count,
+// dtype, device, shape). O(tensors x dims); the index values were checked once, at build.
+inline void check_plan_tensors(const PlanView& p, at::TensorList ts, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(static_cast<int64_t>(ts.size()) == p.tensors(), op, ": the plan was built for ", p.tensors(),
+                    " tensors, got ", ts.size(), " ", name);
+  for (size_t t = 0; t < ts.size(); ++t) {
+    TORCH_CHECK_TYPE(ts[t].scalar_type() == p.dtype(), op, ": ", name, "[", t, "] has dtype ", ts[t].scalar_type(),
+                     " but the plan was built for ", p.dtype());
+    TORCH_CHECK_VALUE(ts[t].device() == p.device(), op, ": ", name, "[", t, "] is on ", ts[t].device(),
+                      " but the plan was built for ", p.device());
+    TORCH_CHECK_VALUE(ts[t].sizes() == p.shape(static_cast<int64_t>(t)), op, ": ", name, "[", t, "] has shape ",
+                      shape_str(ts[t].sizes()), " but the plan was built for ", shape_str(p.shape(static_cast<int64_t>(t))));
+  }
+}
+
+// slice_plan: validate a round's slices once (everything slice_gather / slice_scatter_ check,
+// index values included) and lay them out as above.
+inline at::Tensor build_slice_plan(at::TensorList tensors, at::IntArrayRef ids, at::TensorList indices,
+                                   at::IntArrayRef dims, const char* op) {
+  TORCH_CHECK_VALUE(!tensors.empty(), op, ": tensors is empty; give at least one tensor");
+  TORCH_CHECK_VALUE(ids.size() == indices.size(), op, ": ids and indices must have one entry per segment, got ",
+                    ids.size(), " and ", indices.size());
+  const auto d = check_sliced_tensors(tensors, dims, op, "tensors");
+  const int64_t T = static_cast<int64_t>(tensors.size());
+  check_ids(ids, T, op, "ids", "tensors");
+  const int64_t J = static_cast<int64_t>(ids.size());
+  const HostIndices idx(indices, tensors[0].device(), op);
+  std::vector<uint32_t> seen;
+  for (int64_t j = 0; j < J; ++j) {
+    const int64_t t = ids[j];
+    idx.check_values(j, tensors[t].size(d[t]), "tensors[" + std::to_string(t) + "] along dim " + std::to_string(d[t]),
+                     op, seen);
+  }
+  std::vector<int64_t> m(kHeader, 0);
+  auto here = [&] { return static_cast<int64_t>(m.size()); };
+  m[kMagic] = kPlanMagic;
+  m[kTensors] = T;
+  m[kSegments] = J;
+  m[kDtype] = static_cast<int64_t>(tensors[0].scalar_type());
+  m[kDeviceType] = static_cast<int64_t>(tensors[0].device().type());
+  m[kDeviceIndex] = tensors[0].device().has_index() ? tensors[0].device().index() : -1;
+  m[kShapes] = here();
+  m.resize(m.size() + T);
+  for (int64_t t = 0; t < T; ++t) {
+    m[m[kShapes] + t] = here();
+    m.push_back(tensors[t].dim());
+    m.push_back(d[t]);
+    for (const auto s : tensors[t].sizes()) m.push_back(s);
+  }
+  m[kSegs] = here();
+  int64_t offset = 0;
+  for (int64_t j = 0; j < J; ++j) {
+    m.insert(m.end(), {ids[j], idx.len[j], offset, 0});
+    offset += segment_numel(view_of(tensors[ids[j]], d[ids[j]]), idx.len[j]);
+  }
+  m[kTotal] = offset;
+  // The scatter's owners: active targets in ascending order, their segments in segment order.
+  std::vector<std::vector<int64_t>> segs_of(T);
+  for (int64_t j = 0; j < J; ++j) segs_of[ids[j]].push_back(j);
+  std::vector<int64_t> order, pos_offset(J), owned, active;
+  std::vector<int32_t> pos;
+  int64_t pos_total = 0;
+  for (int64_t j = 0; j < J; ++j) pos_total += tensors[ids[j]].size(d[ids[j]]);
+  pos.reserve(static_cast<size_t>(pos_total));
+  std::vector<int64_t> seg_begin{0}, owned_begin{0};
+  for (int64_t t = 0; t < T; ++t) {
+    if (segs_of[t].empty()) continue;
+    active.push_back(t);
+    const int64_t size = tensors[t].size(d[t]);
+    std::vector<uint8_t> any(size, 0);
+    for (const int64_t j : segs_of[t]) {
+      order.push_back(j);
+      pos_offset[j] = static_cast<int64_t>(pos.size());
+      pos.resize(pos.size() + size, -1);
+      fill_inverse_map(idx.ptr[j], idx.len[j], pos.data() + pos_offset[j]);
+      for (int64_t k = 0; k < idx.len[j]; ++k) any[idx.ptr[j][k]] = 1;
+    }
+    for (int64_t i = 0; i < size; ++i)
+      if (any[i]) owned.push_back(i);
+    seg_begin.push_back(static_cast<int64_t>(order.size()));
+    owned_begin.push_back(static_cast<int64_t>(owned.size()));
+  }
+  const int64_t A = static_cast<int64_t>(active.size());
+  m[kActive] = A;
+  m[kTargets] = here();
+  for (int64_t a = 0; a <= A; ++a) m.insert(m.end(), {a < A ? active[a] : -1, seg_begin[a], owned_begin[a]});
+  m[kSegOrder] = here();
+  m.insert(m.end(), order.begin(), order.end());
+  m[kPosOffset] = here();
+  m.insert(m.end(), pos_offset.begin(), pos_offset.end());
+  m[kOwned] = here();
+  m.insert(m.end(), owned.begin(), owned.end());
+  // The large parts (index lists, inverse maps) go straight into the result, copied once.
+  m[kIndices] = here();
+  int64_t at_idx = m[kIndices];
+  for (int64_t j = 0; j < J; ++j) {
+    m[m[kSegs] + 4 * j + 3] = at_idx;
+    at_idx += idx.len[j];
+  }
+  m[kPos] = at_idx;
+  m[kPosCount] = static_cast<int64_t>(pos.size());
+  const int64_t words = at_idx + (static_cast<int64_t>(pos.size()) + 1) / 2;
+  auto out = at::empty({words}, at::TensorOptions().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  std::memcpy(o, m.data(), m.size() * sizeof(int64_t));
+  for (int64_t j = 0; j < J; ++j)
+    if (idx.len[j]) std::memcpy(o + m[m[kSegs] + 4 * j + 3], idx.ptr[j], idx.len[j] * sizeof(int64_t));
+  if (pos.size() % 2) o[words - 1] = -1;  // the padding half of an odd count
+  if (!pos.empty()) std::memcpy(o + at_idx, pos.data(), pos.size() * sizeof(int32_t));
+  return out;
+}
+
 // ---- slice_gather: segment j = sources[source_ids[j]].index_select(dims[...], indices[j]), flattened.
 struct GatherPlan {
   std::vector<at::Tensor> sources;  // contiguous (a copy where the caller's was not)
@@ -147,6 +312,27 @@ struct GatherPlan {
                        seen);
       offset[j + 1] = offset[j] + segment_numel(view[j], idx.len[j]);
     }
+    for (const auto& t : srcs) sources.push_back(t.contiguous());
+  }
+
+  // From a plan built by slice_plan: only the per-call checks (check_plan_tensors), no index work.
+  GatherPlan(const PlanView& p, at::TensorList srcs, const char* op) {
+    check_plan_tensors(p, srcs, op, "sources");
+    const int64_t J = p.segments();
+    source.resize(J);
+    view.resize(J);
+    offset.resize(J + 1);
+    idx.ptr.resize(J);
+    idx.len.resize(J);
+    for (int64_t j = 0; j < J; ++j) {
+      const int64_t* r = p.seg(j);
+      source[j] = r[0];
+      view[j] = view_of(srcs[r[0]], p.dim(r[0]));
+      idx.len[j] = r[1];
+      offset[j] = r[2];
+      idx.ptr[j] = p.m + r[3];
+    }
+    offset[J] = p.total();
     for (const auto& t : srcs) sources.push_back(t.contiguous());
   }
 
@@ -206,12 +392,15 @@ struct ScatterPlan {
   std::vector<SliceView> view;        // view[a]
   std::vector<int64_t> seg_begin;     // segments of target a: seg[seg_begin[a] .. seg_begin[a+1]), in segment order
   std::vector<int64_t> seg;           // segment ids
-  std::vector<int64_t> owned_begin;   // slices of target a with >= 1 owner: owned[owned_begin[a] .. owned_begin[a+1])
-  std::vector<int64_t> owned;         // ascending within a target
-  // Per segment j: the compact update (contiguous) and the inverse map pos[pos_offset[j] + i].
+  std::vector<int64_t> owned_begin;   // slices of target a with >= 1 owner: owned_ptr[owned_begin[a] .. owned_begin[a+1])
+  const int64_t* owned_ptr = nullptr; // ascending within a target (owned, or a plan's copy)
+  // Per segment j: the compact update (contiguous) and the inverse map pos_ptr[pos_offset[j] + i].
   std::vector<at::Tensor> updates;
   std::vector<int64_t> n;             // n[j] = len(indices[j])
   std::vector<int64_t> pos_offset;
+  const int32_t* pos_ptr = nullptr;   // pos, or a plan's copy
+  int64_t pos_count = 0;
+  std::vector<int64_t> owned;         // storage of a call without a plan
   std::vector<int32_t> pos;
 
   ScatterPlan(at::TensorList targets, at::IntArrayRef target_ids, at::TensorList upds, at::TensorList indices,
@@ -274,6 +463,64 @@ struct ScatterPlan {
       seg_begin.push_back(static_cast<int64_t>(seg.size()));
       owned_begin.push_back(static_cast<int64_t>(owned.size()));
     }
+    for (int64_t j = 0; j < J; ++j) updates.push_back(upds[j].contiguous());
+    for (const int64_t t : target) work.push_back(targets[t].is_contiguous() ? targets[t] : targets[t].contiguous());
+    owned_ptr = owned.data();
+    pos_ptr = pos.data();
+    pos_count = static_cast<int64_t>(pos.size());
+  }
+
+  // From a plan built by slice_plan: the per-call checks (the targets and updates are those the
+  // plan describes; no aliasing) and no index work.
+  ScatterPlan(const PlanView& p, at::TensorList targets, at::TensorList upds, c10::string_view reduce_name,
+              const char* op) {
+    reduce = parse_reduce(reduce_name, op);
+    check_plan_tensors(p, targets, op, "targets");
+    const auto dtype = p.dtype();
+    TORCH_CHECK_TYPE(reduce == SliceReduce::Copy || reducible_dtype(dtype), op, ": reduce=\"", std::string(reduce_name),
+                     "\" needs a floating or integer dtype, got ", dtype, "; use reduce=\"copy\"");
+    const int64_t J = p.segments();
+    TORCH_CHECK_VALUE(static_cast<int64_t>(upds.size()) == J, op, ": the plan has ", J,
+                      " segments but got ", upds.size(), " updates");
+    n.resize(J);
+    for (int64_t j = 0; j < J; ++j) {
+      const int64_t* r = p.seg(j);
+      const int64_t t = r[0];
+      const auto& u = upds[j];
+      n[j] = r[1];
+      TORCH_CHECK_TYPE(u.scalar_type() == dtype, op, ": updates[", j, "] has dtype ", u.scalar_type(),
+                       " but targets[", t, "] has ", dtype);
+      TORCH_CHECK_VALUE(u.device() == p.device(), op, ": updates[", j, "] is on ", u.device(),
+                        " but targets are on ", p.device());
+      const auto ts = targets[t].sizes();
+      const auto us = u.sizes();
+      bool same = us.size() == ts.size();
+      for (size_t k = 0; same && k < ts.size(); ++k)
+        same = us[k] == (static_cast<int64_t>(k) == p.dim(t) ? n[j] : ts[k]);
+      if (!same) {  // the message builds the expected shape; the check itself allocates nothing
+        auto expect = ts.vec();
+        expect[p.dim(t)] = n[j];
+        TORCH_CHECK_VALUE(false, op, ": updates[", j, "] has shape ", shape_str(us), " but targets[", t, "] ",
+                          shape_str(ts), " sliced along dim ", p.dim(t), " by the plan's segment ", j, " (", n[j],
+                          " slices) needs ", shape_str(expect));
+      }
+    }
+    const int64_t A = p.active();
+    for (int64_t a = 0; a <= A; ++a) {
+      const int64_t* r = p.target(a);
+      if (a < A) {
+        target.push_back(r[0]);
+        view.push_back(view_of(targets[r[0]], p.dim(r[0])));
+      }
+      seg_begin.push_back(r[1]);
+      owned_begin.push_back(r[2]);
+    }
+    seg.assign(p.seg_order(), p.seg_order() + J);
+    pos_offset.assign(p.pos_offset(), p.pos_offset() + J);
+    owned_ptr = p.owned();
+    pos_ptr = p.pos();
+    pos_count = p.pos_count();
+    check_no_overlap(targets, upds, {}, op);
     for (int64_t j = 0; j < J; ++j) updates.push_back(upds[j].contiguous());
     for (const int64_t t : target) work.push_back(targets[t].is_contiguous() ? targets[t] : targets[t].contiguous());
   }

@@ -32,6 +32,8 @@ __all__ = [
     "gated_linear",
     "subnet_linear",
     "GatherBuffers",
+    "slice_plan",
+    "PlannedSlices",
 ]
 
 _ops = torch.ops.ist_kernels
@@ -232,6 +234,19 @@ def owner_average_(input: Tensor, updates: Sequence[Tensor], indices: Sequence[T
                         f"dim = {dim} is out of range for input with {input.dim()} dimensions")
     _ops.slice_scatter_([input], [0] * len(updates), updates, indices, [dim], "mean")
     return input
+
+
+PlannedSlices = _slices.PlannedSlices
+
+
+def slice_plan(tensors: Sequence[Tensor], ids: Sequence[int], indices: Sequence[Tensor],
+               dims: Sequence[int]) -> "PlannedSlices":
+    """Plan a round's slices once: segment j is ``tensors[ids[j]]`` along ``dims[ids[j]]`` at
+    ``indices[j]`` (arguments as :func:`gather_slices` takes them). Everything is validated here,
+    index values included; the returned :class:`PlannedSlices` then gathers (``plan.gather(tensors)``)
+    and scatters (``plan.scatter_(tensors, parts, reduce="mean")``) with only the cheap per-call
+    checks (the tensors' count, dtypes, device and shapes match the plan), one launch per dtype."""
+    return _slices.PlannedSlices(tensors, ids, indices, dims)
 
 
 # ---- GReLU layers (paper 004 §2.1, §4.4)

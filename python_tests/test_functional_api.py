@@ -14,12 +14,12 @@ import ist_kernels.nn
 import reference as ref
 
 FUNCTIONS = ["pack_gates", "unpack_gates", "gather_slices", "scatter_slices_", "owner_average_", "relu_gates",
-             "gated_linear", "subnet_linear"]
+             "gated_linear", "subnet_linear", "slice_plan"]
 SINGLE_INPUT = ["pack_gates", "unpack_gates", "owner_average_", "relu_gates", "gated_linear", "subnet_linear"]
 
 
 def test_all_lists_the_public_names():
-    assert sorted(F.__all__) == sorted(FUNCTIONS + ["GatherBuffers"])
+    assert sorted(F.__all__) == sorted(FUNCTIONS + ["GatherBuffers", "PlannedSlices"])
     assert sorted(ist_kernels.nn.__all__) == ["GReLUMLP", "GatedLinear", "MaskedConv2d", "MaskedLinear", "SubnetMLP"]
     assert set(ist_kernels.__all__) == {"functional", "nn", "__version__"}
     for mod in (F, ist_kernels.nn, ist_kernels):
@@ -33,7 +33,7 @@ def test_signature_and_docstring(name):
     fn = getattr(F, name)
     params = inspect.signature(fn).parameters
     first = next(iter(params))
-    assert first == ("input" if name in SINGLE_INPUT else {"gather_slices": "sources"}.get(name, "targets"))
+    assert first == ("input" if name in SINGLE_INPUT else {"gather_slices": "sources", "slice_plan": "tensors"}.get(name, "targets"))
     if "bias" in params:
         assert params["bias"].default is None, name
     if "out" in params:

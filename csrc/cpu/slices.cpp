@@ -172,7 +172,7 @@ void for_each_owned_row(const ScatterPlan& plan, int64_t esize, Fn fn) {
       while (r >= row_start[a + 1]) ++a;
       // Rows r .. end of target a: row (o, u) is slice i = owned[u] of outer index o.
       const SliceView& v = plan.view[a];
-      const int64_t* owned = plan.owned.data() + plan.owned_begin[a];
+      const int64_t* owned = plan.owned_ptr + plan.owned_begin[a];
       const int64_t num_owned = plan.owned_begin[a + 1] - plan.owned_begin[a];
       const int64_t end = std::min(r1, row_start[a + 1]);
       const int64_t local = r - row_start[a];
@@ -182,7 +182,7 @@ void for_each_owned_row(const ScatterPlan& plan, int64_t esize, Fn fn) {
         owners.clear();
         for (int64_t s = plan.seg_begin[a]; s < plan.seg_begin[a + 1]; ++s) {
           const int64_t j = plan.seg[s];
-          const int32_t p = plan.pos[plan.pos_offset[j] + i];
+          const int32_t p = plan.pos_ptr[plan.pos_offset[j] + i];
           if (p >= 0) owners.push_back(upd[j] + segment_offset(v, plan.n[j], o, p, 0) * esize);
         }
         fn(a, work[a] + full_offset(v, o, i, 0) * esize, owners.data(), static_cast<int64_t>(owners.size()));
@@ -197,9 +197,9 @@ void for_each_owned_row(const ScatterPlan& plan, int64_t esize, Fn fn) {
 
 }  // namespace
 
-void slice_scatter_(at::TensorList targets, at::IntArrayRef target_ids, at::TensorList updates,
-                    at::TensorList indices, at::IntArrayRef dims, c10::string_view reduce) {
-  const ScatterPlan plan(targets, target_ids, updates, indices, dims, reduce, "slice_scatter_");
+namespace {
+
+void scatter_into(const ScatterPlan& plan, at::TensorList targets) {
   if (plan.active() == 0) return;
   const auto dtype = targets[0].scalar_type();
   const int64_t esize = targets[0].element_size();
@@ -230,10 +230,46 @@ void slice_scatter_(at::TensorList targets, at::IntArrayRef target_ids, at::Tens
   plan.copy_back(targets);
 }
 
+}  // namespace
+
+void slice_scatter_(at::TensorList targets, at::IntArrayRef target_ids, at::TensorList updates,
+                    at::TensorList indices, at::IntArrayRef dims, c10::string_view reduce) {
+  scatter_into(ScatterPlan(targets, target_ids, updates, indices, dims, reduce, "slice_scatter_"), targets);
+}
+
+// ---- The same kernels from a plan built once per round (slice_plan): per call only the cheap checks.
+void slice_plan_gather_(at::Tensor& out, at::TensorList sources, const at::Tensor& plan, at::TensorList cache) {
+  const char* op = "slice_plan_gather_";
+  const PlanView p(plan, op);
+  TORCH_CHECK_VALUE(cache.empty(), op, ": cache holds the device copy of a CUDA plan; give none on the CPU");
+  const GatherPlan g(p, sources, op);
+  g.check_out(out, sources, {}, op);
+  gather_into(g, out);
+}
+
+void slice_plan_scatter_(at::TensorList targets, at::TensorList updates, const at::Tensor& plan,
+                         c10::string_view reduce, at::TensorList cache) {
+  const char* op = "slice_plan_scatter_";
+  const PlanView p(plan, op);
+  TORCH_CHECK_VALUE(cache.empty(), op, ": cache holds the device copy of a CUDA plan; give none on the CPU");
+  scatter_into(ScatterPlan(p, targets, updates, reduce, op), targets);
+}
+
 TORCH_LIBRARY_IMPL(ist_kernels, CPU, m) {
   m.impl("slice_gather", &slice_gather);
   m.impl("slice_gather_into_", &slice_gather_into_);
   m.impl("slice_scatter_", &slice_scatter_);
+  m.impl("slice_plan_gather_", &slice_plan_gather_);
+  m.impl("slice_plan_scatter_", &slice_plan_scatter_);
+}
+
+// Building a plan is host work on shapes and index lists, whatever the tensors' device.
+at::Tensor slice_plan(at::TensorList tensors, at::IntArrayRef ids, at::TensorList indices, at::IntArrayRef dims) {
+  return build_slice_plan(tensors, ids, indices, dims, "slice_plan");
+}
+
+TORCH_LIBRARY_IMPL(ist_kernels, CompositeExplicitAutograd, m) {
+  m.impl("slice_plan", &slice_plan);
 }
 
 }  // namespace ist::cpu

@@ -30,7 +30,7 @@ from .. import functional as IF
 from ..partition.plan import SlicePlan, TensorSlices
 from ._init import draw_
 
-__all__ = ["SubnetMLP"]
+__all__ = ["SubnetMLP", "CompactSubnetMLP", "CompactRound"]
 
 Neurons = Union[None, Tensor, Sequence[Optional[Tensor]]]
 
@@ -278,7 +278,113 @@ class SubnetMLP(nn.Module):
                    for u, shape, t in zip(updates, shapes, ids)]
         IF.scatter_slices_(targets, ids, updates, indices, dims, reduce="mean")
 
+    # ---- a round on dense compact modules (issue 19 item 3)
+    def compact(self, neurons_list: Sequence[Neurons]) -> "CompactRound":
+        """The round of ``neurons_list`` (one entry per subnetwork) as dense compact modules: every
+        subnetwork's parameters gathered once (one :func:`~ist_kernels.functional.slice_plan`
+        gather for all tensors of all subnetworks), so its local steps run plain dense GEMMs with
+        compact gradients; ``write_back()`` (or leaving the ``with`` block without an error) is the
+        owner-averaged write-back of :meth:`aggregate_`, bit for bit. See :class:`CompactRound`."""
+        return CompactRound(self, neurons_list)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, width={self.width}, depth={self.depth}, "
                 f"out_features={self.out_features}, bias={self.hidden_biases is not None}, "
                 f"train_output={self.train_output}")
+
+
+class CompactSubnetMLP(nn.Module):
+    """One subnetwork of a :class:`SubnetMLP` as a dense MLP on compact tensors: hidden layer l is
+    ``relu(h W_lᵀ + b_l) / √m`` with ``W_l`` [neurons_l, neurons_{l-1}] (the input features for
+    l = 0), the output layer ``h Aᵀ + c`` with A [out_features, neurons_L] (fixed, a buffer, unless
+    the model trains its output). Its parameters are views of its :class:`CompactRound`'s buffer,
+    so training them in place is what the round writes back."""
+
+    def __init__(self, params: Sequence[Tensor], depth: int, scale: float, bias: bool, train_output: bool,
+                 output_bias: bool, fixed_output: Optional[Tensor]):
+        super().__init__()
+        it = iter(params)
+        self.scale = scale
+        self.weights = nn.ParameterList()
+        self.biases = nn.ParameterList() if bias else None
+        for _ in range(depth):
+            self.weights.append(nn.Parameter(next(it)))
+            if bias:
+                self.biases.append(nn.Parameter(next(it)))
+        if train_output:
+            self.output_weight = nn.Parameter(next(it))
+            self.output_bias = nn.Parameter(next(it)) if output_bias else None
+        else:
+            self.register_buffer("output_weight", fixed_output)
+            self.output_bias = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x
+        for l, w in enumerate(self.weights):
+            h = F.relu(F.linear(h, w, self.biases[l] if self.biases is not None else None)) * self.scale
+        return F.linear(h, self.output_weight, self.output_bias)
+
+
+class CompactRound:
+    """A round of :class:`SubnetMLP` subnetworks compacted once (``model.compact(neurons_list)``).
+
+    ``modules[s]`` is subnetwork s as a :class:`CompactSubnetMLP` (dense, compact; parameters in
+    the order of :meth:`SubnetMLP.extract`, as ``params[s]``); train them for the round's local
+    steps, then ``write_back()``: one planned scatter (reduce="mean") of every subnetwork's
+    parameters into the model, equal bit for bit to ``model.aggregate_(params, neurons_list)``.
+    As a context manager it writes back on leaving the block without an exception.
+
+    The plan (:func:`~ist_kernels.functional.slice_plan`) is built once, here; ``refresh()``
+    gathers the model's current values into the same compact tensors again (the next round of the
+    same partition: no new plan, no allocation). A fixed output layer is compacted once as well
+    (its columns of the last layer's neurons), so no local step gathers along the contiguous dim.
+    """
+
+    def __init__(self, model: SubnetMLP, neurons_list: Sequence[Neurons]):
+        if len(neurons_list) == 0:
+            raise ValueError("SubnetMLP.compact: give at least one subnetwork")
+        self.model = model
+        device, cpu = model.hidden_weights[0].device, torch.device("cpu")
+        self.neurons = [model._neurons(n, device) for n in neurons_list]
+        # The plan's index lists stay on the host (the slice ops then never wait for the device).
+        full = dict(model.named_parameters())
+        targets, dims, ids, indices, shapes = [], [], [], [], []
+        for s, neurons in enumerate(neurons_list):
+            for t, (name, dim, idx, shape) in enumerate(model._layout(model._neurons(neurons, cpu), cpu)):
+                if s == 0:
+                    w = full[name].detach()
+                    targets.append(w.view(-1) if model._flat(name) else w)
+                    dims.append(dim)
+                ids.append(t)
+                indices.append(idx)
+                shapes.append(shape)
+        self._targets = targets
+        self._plan = IF.slice_plan(targets, ids, indices, dims)
+        per = len(ids) // len(self.neurons)
+        segments = self._plan.gather(targets)
+        compact = [seg.view(shape) for seg, shape in zip(segments, shapes)]
+        self.params = [compact[s * per:(s + 1) * per] for s in range(len(self.neurons))]
+        fixed = [None] * len(self.neurons)
+        if not model.train_output:
+            last = [n[-1] if n[-1] is not None else torch.arange(model.width, device=device) for n in self.neurons]
+            fixed = [model.output_weight.detach().index_select(1, cols) for cols in last]
+        self.modules = [CompactSubnetMLP(p, model.depth, model.scale, model.hidden_biases is not None,
+                                         model.train_output, model.output_bias is not None, a)
+                        for p, a in zip(self.params, fixed)]
+
+    def refresh(self) -> "CompactRound":
+        """Gather the model's current values into the compact tensors again (same plan)."""
+        self._plan.gather(self._targets)
+        return self
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Owner-averaged write-back of every subnetwork (Algorithm 1 lines 11-13), one scatter."""
+        self._plan.scatter_(self._targets, reduce="mean")
+
+    def __enter__(self) -> "CompactRound":
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is None:
+            self.write_back()

@@ -266,3 +266,179 @@ def check_no_alias(op: str, targets, target_ids, updates, indices) -> None:
                 continue
             check(False, op, f"targets[{t[3]}]{overlap_words(shared)}{names[o[2]]}[{o[3]}]; targets are written in "
                   "place and must not alias another target, an update or an index list")
+
+
+# ---- A round's plan (slice_plan / slice_plan_gather_ / slice_plan_scatter_): validated once, reused
+# by every gather and scatter of the round with only the cheap per-call checks.
+@torch.library.register_fake("ist_kernels::slice_plan_gather_")
+def _slice_plan_gather_fake(out, sources, plan, cache):
+    return None
+
+
+@torch.library.register_fake("ist_kernels::slice_plan_scatter_")
+def _slice_plan_scatter_fake(targets, updates, plan, reduce, cache):
+    check(reduce in REDUCES, "slice_plan_scatter_", f'reduce must be "copy", "sum" or "mean", got "{reduce}"')
+    return None
+
+
+RECORD_BYTES = 256  # an upper bound of one CUDA record (GatherSegment, ScatterTarget, ScatterSegment; slices.cuh)
+
+
+class _Group:
+    """The plan of the tensors of one dtype: the op's metadata, the flat gather buffer and its
+    segment views, and on CUDA the device records' caches."""
+    __slots__ = ("members", "segs", "meta", "buffer", "views", "gather_cache", "scatter_cache", "shapes")
+
+    def __init__(self, members, segs, meta, buffer, views, shapes, gather_bytes, scatter_bytes):
+        self.members, self.segs, self.meta, self.buffer, self.views = members, segs, meta, buffer, views
+        self.shapes = shapes  # expected update shapes of the group's segments
+        # CUDA: [host copy, device copy] of the launch records, allocated by the first gather /
+        # scatter (a plan that only gathers holds no scatter records); none on the CPU.
+        self.gather_cache = [] if buffer.device.type != "cuda" else gather_bytes
+        self.scatter_cache = [] if buffer.device.type != "cuda" else scatter_bytes
+
+    def cache(self, kind: str) -> list:
+        c = getattr(self, kind)
+        if isinstance(c, int):
+            c = [torch.zeros(c, dtype=torch.uint8), torch.empty(c, dtype=torch.uint8, device=self.buffer.device)]
+            setattr(self, kind, c)
+        return c
+
+
+class PlannedSlices:
+    """One round's slice gather and scatter, planned once (``ist_kernels.functional.slice_plan``).
+
+    Built from the round's ``tensors`` (any shapes and dtypes, one device), ``ids``, ``indices`` and
+    ``dims`` as :func:`~ist_kernels.functional.gather_slices` takes them; everything is validated at
+    build (errors name the argument), index lists included, and the index metadata is laid out once
+    (csrc/slices_plan.h; one int64 host tensor per dtype, and on CUDA one device copy of the launch
+    records, uploaded by the first call). Every later call checks only that the tensors are those
+    the plan was built for (count, dtype, device, shape) and launches one kernel per dtype.
+
+    ``gather(sources)`` writes every segment into the plan's own flat buffer (one per dtype,
+    allocated at build) and returns the same segment views every call: the next gather overwrites
+    them (a round trains them in place, then ``scatter_`` writes them back). ``out=`` gathers into
+    a caller's flat buffer instead (one dtype). ``scatter_(targets, updates, reduce)`` is
+    :func:`~ist_kernels.functional.scatter_slices_` with the plan's segments. Not differentiable.
+
+    On CUDA a call that finds its tensors where the previous call found them neither allocates nor
+    waits for the device, so a round's gathers and scatters can be captured in a CUDA graph (run
+    each once before capturing: that call uploads the records).
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], ids: Sequence[int], indices: Sequence[torch.Tensor],
+                 dims: Sequence[int]):
+        op = "slice_plan"
+        tensors, ids, indices, dims = list(tensors), [int(i) for i in ids], list(indices), list(dims)
+        check(len(tensors) > 0, op, "tensors is empty; give at least one tensor")
+        check(len(ids) == len(indices), op,
+              f"ids and indices must have one entry per segment, got {len(ids)} and {len(indices)}")
+        check_ids(op, ids, len(tensors), "ids", "tensors")  # grouping by dtype reads them
+        tensors = [t.detach() for t in tensors]
+        groups: dict = {}
+        for t, x in enumerate(tensors):
+            groups.setdefault(x.dtype, []).append(t)
+        if len(groups) > 1:  # checked whole first: errors then name the caller's positions
+            d = wrap_dims(op, tensors, dims, "tensors", same_dtype=False)
+            check_index_lists(op, indices, tensors[0].device)
+            check_index_values(op, indices, [tensors[s].shape[d[s]] for s in ids],
+                               what=[f"tensors[{s}] along dim {d[s]}" for s in ids])
+        self.num_tensors = len(tensors)
+        self.num_segments = len(ids)
+        self.device = tensors[0].device
+        self._groups: List[_Group] = []
+        for members in groups.values():
+            local = {t: i for i, t in enumerate(members)}
+            segs = [j for j, t in enumerate(ids) if t in local]
+            srcs = [tensors[t] for t in members]
+            gdims = [dims[t] for t in members]
+            meta = torch.ops.ist_kernels.slice_plan(srcs, [local[ids[j]] for j in segs], [indices[j] for j in segs],
+                                                    gdims)
+            wrapped = [gdims[i] % srcs[i].dim() for i in range(len(srcs))]
+            lengths = [indices[j].shape[0] for j in segs]
+            seg_shapes = [segment_shape(tensors[ids[j]].shape, wrapped[local[ids[j]]], n) for j, n in zip(segs, lengths)]
+            total = int(meta[3])  # kTotal (csrc/slices_plan.h)
+            buffer = torch.empty(total, dtype=srcs[0].dtype, device=self.device)
+            views = [v.view(s) for v, s in zip(torch.split(buffer, [_numel(s) for s in seg_shapes]), seg_shapes)]
+            n_idx = sum(lengths)
+            slices = sum(srcs[local[ids[j]]].shape[wrapped[local[ids[j]]]] for j in segs)
+            gather_bytes = 32 + RECORD_BYTES * (len(segs) + 1) + 8 * n_idx
+            scatter_bytes = 32 + RECORD_BYTES * (len(members) + len(segs) + 2) + 4 * slices
+            self._groups.append(_Group(members, segs, meta, buffer, views, seg_shapes, gather_bytes, scatter_bytes))
+        self._single = len(self._groups) == 1
+        if self._single:
+            self._views = list(self._groups[0].views)
+        else:
+            self._views = [None] * self.num_segments
+            for g in self._groups:
+                for j, v in zip(g.segs, g.views):
+                    self._views[j] = v
+
+    @property
+    def segments(self) -> List[torch.Tensor]:
+        """The plan's segment views (what the last gather wrote)."""
+        return list(self._views)
+
+    def _check_count(self, op: str, tensors, name: str) -> None:
+        check(len(tensors) == self.num_tensors, op,
+              f"the plan was built for {self.num_tensors} tensors, got {len(tensors)} {name}")
+
+    def gather(self, sources: Sequence[torch.Tensor], *, out: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+        """Every segment of ``sources`` (the tensors the plan was built for, or tensors of the same
+        shapes, dtypes and device), as the plan's segment views (or views of ``out``)."""
+        op = "slice_plan_gather_"
+        self._check_count(op, sources, "sources")
+        if out is not None:
+            check(len(self._groups) == 1, op, f"out is one tensor but the plan has {len(self._groups)} dtypes")
+            g = self._groups[0]
+            with torch.no_grad():
+                torch.ops.ist_kernels.slice_plan_gather_(out, sources, g.meta, g.cache("gather_cache"))
+            return [v.view(s) for v, s in zip(torch.split(out, [_numel(s) for s in g.shapes]), g.shapes)]
+        with torch.no_grad():
+            if self._single:
+                g = self._groups[0]
+                torch.ops.ist_kernels.slice_plan_gather_(g.buffer, sources, g.meta, g.cache("gather_cache"))
+            else:
+                for g in self._groups:
+                    torch.ops.ist_kernels.slice_plan_gather_(g.buffer, [sources[t] for t in g.members], g.meta,
+                                                             g.cache("gather_cache"))
+        return list(self._views)
+
+    def scatter_(self, targets: Sequence[torch.Tensor], updates: Optional[Sequence[torch.Tensor]] = None,
+                 reduce: str = "mean") -> None:
+        """Write ``updates`` (one per segment; default: the plan's segment views, as the last gather
+        left them and the round changed them) back into ``targets`` in place, reduce = ``"copy"`` /
+        ``"sum"`` / ``"mean"`` over the owners (as :func:`~ist_kernels.functional.scatter_slices_`)."""
+        op = "slice_plan_scatter_"
+        self._check_count(op, targets, "targets")
+        updates = self._views if updates is None else updates
+        check(len(updates) == self.num_segments, op,
+              f"the plan has {self.num_segments} segments but got {len(updates)} updates")
+        with torch.no_grad():
+            if self._single:
+                g = self._groups[0]
+                torch.ops.ist_kernels.slice_plan_scatter_(targets, updates, g.meta, reduce, g.cache("scatter_cache"))
+                return
+            # Several launches: check every group's updates first, so that a failed call writes nothing.
+            for g in self._groups:
+                for j, shape in zip(g.segs, g.shapes):
+                    u = updates[j]
+                    check_type(u.dtype == g.buffer.dtype, op,
+                               f"updates[{j}] has dtype {u.dtype} but its target has {g.buffer.dtype}")
+                    check(list(u.shape) == shape, op, f"updates[{j}] has shape {list(u.shape)} but the plan's "
+                          f"segment {j} needs {shape}")
+            check_no_alias(op, targets, sorted({t for g in self._groups for t in g.members}), updates, [])
+            for g in self._groups:
+                torch.ops.ist_kernels.slice_plan_scatter_([targets[t] for t in g.members], [updates[j] for j in g.segs],
+                                                          g.meta, reduce, g.cache("scatter_cache"))
+
+    def __repr__(self) -> str:
+        return (f"PlannedSlices(tensors={self.num_tensors}, segments={self.num_segments}, "
+                f"dtypes={[str(g.buffer.dtype) for g in self._groups]}, device={self.device})")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n

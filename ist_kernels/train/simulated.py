@@ -125,9 +125,18 @@ def local_train(model: SubnetMLP, params: Sequence[Tensor], neurons, x: Tensor, 
     """Algorithm 1 lines 6-8: τ = ``local_steps`` steps of gradient descent on the surrogate loss
     of one subnetwork, in place on its compact parameters. Returns the loss before each step."""
     params = [p.requires_grad_(True) for p in params]
+    return _local_steps(lambda inp: model.subnet_forward(inp, params, neurons), params, x, y, local_steps, lr,
+                        loss_fn)
+
+
+def _local_steps(forward: Callable[[Tensor], Tensor], params: Sequence[Tensor], x: Tensor, y: Tensor,
+                 local_steps: int, lr: float, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """τ steps of gradient descent on ``params`` (in place) through ``forward``; the losses before
+    each step."""
+    params = list(params)
     losses = []
     for _ in range(local_steps):
-        loss = loss_fn(model.subnet_forward(x, params, neurons), y)
+        loss = loss_fn(forward(x), y)
         grads = torch.autograd.grad(loss, params)
         with torch.no_grad():
             torch._foreach_add_(params, grads, alpha=-lr)
@@ -162,19 +171,18 @@ class History:
 
 def train_round(model: SubnetMLP, x: Tensor, y: Tensor, neurons_list, local_steps: int, lr: float,
                 loss_fn: Callable[[Tensor, Tensor], Tensor] = regression_loss):
-    """One global iteration: extract every subnetwork (one gather), train each for τ steps, one
-    after another, aggregate (one scatter). Returns (mean sampled loss, mean local loss)."""
-    device = model.hidden_weights[0].device  # plans are made on the CPU: move them once per round
-    neurons_list = [neurons.to(device) if isinstance(neurons, Tensor)
-                    else [None if n is None else n.to(device) for n in neurons] for neurons in neurons_list]
-    params_list = model.extract_all(neurons_list)
+    """One global iteration: compact every subnetwork once (one planned gather: dense compact
+    modules, :meth:`SubnetMLP.compact`), train each for τ steps of dense GEMMs, one after another,
+    aggregate (one planned scatter, = :meth:`SubnetMLP.aggregate_`). Returns (mean sampled loss,
+    mean local loss)."""
+    rnd = model.compact(neurons_list)
     first, last = [], []
-    for params, neurons in zip(params_list, neurons_list):
-        losses = local_train(model, params, neurons, x, y, local_steps, lr, loss_fn)
+    for mod in rnd.modules:
+        losses = _local_steps(mod, list(mod.parameters()), x, y, local_steps, lr, loss_fn)
         with torch.no_grad():
-            last.append(loss_fn(model.subnet_forward(x, params, neurons), y))
+            last.append(loss_fn(mod(x), y))
         first.append(losses[0] if len(losses) else last[-1])
-    aggregate(model, params_list, neurons_list)
+    rnd.write_back()
     return float(torch.stack(first).mean()), float(torch.stack(last).mean())
 
 
