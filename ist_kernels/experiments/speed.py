@@ -290,31 +290,30 @@ def curve(run: Dict[str, Any]) -> Dict[str, List]:
             "phase": [m.get("phase") for m in rows]}
 
 
-def run_all(args, todo: List[Tuple], work: str) -> Dict[Tuple, Dict[str, Any]]:
-    """Run every cell; the emulated links are made once per (link, S) and removed after."""
+def run_over_links(todo: Sequence[Tuple], link_and_workers, run_one, desc: str, latency_s: float = 0.0
+                   ) -> Dict[Tuple, Dict[str, Any]]:
+    """{cell: run_one(cell, link)} for every cell of ``todo``, loopback cells first, each emulated
+    link (``link_and_workers(cell)`` -> (link name, S)) made once per (link, S), checked, and
+    removed after its cells (on every exit path); a run that fails or times out gives
+    ``{"error": ...}``."""
     from tqdm import tqdm
 
     results: Dict[Tuple, Dict[str, Any]] = {}
-    order = sorted(todo, key=lambda c: (c[2] != "loopback", c[2], c[1], c[0], c[3], c[4], c[5]))
     groups: Dict[Tuple[str, int], List[Tuple]] = {}
-    for c in order:
-        groups.setdefault((c[2], c[1]), []).append(c)
-    with tqdm(total=len(order), desc="speed", file=sys.stderr, unit="run") as bar:
+    for c in sorted(todo, key=lambda c: (link_and_workers(c)[0] != "loopback", *map(str, c))):
+        groups.setdefault(link_and_workers(c), []).append(c)
+    with tqdm(total=len(todo), desc=desc, file=sys.stderr, unit="run") as bar:
         for (link_name, S), group in groups.items():
             em = None
             if link_name != "loopback":
-                em = L.EmulatedLink(S, L.parse_rate(link_name), args.latency_s)
+                em = L.EmulatedLink(S, L.parse_rate(link_name), latency_s)
                 em.__enter__()
             try:
                 if em is not None:
                     em.check()
                 for c in group:
-                    config, S, _, method, comp, seed = c
-                    w = workload(args, config)
-                    out = os.path.join(work, "-".join(map(str, c)))
                     try:
-                        run = launch(method_flags(w, method, comp), S, seed, out, em)
-                        results[c] = {"curve": curve(run), "summary": run["summary"]}
+                        results[c] = run_one(c, em)
                     except (RuntimeError, TimeoutError) as e:
                         results[c] = {"error": str(e)[-800:]}
                     bar.update()
@@ -322,6 +321,17 @@ def run_all(args, todo: List[Tuple], work: str) -> Dict[Tuple, Dict[str, Any]]:
                 if em is not None:
                     em.__exit__(None, None, None)
     return results
+
+
+def run_all(args, todo: List[Tuple], work: str) -> Dict[Tuple, Dict[str, Any]]:
+    """Run every (config, S, link, method, compress, seed) cell."""
+    def one(c, em):
+        config, S, _, method, comp, seed = c
+        run = launch(method_flags(workload(args, config), method, comp), S, seed,
+                     os.path.join(work, "-".join(map(str, c))), em)
+        return {"curve": curve(run), "summary": run["summary"]}
+
+    return run_over_links(todo, lambda c: (c[2], c[1]), one, "speed", args.latency_s)
 
 
 # ---------------------------------------------------------------- analysis

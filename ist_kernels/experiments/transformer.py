@@ -35,7 +35,6 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from tqdm import tqdm
 
 from ..train.methods import METHODS
 from . import _common as C, link as L, speed
@@ -148,33 +147,14 @@ def curves(run: Dict[str, Any]) -> Dict[str, List[float]]:
 
 
 def run_all(args, todo: List[Tuple[int, str, str, int]], work: str) -> Dict[Tuple, Dict[str, Any]]:
-    """Every (S, link, variant, seed); an emulated link is made once per (link, S) and removed after."""
+    """Every (S, link, variant, seed) cell (emulated links through the speed experiment's harness)."""
     w = workload(args)
-    results: Dict[Tuple, Dict[str, Any]] = {}
-    groups: Dict[Tuple[str, int], List[Tuple]] = {}
-    for c in todo:
-        groups.setdefault((c[1], c[0]), []).append(c)
-    with tqdm(total=len(todo), desc="transformer", file=sys.stderr, unit="run") as bar:
-        for (link_name, S), group in groups.items():
-            em = None
-            if link_name != "loopback":
-                em = L.EmulatedLink(S, L.parse_rate(link_name))
-                em.__enter__()
-            try:
-                if em is not None:
-                    em.check()
-                for c in group:
-                    out = os.path.join(work, "-".join(map(str, c)).replace("+", "_"))
-                    try:
-                        run = speed.launch(flags(w, c[2]), S, c[3], out, em)
-                        results[c] = {"curves": curves(run), "summary": run["summary"]}
-                    except (RuntimeError, TimeoutError) as e:
-                        results[c] = {"error": str(e)[-800:]}
-                    bar.update()
-            finally:
-                if em is not None:
-                    em.__exit__(None, None, None)
-    return results
+
+    def one(c, em):
+        run = speed.launch(flags(w, c[2]), c[0], c[3], os.path.join(work, "-".join(map(str, c)).replace("+", "_")), em)
+        return {"curves": curves(run), "summary": run["summary"]}
+
+    return speed.run_over_links(todo, lambda c: (c[1], c[0]), one, "transformer")
 
 
 def best_within(cv: Dict[str, List[float]], key: str, budget: float) -> Optional[float]:
