@@ -109,6 +109,22 @@ for reduce in ("copy", "sum", "mean"):
     for t, exp in zip(targets, want):
         close(t, exp, "slice_scatter_ " + reduce)
 
+# the same slices through a plan (slice_plan, slice_plan_gather_, slice_plan_scatter_)
+from ist_kernels.functional import slice_plan  # noqa: E402
+
+srcs = [s.detach() for s in srcs]
+plan = slice_plan(srcs, ids, idx, dims)
+checked.add("slice_plan")
+for got, want in zip(plan.gather(srcs), ref.slice_gather(srcs, ids, idx, dims).split([10, 12, 5])):
+    close(got.reshape(-1), want, "slice_plan_gather_")
+for reduce in ("copy", "sum", "mean"):
+    targets = [randn(7, 5), randn(4, 9)]
+    updates = [randn(2, 5), randn(4, 3), randn(1, 5)]
+    want = ref.slice_scatter(targets, ids, updates, idx, dims, reduce)
+    plan.scatter_(targets, updates, reduce)
+    for t, exp in zip(targets, want):
+        close(t, exp, "slice_plan_scatter_ " + reduce)
+
 schemas = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
            if n.startswith("ist_kernels::")}  # every op of the library (csrc/ops.cpp)
 missing = schemas - checked
