@@ -52,6 +52,10 @@ TORCH_LIBRARY(ist_kernels, m) {
   // Segment j is sources[source_ids[j]].index_select(dims[source_ids[j]], indices[j]); the result
   // is every segment flattened (row-major) and concatenated, in one buffer, in one launch.
   m.def("slice_gather(Tensor[] sources, int[] source_ids, Tensor[] indices, int[] dims) -> Tensor");
+  // slice_gather's result as the segment tensors: segment j has its source's shape with
+  // len(indices[j]) along dims[source_ids[j]], and all are views of one flat buffer (what
+  // ist_kernels.functional.gather_slices returns). Composite: differentiable through slice_gather.
+  m.def("slice_gather_segments(Tensor[] sources, int[] source_ids, Tensor[] indices, int[] dims) -> Tensor[]");
   // slice_gather written into a caller's buffer: out must be a contiguous 1-D tensor of the sources'
   // dtype and device with exactly the gather's numel, sharing no memory with a source (checked
   // before anything is written). Lets a caller reuse one buffer across calls (no allocation, no

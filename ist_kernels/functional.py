@@ -112,6 +112,10 @@ def gather_slices(sources: Sequence[Tensor], source_ids: Sequence[int], indices:
         per dtype.
     """
     sources, source_ids, indices, dims = list(sources), list(source_ids), list(indices), list(dims)
+    if out is None and sources and all(s.dtype == sources[0].dtype for s in sources[1:]):
+        # one dtype (the common case): one op, which validates everything (errors name the
+        # caller's positions) and returns the segment views built in C++ (csrc/autograd.cpp)
+        return list(_ops.slice_gather_segments(sources, source_ids, indices, dims))
     groups = _dtype_groups(sources)
     if out is not None:
         _check_out_no_grad(sources)
@@ -144,15 +148,16 @@ def _gather_groups(sources, source_ids, indices, dims, out, groups) -> List[Tens
         srcs = [sources[t] for t in members]
         gdims = [dims[t] for t in members]
         if out is None:
-            flat = _ops.slice_gather(srcs, ids, [indices[j] for j in segs], gdims)
+            for j, v in zip(segs, _ops.slice_gather_segments(srcs, ids, [indices[j] for j in segs], gdims)):
+                result[j] = v
+            continue
+        if isinstance(out, Tensor):
+            flat = out
         else:
-            if isinstance(out, Tensor):
-                flat = out
-            else:
-                numel = _slices.gather_numel(srcs, ids, [indices[j] for j in segs],
-                                             [gdims[i] % srcs[i].dim() for i in range(len(srcs))])
-                flat = out.take(numel, srcs[0].dtype, srcs[0].device)
-            _ops.slice_gather_into_(flat, srcs, ids, [indices[j] for j in segs], gdims)
+            numel = _slices.gather_numel(srcs, ids, [indices[j] for j in segs],
+                                         [gdims[i] % srcs[i].dim() for i in range(len(srcs))])
+            flat = out.take(numel, srcs[0].dtype, srcs[0].device)
+        _ops.slice_gather_into_(flat, srcs, ids, [indices[j] for j in segs], gdims)
         views = _slices.split_segments(flat, [srcs[i].shape for i in ids],
                                        [gdims[i] % srcs[i].dim() for i in ids],
                                        [indices[j].shape[0] for j in segs])

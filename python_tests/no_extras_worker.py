@@ -98,6 +98,10 @@ flat = ops.slice_gather(srcs, ids, idx, dims)
 close(flat, ref.slice_gather([s.detach() for s in srcs], ids, idx, dims), "slice_gather")
 flat.sum().backward()
 assert srcs[0].grad is not None and srcs[1].grad is not None
+segs = ops.slice_gather_segments(srcs, ids, idx, dims)
+for got, want in zip(segs, ref.slice_gather([s.detach() for s in srcs], ids, idx, dims).split([10, 12, 5])):
+    close(got.reshape(-1), want, "slice_gather_segments")
+assert [list(v.shape) for v in segs] == [[2, 5], [4, 3], [1, 5]]
 buf = torch.empty(flat.numel())
 ops.slice_gather_into_(buf, [s.detach() for s in srcs], ids, idx, dims)
 close(buf, flat.detach(), "slice_gather_into_")

@@ -128,6 +128,49 @@ def test_gather_gradcheck(gen):
     assert xs[1].grad is None and xs[0].grad is not None
 
 
+def test_gather_segments_gradcheck_and_reference(gen):
+    """gather_slices (the C++ slice_gather_segments: slice_gather viewed as its segments) against
+    gradcheck and against the float64 reference gradient: each source's gradient is the sum of its
+    segments' cotangents at their slices, zero elsewhere (also for a source no segment reads)."""
+    xs, dims, sizes = model(gen, torch.float64, "cpu", TENSORS[:5])
+    ids, indices = random_plan(gen, sizes, 3, p_empty=0.2)
+    ids, indices = ids + [3], indices + [torch.tensor([6, 0, 2])]  # slices owned twice
+    ids, indices = [i for i in ids if i != 4], [x for i, x in zip(ids, indices) if i != 4]  # xs[4] unread
+    xs = [x.requires_grad_() for x in xs]
+    torch.autograd.gradcheck(lambda *s: tuple(F.gather_slices(list(s), ids, indices, dims)), xs)
+    torch.autograd.gradcheck(lambda *s: tuple(ops.slice_gather_segments(list(s), ids, indices, dims)), xs)
+    segs = F.gather_slices(xs, ids, indices, dims)
+    cot = [torch.randn(s.shape, generator=gen, dtype=torch.float64) for s in segs]
+    got = torch.autograd.grad(segs, xs, cot)
+    for t, x in enumerate(xs):
+        want = torch.zeros_like(x)
+        for j, (i, idx) in enumerate(zip(ids, indices)):
+            if i == t:
+                want.index_add_(dims[t] % x.dim(), idx, cot[j])
+        assert torch.equal(got[t], want), t  # float64 sums of at most two terms: exact
+    # A strided cotangent reaching the flat gather, and a source that needs no gradient.
+    xs[0].requires_grad_(False)
+    flat = F._gather_flat(xs, ids, indices, dims)
+    g = torch.randn(2 * flat.numel(), generator=gen, dtype=torch.float64)[::2]
+    got = torch.autograd.grad(flat, [xs[1], xs[2]], g)
+    assert torch.equal(got[0], torch.autograd.grad(ref.slice_gather([x if t == 1 else x.detach() for t, x in
+                                                                     enumerate(xs)], ids, indices, dims), xs[1], g)[0])
+
+
+def test_gather_segments_are_the_gather_viewed():
+    """slice_gather_segments returns views of one fresh buffer: its shapes, the flat gather's values
+    in order, and in-place writes to one segment show in no source."""
+    a, b = torch.arange(20.).view(4, 5), torch.arange(6.)
+    segs = ops.slice_gather_segments([a, b], [0, 1, 0], [torch.tensor([3, 1]), torch.tensor([5]), torch.tensor([0])],
+                                     [0, 0])
+    assert [list(s.shape) for s in segs] == [[2, 5], [1], [1, 5]]
+    assert torch.equal(torch.cat([s.reshape(-1) for s in segs]), torch.cat([a[3], a[1], b[5:], a[0]]))
+    assert len({s.untyped_storage().data_ptr() for s in segs}) == 1
+    segs[0].zero_()
+    assert torch.equal(a, torch.arange(20.).view(4, 5))
+    assert ops.slice_gather_segments([a], [], [], [0]) == []
+
+
 # ---- scatter
 def run_scatter(gen, device, dtype, reduce, owners=4):
     targets, dims, sizes = model(gen, dtype, device)
@@ -316,6 +359,7 @@ def test_opcheck(device, gen):
     for x in xs:
         x.requires_grad_()
     torch.library.opcheck(ops.slice_gather.default, (xs, ids, indices, dims))
+    torch.library.opcheck(ops.slice_gather_segments.default, (xs, ids, indices, dims))
     targets = [x.detach().clone() for x in xs]
     updates = compact_updates(gen, targets, ids, indices, dims, torch.float32, device)
     for reduce in ("copy", "sum", "mean"):

@@ -145,25 +145,10 @@ def _slice_scatter_fake(targets, target_ids, updates, indices, dims, reduce):
     return None
 
 
-# ---- autograd of the gather: the gradient of a source is the sum of its segments' gradients
-# scattered back (reduce="sum" into zeros), one launch for all sources.
-def _gather_setup_context(ctx, inputs, output):
-    sources, source_ids, indices, dims = inputs
-    ctx.shapes = [s.shape for s in sources]
-    ctx.needs = [s.requires_grad for s in sources]
-    ctx.source_ids = list(source_ids)
-    ctx.dims = [d % len(shape) for d, shape in zip(dims, ctx.shapes)]
-    ctx.save_for_backward(*indices)
-
-
-def _gather_backward(ctx, grad):
-    indices = ctx.saved_tensors
-    grads = [grad.new_zeros(shape) for shape in ctx.shapes]
-    segments = split_segments(grad, [ctx.shapes[s] for s in ctx.source_ids],
-                              [ctx.dims[s] for s in ctx.source_ids], [i.shape[0] for i in indices])
-    if segments:
-        torch.ops.ist_kernels.slice_scatter_(grads, ctx.source_ids, segments, list(indices), ctx.dims, "sum")
-    return [g if need else None for g, need in zip(grads, ctx.needs)], None, [None] * len(indices), None
+# ---- autograd of the gather: in C++ (csrc/autograd.cpp, the Autograd key): the gradient of a
+# source is the sum of its segments' gradients scattered back (reduce="sum" into zeros), one
+# launch for all sources. slice_gather_segments (the gather viewed as its segments) is composite,
+# also in csrc/autograd.cpp.
 
 
 def split_segments(flat: torch.Tensor, shapes, dims, lengths) -> List[torch.Tensor]:
@@ -178,9 +163,6 @@ def split_segments(flat: torch.Tensor, shapes, dims, lengths) -> List[torch.Tens
     if not shapes:
         return []
     return [part.view(shape) for part, shape in zip(torch.split(flat, numels), shapes)]
-
-
-torch.library.register_autograd("ist_kernels::slice_gather", _gather_backward, setup_context=_gather_setup_context)
 
 
 def check_index_values(op: str, indices: Sequence[torch.Tensor], sizes: Sequence[int],
