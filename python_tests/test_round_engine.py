@@ -79,6 +79,14 @@ def test_every_round_says_where_its_time_goes(tmp_path, launch):
     assert all(r["time"]["unpack"] > 0 for r in pre) and sum(r["time"]["plan"] for r in pre) > 0
     if "--workers" in launch:
         assert all(r["time"]["comm"] > 0 for r in trained)  # real collectives
+        # where comm went: LOFT's pre-training exchanges slices and averages the shared tensors;
+        # the named collectives sum to comm
+        names = set().union(*(r["collectives"] for r in pre))
+        assert {"all_to_all_single (partitioned slices)", "all_reduce (shared tensors)"} <= names, names
+        for r in trained:
+            assert sum(r["collectives"].values()) == pytest.approx(r["time"]["comm"], abs=1e-5)
+    else:
+        assert all(r["collectives"] == {} for r in trained)
     # the phases' mean round time, from round 2 on, of the training parts
     want = sum(sum(r["time"][k] for k in TRAIN_PARTS) for r in pre if r["round"] >= 2)
     assert summary["round_time_by_phase"]["pretrain"] == pytest.approx(

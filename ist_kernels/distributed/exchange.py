@@ -326,9 +326,9 @@ class _Mover:
             esize = self.esize
 
         stats.pack_seconds += time.perf_counter() - t_pack
-        stats.collective_seconds[name] = wait_collective(
+        stats.collective_seconds[name] = stats.collective_seconds.get(name, 0.0) + wait_collective(
             lambda: dist.all_to_all_single(out, wire, out_splits, in_splits, group=group, async_op=True),
-            name=name, round=round, timeout=timeout, group=group)
+            name=name, round=round, timeout=timeout, group=group)  # one mover per dtype: summed
         t_unpack = time.perf_counter()
         stats.collectives += 1
         if compress is not None:  # the payload (a chunk's alignment padding is not counted)

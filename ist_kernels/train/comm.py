@@ -59,6 +59,9 @@ class Comm:
         self.clock = clock
         self.sent_by_worker: Dict[int, int] = {s: 0 for s in self.local_workers}
         self.gathered = 0
+        #: seconds this process waited on each named collective since the last take (a round's
+        #: ``collectives`` in metrics.jsonl: where its ``comm`` time went)
+        self.collectives: Dict[str, float] = {}
 
     @property
     def sent(self) -> int:
@@ -73,17 +76,25 @@ class Comm:
     def take(self) -> Dict[str, object]:
         """The bytes counted since the last take (``sent``, ``gathered``, and ``sent_by_worker``:
         worker -> its part of ``sent``), then zero."""
-        out = {"sent": self.sent, "gathered": self.gathered, "sent_by_worker": dict(self.sent_by_worker)}
+        out = {"sent": self.sent, "gathered": self.gathered, "sent_by_worker": dict(self.sent_by_worker),
+               "collectives": self.collectives}
         self.sent_by_worker = {s: 0 for s in self.local_workers}
         self.gathered = 0
+        self.collectives = {}
         return out
+
+    def _waited(self, name: str, secs: float) -> None:
+        """Charge ``secs`` spent in collective ``name`` to ``comm`` and to :attr:`collectives`."""
+        self.clock.add("comm", secs)
+        self.collectives[name] = self.collectives.get(name, 0.0) + secs
 
     def _charge(self, stats, part: Optional[str] = "plan") -> None:
         """Bytes and seconds of one collective call (``CommStats``): the collectives to ``comm``, the
         buffer copies to ``pack`` / ``unpack``, the rest (routing, checks) to ``part``."""
         coll = sum(stats.collective_seconds.values())
         rest = max(0.0, stats.seconds - coll - stats.pack_seconds - stats.unpack_seconds)
-        self.clock.add("comm", coll)
+        for name, secs in stats.collective_seconds.items():
+            self._waited(name, secs)
         self.clock.add("pack", stats.pack_seconds)
         self.clock.add("unpack", stats.unpack_seconds)
         if part is not None:
@@ -308,10 +319,11 @@ class Comm:
         k = 1
         if out.dtype == torch.bfloat16:
             out, inp, k = out.view(torch.int8), inp.view(torch.int8), 2
+        name = f"all_to_all_single ({what})"
         secs = wait_collective(lambda: dist.all_to_all_single(out, inp, [k * n for n in out_splits],
                                                               [k * n for n in in_splits], async_op=True),
-                               name=f"all_to_all_single ({what})", round=round + 1, timeout=collective_timeout())
-        self.clock.add("comm", secs)
+                               name=name, round=round + 1, timeout=collective_timeout())
+        self._waited(name, secs)
 
     def _reduce_scatter_coded(self, coded, sizes, codec: str, round: int) -> Tensor:
         """This rank's chunk of the mean: every rank's coded chunk ``rank`` decoded and summed in
@@ -350,9 +362,10 @@ class Comm:
         if counted:
             self.count_all_reduce(tensor.numel() * tensor.element_size())
         if self.distributed:
-            secs = wait_collective(lambda: dist.all_reduce(tensor, async_op=True), name=f"all_reduce ({what})",
+            name = f"all_reduce ({what})"
+            secs = wait_collective(lambda: dist.all_reduce(tensor, async_op=True), name=name,
                                    round=round + 1, timeout=collective_timeout())
-            self.clock.add("comm", secs)
+            self._waited(name, secs)
         return tensor
 
     def count_all_reduce(self, nbytes: int, times: int = 1) -> None:

@@ -167,6 +167,7 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
             rec = {"round": done, "train_loss": loss_sum / max(steps, 1), "bytes_sent": bytes_sent,
                    "ps_bytes": ps, "gather_bytes": gathered, **totals, "rank_state_bytes": max(per_worker),
                    "max_worker_bytes_sent": max(sent_by_worker),
+                   "collectives": {k: round(v, 6) for k, v in taken["collectives"].items()},
                    "train_time": train_time, "lr": ctx.lr_at(r, 0), **(res.extra or {}), **scores}
         if cap is not None and max(per_worker) > cap:  # every rank sees the same sums: all stop here
             worst = max(range(S), key=lambda s: per_worker[s])
