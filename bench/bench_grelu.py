@@ -66,7 +66,7 @@ FUSED = {"ist_kernels fused TMA GEMM": True, "ist_kernels fused pointer GEMM": F
 
 def _fused(use_tma, fn):
     """fn with the forward forced onto one fused Triton kernel (no cuBLAS + pass)."""
-    from ist_kernels.triton import grelu as tg
+    from ist_kernels.ops.grelu import _triton as tg
 
     def call():
         saved = tg.USE_TMA, tg.CUBLAS_EPILOGUE_MIN_K

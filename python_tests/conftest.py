@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 # before any Triton kernel is defined, i.e. before ist_kernels is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# On a GPU the tests pin one tile config per kernel (ist_kernels.triton.common.AUTOTUNE).
+# On a GPU the tests pin one tile config per kernel (ist_kernels.ops._triton_common.AUTOTUNE).
 os.environ.setdefault("IST_KERNELS_AUTOTUNE", "0")
 
 import ist_kernels  # noqa: E402,F401

@@ -10,8 +10,10 @@ import pkgutil
 import sys
 
 BLOCKED = ("matplotlib", "sklearn", "tqdm", "yaml", "numpy", "triton")
-# ist-train and the experiments need the extras; ist_kernels.triton is the optional Triton backend
-OPTIONAL = ("ist_kernels.train", "ist_kernels.experiments", "ist_kernels.triton")
+# ist-train and the experiments need the extras
+OPTIONAL = ("ist_kernels.train", "ist_kernels.experiments")
+# the optional Triton backend: each op family's _triton module and the shared ops/_triton_common.py
+TRITON_MODULES = "_triton"
 
 
 class Block(importlib.abc.MetaPathFinder):
@@ -36,7 +38,7 @@ import torch  # noqa: E402
 import ist_kernels  # noqa: E402
 
 for m in pkgutil.walk_packages(ist_kernels.__path__, "ist_kernels."):
-    if not m.name.startswith(OPTIONAL):
+    if not m.name.startswith(OPTIONAL) and not m.name.rpartition(".")[2].startswith(TRITON_MODULES):
         importlib.import_module(m.name)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -574,10 +574,11 @@ add("F.scatter_slices_", "indices", "valid", mixed(), None, check=check_scatter,
 # ----------------------------------------------------------------------------------- running them
 def _entry(op, path):
     if path == GATHER_GEMM:  # subnet_linear's CUDA backend (torch ops, so it runs on CPU tensors)
-        from ist_kernels.cuda import subnet as C
+        from ist_kernels.ops.subnet import _aten as C
         return {"subnet_linear": C.subnet_linear, "subnet_linear_backward": C.subnet_linear_backward}[op]
     if path == TRITON:
-        from ist_kernels.triton import grelu as tg, subnet as ts  # the raw launchers (issue 19 item 7)
+        from ist_kernels.ops.grelu import _triton as tg
+        from ist_kernels.ops.subnet import _triton as ts  # the raw launchers (issue 19 item 7)
         return {"relu_gates": tg.relu_gates, "gated_linear": tg.gated_linear,
                 "gated_linear_backward": tg.gated_linear_backward, "subnet_linear": ts.subnet_linear,
                 "subnet_linear_backward": ts.subnet_linear_backward}[op]

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from ist_kernels.cuda import grelu as aten_grelu
+from ist_kernels.ops.grelu import _aten as aten_grelu
 
 import reference as ref
 from conftest import requires_cuda, requires_triton

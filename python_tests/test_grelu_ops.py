@@ -23,7 +23,7 @@ TRITON_SHAPES = [(1, 40, 70), (7, 33, 5), (33, 20, 97), (129, 40, 70)]
 TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 if HAS_TRITON:
-    from ist_kernels.triton import grelu as tg
+    from ist_kernels.ops.grelu import _triton as tg
 
 
 def rel_err(got, want, mag=None):

@@ -1,7 +1,7 @@
 """Index lists of every layout and every kind of mistake through every entry point that takes one
 (issue 19, item 7): the functional API, ``torch.ops.ist_kernels``, and the internal backends --
-``ist_kernels.triton.subnet`` (the raw Triton launchers, under TRITON_INTERPRET=1 on CPU),
-``ist_kernels.ops.subnet.triton_subnet_linear`` and ``ist_kernels.cuda.subnet`` (torch ops, so it
+``ist_kernels.ops.subnet._triton`` (the raw Triton launchers, under TRITON_INTERPRET=1 on CPU),
+``ist_kernels.ops.subnet.triton_subnet_linear`` and ``ist_kernels.ops.subnet._aten`` (torch ops, so it
 runs on CPU tensors).
 
 Valid layouts (a stride-2 view with out-of-range junk between the entries, a column of a 2-D
@@ -71,12 +71,11 @@ def _subnet_entries():
     """name -> (forward, backward or None); backward: (g, x, w, rows, cols, mask) -> 3 tensors."""
     entries = {"F.subnet_linear": (_f_subnet, None),
                "torch.ops": (ops.subnet_linear, ops.subnet_linear_backward)}
-    from ist_kernels.cuda import subnet as C
-    entries["ist_kernels.cuda.subnet"] = (C.subnet_linear, C.subnet_linear_backward)
+    from ist_kernels.ops.subnet import _aten as C
+    entries["ist_kernels.ops.subnet._aten"] = (C.subnet_linear, C.subnet_linear_backward)
     if TRITON_ON_CPU:
-        from ist_kernels.ops.subnet import triton_subnet_linear, triton_subnet_linear_backward
-        from ist_kernels.triton import subnet as T
-        entries["ist_kernels.triton.subnet"] = (T.subnet_linear, T.subnet_linear_backward)
+        from ist_kernels.ops.subnet import _triton as T, triton_subnet_linear, triton_subnet_linear_backward
+        entries["ist_kernels.ops.subnet._triton"] = (T.subnet_linear, T.subnet_linear_backward)
         entries["ops.subnet.triton_subnet_linear"] = (triton_subnet_linear, triton_subnet_linear_backward)
     return entries
 

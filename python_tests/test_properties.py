@@ -29,11 +29,11 @@ from conftest import HAS_CUDA, HAS_TRITON  # noqa: E402
 
 ops = torch.ops.ist_kernels
 
-from ist_kernels.cuda import subnet as gather_gemm  # noqa: E402 (the CUDA backend of subnet_linear: torch ops)
+from ist_kernels.ops.subnet import _aten as gather_gemm  # noqa: E402 (the CUDA backend of subnet_linear: torch ops)
 
 if HAS_TRITON and not HAS_CUDA:
+    from ist_kernels.ops.grelu import _triton as tg
     from ist_kernels.ops.subnet import triton_subnet_linear, triton_subnet_linear_backward
-    from ist_kernels.triton import grelu as tg
 
     BACKENDS = ["cpp", "triton"]
 else:  # on a GPU the op itself dispatches CUDA tensors to Triton (test_grelu_ops / test_subnet)

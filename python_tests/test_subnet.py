@@ -251,7 +251,7 @@ TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 @pytest.mark.parametrize("case", TRITON_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_matches_reference(case, dtype, gen):
-    from ist_kernels.triton import subnet as T
+    from ist_kernels.ops.subnet import _triton as T
 
     x, w, b, rows, cols = make(gen, *case, dtype, TRITON_DEVICE, bias=True)
     check_against_reference(T.subnet_linear, T.subnet_linear_backward, x, w, b, rows, cols, gen, dtype)
@@ -261,7 +261,7 @@ def test_triton_matches_reference(case, dtype, gen):
 
 @requires_triton
 def test_triton_noncontiguous_and_mask(gen):
-    from ist_kernels.triton import subnet as T
+    from ist_kernels.ops.subnet import _triton as T
 
     N, K, dtype = 37, 45, torch.float32
     w = torch.randn(K, N, generator=gen).to(TRITON_DEVICE).t()
@@ -281,7 +281,7 @@ def test_triton_noncontiguous_and_mask(gen):
 
 @requires_triton
 def test_triton_bad_input():
-    from ist_kernels.triton import subnet as T
+    from ist_kernels.ops.subnet import _triton as T
 
     for pattern, (x, w, b, rows, cols) in bad_inputs(TRITON_DEVICE):
         with pytest.raises(BAD_INPUT, match=pattern):
@@ -298,18 +298,18 @@ def test_triton_bad_input():
 @pytest.mark.parametrize("case", CASES)
 def test_triton_bf16_cuda(case, gen):
     """bf16 tl.dot runs wrongly under the interpreter: bf16 is tested on a GPU only."""
-    from ist_kernels.triton import subnet as T
+    from ist_kernels.ops.subnet import _triton as T
 
     x, w, b, rows, cols = make(gen, *case, torch.bfloat16, "cuda", bias=True)
     check_against_reference(T.subnet_linear, T.subnet_linear_backward, x, w, b, rows, cols, gen, torch.bfloat16)
 
 
-# ---- the CUDA backend (compact gather + cuBLAS, ist_kernels/cuda/subnet.py): torch ops only, so it
+# ---- the CUDA backend (compact gather + cuBLAS, ist_kernels/ops/subnet/_aten.py): torch ops only, so it
 # runs on CPU tensors too; on a GPU the registered kernel runs it through the dispatcher above.
 @pytest.mark.parametrize("case", CASES + [((4,), 20, 17, 6, 0), ((3, 2), 25, 19, None, None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_gather_gemm_backend_matches_reference(case, dtype, gen):
-    from ist_kernels.cuda import subnet as C
+    from ist_kernels.ops.subnet import _aten as C
 
     x, w, b, rows, cols = make(gen, *case, dtype, TRITON_DEVICE, bias=True)
     check_against_reference(C.subnet_linear, C.subnet_linear_backward, x, w, b, rows, cols, gen, dtype)
@@ -322,7 +322,7 @@ def test_gather_gemm_backend_rounds_once(lead, gen):
     1-D or 3-D x (an error of u |x w|, not u |y|: 43% of 1-D and 90% of 3-D draws of 11 outputs
     broke the bound; the property test's example). Bound per element: (K + 2) u_fp32 Σ|terms| +
     2 u_out |y| (see test_properties.assert_within)."""
-    from ist_kernels.cuda import subnet as C
+    from ist_kernels.ops.subnet import _aten as C
 
     N, K = 129, 7
     for dtype in (torch.bfloat16, torch.float16):
@@ -340,7 +340,7 @@ def test_gather_gemm_backend_rounds_once(lead, gen):
 
 def test_gather_gemm_backend_strided_indices_and_views(gen):
     """Strided index views and non-contiguous operands (issue 10 item 3 for this backend)."""
-    from ist_kernels.cuda import subnet as C
+    from ist_kernels.ops.subnet import _aten as C
 
     N, K = 37, 45
     w = torch.randn(K, N, generator=gen).to(TRITON_DEVICE).t()
@@ -357,7 +357,7 @@ def backends():
     """(forward, backward) of every backend that runs here: the op (C++ on CPU tensors), the CUDA
     backend's gather + GEMM code (torch ops: runs on CPU tensors too), and the Triton variant's
     launchers (on CPU tensors under the interpreter)."""
-    from ist_kernels.cuda import subnet as C
+    from ist_kernels.ops.subnet import _aten as C
 
     out = [(op, op_backward), (C.subnet_linear, C.subnet_linear_backward)]
     if HAS_CUDA or HAS_TRITON:
@@ -429,7 +429,7 @@ def test_output_mask_of_the_wrong_length(backend):
 def test_gather_gemm_backend_validates_each_index_version(gen):
     """Index values are checked once per tensor and version: an in-place write that makes a
     validated list invalid is caught at the next call."""
-    from ist_kernels.cuda import subnet as C
+    from ist_kernels.ops.subnet import _aten as C
 
     w = torch.randn(10, 8, generator=gen).to(TRITON_DEVICE)
     rows = torch.tensor([1, 4, 7], device=TRITON_DEVICE)

@@ -1,8 +1,9 @@
-"""Fuzz the Triton entry points (issue 19, item 7): random shapes, dtypes, memory layouts, gate words
-and index lists -- strided views with out-of-range junk between the entries, columns of 2-D
+"""Fuzz the Triton entry points (issue 19, item 7): random shapes, dtypes, memory layouts, gate
+words and index lists -- strided views with out-of-range junk between the entries, columns of 2-D
 tensors, views at an offset, empty lists, and mistakes (out of range, negative, int32, 2-D,
-repeated) -- through ``ist_kernels.triton.subnet`` and ``ist_kernels.triton.grelu``, each result
-against the float64 references of python_tests/reference.py.
+repeated) -- through the Triton launchers ``ist_kernels.ops.subnet._triton`` and
+``ist_kernels.ops.grelu._triton``, each result against the float64 references of
+python_tests/reference.py.
 
     python tools/fuzz_triton.py --examples 2000            # CPU: TRITON_INTERPRET=1 is set for you
     python tools/fuzz_triton.py --examples 50 --seed 7     # replays: example i draws from seed + i
@@ -236,7 +237,8 @@ def evaluate(seed):
 
     import torch
 
-    from ist_kernels.triton import grelu as tg, subnet as ts
+    from ist_kernels.ops.grelu import _triton as tg
+    from ist_kernels.ops.subnet import _triton as ts
 
     entry, args, expect = _draw(seed)
     fn = {"subnet_linear": ts.subnet_linear, "subnet_linear_backward": ts.subnet_linear_backward,

@@ -3,13 +3,13 @@ for sm_90, offline (no GPU), and report per kernel, config and dtype what the co
 
     python tools/hopper_report.py [--out FILE] [--dtypes bf16,fp16] [--jobs N] [--only TEXT] [--dump DIR]
 
-Triton kernels: each module of ist_kernels/triton declares its kernels in ``HOPPER_KERNELS``
-(``ist_kernels.triton.common.HopperKernel``: the kernel, its launch signature per dtype, its
-configs, by default the autotune list and the pinned config given to ``tuned``). Each is compiled
-with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` in a process with
-TRITON_INTERPRET=0 and a fresh, temporary Triton cache. Registers and spills come from the
-``ptxas -v`` log of the ptxas Triton runs itself (the one it ships), shared memory from Triton's
-metadata (dynamic shared memory), SASS from the cuobjdump Triton ships.
+Triton kernels: each op family's Triton module (ist_kernels/ops/<family>/_triton.py) declares its
+kernels in ``HOPPER_KERNELS`` (``ist_kernels.ops._triton_common.HopperKernel``: the kernel, its
+launch signature per dtype, its configs, by default the autotune list and the pinned config given to
+``tuned``). Each is compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90,
+32))`` in a process with TRITON_INTERPRET=0 and a fresh, temporary Triton cache. Registers and
+spills come from the ``ptxas -v`` log of the ptxas Triton runs itself (the one it ships), shared
+memory from Triton's metadata (dynamic shared memory), SASS from the cuobjdump Triton ships.
 
 CUDA kernels: ``nvcc -cubin -arch=sm_90 -Xptxas -v`` with setup.py's and torch's nvcc flags,
 per .cu file; one row per kernel instantiation; SASS from the same cuobjdump.
@@ -160,26 +160,32 @@ def analyse(props, ptx, sass, shared):
 
 
 # ------------------------------------------------------------------------------- Triton kernels
+TRITON_MODULE = "_triton"  # the module of an op family (ist_kernels/ops/<family>/) holding its Triton kernels
+
+
 def _kernel_modules():
-    """ist_kernels.triton and its common module, imported for a GPU. main() sets TRITON_INTERPRET=0
-    before this (worker processes inherit it): under the interpreter @triton.jit makes no JIT
-    functions to compile."""
+    """ist_kernels.ops and the shared Triton module (ist_kernels.ops._triton_common), imported for a
+    GPU. main() sets TRITON_INTERPRET=0 before this (worker processes inherit it): under the
+    interpreter @triton.jit makes no JIT functions to compile."""
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    import ist_kernels.triton
-    from ist_kernels.triton import common
+    import ist_kernels.ops
+    from ist_kernels.ops import _triton_common as common
     if common.INTERPRET:
         sys.exit("hopper_report.py: ist_kernels was imported with TRITON_INTERPRET=1; this compiles for a GPU")
-    return ist_kernels.triton, common
+    return ist_kernels.ops, common
 
 
 def declarations(only=None):
-    """[(module, index, HopperKernel)] from every module of ist_kernels.triton, and the names of the
-    autotuned kernels that no declaration names."""
+    """[(module, index, HopperKernel)] from every op family's Triton module
+    (ist_kernels.ops.<family>._triton), and the names of the autotuned kernels that no declaration
+    names."""
     package, common = _kernel_modules()
     decls = []
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
-        mod = importlib.import_module(f"ist_kernels.triton.{info.name}")
+    names = [i.name for i in pkgutil.walk_packages(package.__path__, f"{package.__name__}.")
+             if i.name.rpartition(".")[2] == TRITON_MODULE]
+    for name in sorted(names):
+        mod = importlib.import_module(name)
         for i, d in enumerate(getattr(mod, "HOPPER_KERNELS", ())):
             if only is None or only in d.name:
                 decls.append((mod.__name__, i, d))

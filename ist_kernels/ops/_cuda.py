@@ -14,7 +14,7 @@ makes them on ours:
    functionalizes a graph (torch.compile), an op on CUDA tensors is decomposed into what its
    launcher runs -- torch ops and ``wrap_triton(kernel)[grid](...)`` calls, which become
    ``triton_kernel_wrapper_functional`` nodes that Inductor compiles, autotunes and fuses around.
-   The launcher knows it is being traced (``triton.common.tracing``): no data pointers, no device
+   The launcher knows it is being traced (``_triton_common.tracing``): no data pointers, no device
    guard, and no autotune pre-hooks (Inductor refuses them), so the forward takes the pointer GEMM
    instead of the TMA one there. CPU tensors are left to the C++ kernel (one op in the graph), and
    torch.export keeps the op whole, as it does a triton_op;
@@ -24,7 +24,7 @@ so the AOTAutograd cache key covers their source. With an older torch (no ``wrap
 the eager kernel is registered: the op stays opaque to Inductor, as before.
 
 Without Triton, :func:`register_composition` registers an ATen composition for CUDA instead
-(ist_kernels/cuda/), chosen at import with one warning.
+(the family's ``_aten`` module, e.g. ist_kernels/ops/grelu/_aten.py), chosen at import with one warning.
 
 Every kernel registered here runs with autocast excluded (:func:`never_autocast`), the Python
 counterpart of ``ist::NoAutocast`` (csrc/checks.h): the ops' autocast kernels (csrc/autocast.cpp)
@@ -41,8 +41,8 @@ try:
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
-if HAS_TRITON:  # triton is optional; triton/common.py imports it (and nothing of ist_kernels)
-    from ..triton.common import tracing
+if HAS_TRITON:  # triton is optional; _triton_common.py imports it (and nothing of ist_kernels)
+    from ._triton_common import tracing
 
 #: torch.library.wrap_triton / triton_op exist (torch >= 2.6): Inductor can trace Triton launches
 TRACEABLE = hasattr(torch.library, "wrap_triton") and hasattr(torch.library, "triton_op")
@@ -103,7 +103,7 @@ def _exporting():
 
 def register_triton(qualname, launcher, kernels):
     """Register ``launcher`` (a Python function running Triton kernels through
-    ``triton.common.launch``) as the CUDA kernel of ``qualname``, traceable by Inductor where the
+    ``_triton_common.launch``) as the CUDA kernel of ``qualname``, traceable by Inductor where the
     torch version allows. ``kernels``: the Triton kernels it may launch."""
     launcher = never_autocast(launcher)
     torch.library.register_kernel(qualname, "cuda", _eager(launcher) if TRACEABLE else launcher)

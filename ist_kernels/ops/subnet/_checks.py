@@ -1,13 +1,13 @@
 """subnet_linear's argument checks and the dtypes each backend implements, in a leaf module: the
-fake kernels (:mod:`.subnet`), the CUDA composition (:mod:`ist_kernels.cuda.subnet`) and the Triton
-launchers (:mod:`ist_kernels.triton.subnet`) all import them, none imports back."""
+fake kernels (:mod:`ist_kernels.ops.subnet`), the CUDA composition (:mod:`._aten`) and the Triton
+launchers (:mod:`._triton`) all import them, none imports back."""
 import torch
 
-from ._checks import check_index_list, check_same_device, fail
+from .._checks import check_index_list, check_same_device, fail
 
 # dtypes each backend implements.
 CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # csrc/cpu/subnet.cpp
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # CUDA (cuda/ and triton/subnet.py)
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # CUDA (_aten.py and _triton.py)
 
 
 def _names(dtypes):

@@ -1,7 +1,7 @@
 """relu_gates / gated_linear / gated_linear_backward (GReLU, paper 004 §2.1, §4.4): fake kernels
-and the CUDA backend: the Triton kernels (an ATen composition without triton; see
-ops/_cuda.py). The CPU backend is csrc/cpu/grelu.cpp; autocast, csrc/autocast.cpp; autograd,
-csrc/autograd.cpp.
+and the choice of CUDA backend: the Triton kernels (:mod:`._triton`), or without triton the ATen
+composition (:mod:`._aten`; see ops/_cuda.py). Argument checks: :mod:`._checks`. The CPU backend is
+csrc/cpu/grelu.cpp; autocast, csrc/autocast.cpp; autograd, csrc/autograd.cpp.
 
 Gradients (csrc/autograd.cpp):
 * gated_linear: x, weight and bias, through the gated_linear_backward op (g' = g ⊙ G applied
@@ -12,8 +12,9 @@ Gradients (csrc/autograd.cpp):
 """
 import torch
 
-from ._checks import check_gated_linear_backward, check_grelu_gates, check_grelu_linear, gate_words
-from ._cuda import HAS_TRITON, register_composition, register_triton, warn_no_triton
+from .._checks import gate_words
+from .._cuda import HAS_TRITON, register_composition, register_triton, warn_no_triton
+from ._checks import check_gated_linear_backward, check_grelu_gates, check_grelu_linear
 
 _ops = torch.ops.ist_kernels
 
@@ -47,15 +48,15 @@ def _gated_linear_backward_fake(grad_out, x, weight, gates, output_mask):
 
 
 # ---- CUDA backend: the Triton kernels, traceable by torch.compile where torch allows (ops/_cuda.py);
-# without triton, the ATen composition of ist_kernels/cuda/grelu.py.
+# without triton, the ATen composition of ops/grelu/_aten.py.
 _OPS = ("relu_gates", "gated_linear", "gated_linear_backward")
 if HAS_TRITON:
-    from ..triton import grelu as _triton_grelu
+    from . import _triton as _triton_grelu
 
     for _name in _OPS:
         register_triton(f"ist_kernels::{_name}", getattr(_triton_grelu, _name), _triton_grelu.TRITON_KERNELS)
 else:
-    from ..cuda import grelu as _aten_grelu
+    from . import _aten as _aten_grelu
 
     warn_no_triton(_OPS, "cuBLAS GEMMs with separate gate passes")
     for _name in _OPS:

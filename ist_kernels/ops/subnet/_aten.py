@@ -5,7 +5,7 @@ memory-bound pass over |rows|·|cols| elements), and every GEMM runs dense in cu
 shapes: y = x Wcᵀ + b[rows], dx = g Wc, dWc = gᵀ x, db = Σ g. The full-size gradients are zero
 outside rows x cols, so dW and db are scattered into zeroed full-size tensors (one index_put each).
 
-Why not gather inside a Triton GEMM (ist_kernels/triton/subnet.py, still there and tested)? On an
+Why not gather inside a Triton GEMM (ist_kernels/ops/subnet/_triton.py, still there and tested)? On an
 H100 (bench/results/h100-baseline.md, bf16 8192³) the in-kernel gather along W's contiguous dim
 ran at 0.05-0.21x the dense GEMM on pre-gathered weights: the weight operand is loaded with
 scalar 2-byte gathers that cannot use cp.async/TMA, so the tensor cores starve. The compact gather
@@ -15,8 +15,8 @@ import weakref
 
 import torch
 
-from ..ops._checks import check_index_list, check_output_mask
-from ..ops._subnet_checks import TRITON_DTYPES, check_grad_out, check_subnet
+from .._checks import check_index_list, check_output_mask
+from ._checks import TRITON_DTYPES, check_grad_out, check_subnet
 
 
 def _compact(weight, rows, cols):

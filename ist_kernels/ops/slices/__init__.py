@@ -10,7 +10,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ._checks import byte_range, check, check_index, check_type, memory_overlap, overlap_words
+from .._checks import byte_range, check, check_index, check_type, memory_overlap, overlap_words
 
 REDUCES = ("copy", "sum", "mean")
 MAX_SLICES = (1 << 31) - 1  # slices along one dim the kernels support (csrc/common/slices.h kFastDivMax)

@@ -14,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops._checks import check_output_mask
-from ..ops._subnet_checks import TRITON_DTYPES, check_grad_out, check_subnet
-from .common import INTERPRET, HopperKernel, grouped_tile, tuned
+from .._checks import check_output_mask
+from .._triton_common import INTERPRET, HopperKernel, grouped_tile, tuned
+from ._checks import TRITON_DTYPES, check_grad_out, check_subnet
 
 
 @triton.jit

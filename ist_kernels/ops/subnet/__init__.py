@@ -1,15 +1,17 @@
 """subnet_linear: the linear layer of one subnetwork of neurons (IST, paper 001 §3.1).
 
 y = x W[rows][:, cols]^T + b[rows]; the backward gives grad_x for the compact x and full-size
-grad_weight / grad_bias that are zero outside the selected rows x cols. Fake kernels here;
-autograd in csrc/autograd.cpp; CPU kernels in csrc/cpu/subnet.cpp; CUDA: a compact gather + cuBLAS (ist_kernels/cuda/subnet.py);
-the Triton gathered-load GEMMs (ist_kernels/triton/subnet.py) are the alternative kernel.
+grad_weight / grad_bias that are zero outside the selected rows x cols. Fake kernels and the CUDA
+registration here; argument checks in :mod:`._checks`; autograd in csrc/autograd.cpp; CPU kernels in
+csrc/cpu/subnet.cpp; CUDA: a compact gather + cuBLAS (:mod:`._aten`); the Triton gathered-load GEMMs
+(:mod:`._triton`) are the alternative kernel.
 """
 import torch
 
-from ._checks import check, check_index_list, check_output_mask, check_same_device, check_type  # noqa: F401
-from ._cuda import register_composition
-from ._subnet_checks import CPU_DTYPES, TRITON_DTYPES, check_grad_out, check_subnet  # noqa: F401  (re-exported)
+from .._checks import check, check_index_list, check_output_mask, check_same_device, check_type  # noqa: F401
+from .._cuda import HAS_TRITON, register_composition
+from . import _aten
+from ._checks import CPU_DTYPES, TRITON_DTYPES, check_grad_out, check_subnet  # noqa: F401  (re-exported)
 
 
 @torch.library.register_fake("ist_kernels::subnet_linear")
@@ -33,19 +35,17 @@ def _subnet_linear_backward_fake(grad_out, x, weight, rows, cols, output_mask):
 # autograd: in C++ (csrc/autograd.cpp), on the Autograd key, through subnet_linear_backward.
 
 
-# CUDA: gather the compact weight once, then cuBLAS GEMMs (ist_kernels/cuda/subnet.py explains why
-# this beats the in-kernel gather of ist_kernels/triton/subnet.py, which stays as the Triton variant).
-from ..cuda import subnet as _cuda  # noqa: E402
+# CUDA: gather the compact weight once, then cuBLAS GEMMs (ops/subnet/_aten.py explains why this
+# beats the in-kernel gather of ops/subnet/_triton.py, which stays as the Triton variant).
+register_composition("ist_kernels::subnet_linear", _aten.subnet_linear)
+register_composition("ist_kernels::subnet_linear_backward", _aten.subnet_linear_backward)
 
-register_composition("ist_kernels::subnet_linear", _cuda.subnet_linear)
-register_composition("ist_kernels::subnet_linear_backward", _cuda.subnet_linear_backward)
-
-# The Triton variant (ist_kernels/triton/subnet.py; tested and benchmarked, not registered). Its
+# The Triton variant (ops/subnet/_triton.py; tested and benchmarked, not registered). Its
 # launchers check everything and read the index lists through their strides, so these are the
 # launchers themselves (kept under these names for the tests and benchmarks).
-try:
-    from ..triton import subnet as _triton
-except ImportError:  # pragma: no cover (no triton)
+if HAS_TRITON:
+    from . import _triton
+else:  # pragma: no cover (no triton)
     _triton = None
 
 

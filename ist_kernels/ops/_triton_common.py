@@ -1,4 +1,5 @@
-"""Pieces every Triton GEMM in ist_kernels shares."""
+"""Pieces every Triton GEMM in ist_kernels shares (the families' ``_triton`` modules: ops/grelu/_triton.py,
+ops/subnet/_triton.py). Imports triton, and nothing of ist_kernels."""
 import contextlib
 import os
 import threading

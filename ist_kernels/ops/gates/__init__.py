@@ -1,7 +1,7 @@
 """pack_gates / unpack_gates: 1-bit gates (bit j of int32 word w is feature 32w+j)."""
 import torch
 
-from ._checks import check, check_type, gate_words
+from .._checks import check, check_type, gate_words
 
 
 @torch.library.register_fake("ist_kernels::pack_gates")

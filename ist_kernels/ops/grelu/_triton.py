@@ -22,8 +22,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..ops._checks import check, check_gated_linear_backward, check_grelu_gates, check_grelu_linear, gate_words
-from .common import INTERPRET as _INTERPRET, HopperKernel, grouped_tile, is_tracing, launch, tuned
+from .._checks import check, gate_words
+from .._triton_common import INTERPRET as _INTERPRET, HopperKernel, grouped_tile, is_tracing, launch, tuned
+from ._checks import check_gated_linear_backward, check_grelu_gates, check_grelu_linear
 
 
 # ---------------------------------------------------------------------------------------- helpers

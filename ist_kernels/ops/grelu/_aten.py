@@ -1,12 +1,12 @@
 """The CUDA backend of ``relu_gates`` / ``gated_linear`` / ``gated_linear_backward`` when Triton is
-not installed (ist_kernels/ops/grelu.py picks it at import, with a warning): cuBLAS GEMMs through
+not installed (ist_kernels/ops/grelu/__init__.py picks it at import, with a warning): cuBLAS GEMMs through
 torch, and the gates packed / unpacked by the C++ CUDA kernels of ``pack_gates`` /
 ``unpack_gates`` (csrc/cuda/gates.cu). Unlike the Triton kernels, the gate mask is materialised
 (one [M, N] pass each way) instead of applied in the GEMM's epilogue; the math and the NaN
 behaviour are the same (relu propagates NaN; a NaN is never an "on" gate; masking multiplies)."""
 import torch
 
-from ..ops._checks import check_gated_linear_backward, check_grelu_gates, check_grelu_linear
+from ._checks import check_gated_linear_backward, check_grelu_gates, check_grelu_linear
 
 _ops = torch.ops.ist_kernels
 

@@ -1,1 +1,0 @@
-"""Triton kernels (CUDA tensors; CPU tensors under TRITON_INTERPRET=1)."""
