@@ -3,7 +3,8 @@
 // and the argument, and says what was expected; checks run before anything is written.
 //
 // One exception type per kind of mistake, the same on every path (C++ kernels, fake kernels, Triton
-// launchers; the policy is written out in ist_kernels/ops/_checks.py):
+// launchers; the policy is written out in ist_kernels/ops/_checks.py, each family's own checks in
+// its package, ist_kernels/ops/<family>/):
 //   TORCH_CHECK_TYPE  -> TypeError:  a tensor of the wrong dtype;
 //   TORCH_CHECK_INDEX -> IndexError: an index out of range (an index-list entry, an id, a dim);
 //   TORCH_CHECK_VALUE -> ValueError: everything else (shape, device, length, repeats, aliasing).

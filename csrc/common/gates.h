@@ -1,7 +1,7 @@
 #pragma once
 // Bit-packed gates (GReLU, paper 004 §2.1): one bit per neuron, bit j of int32 word w is
 // feature 32*w + j. Shared by the CPU kernels, the CUDA kernels and (mirrored in
-// ist_kernels/triton/gates.py) the Triton kernels.
+// ist_kernels/ops/grelu/_triton.py) the Triton kernels.
 #include <cstdint>
 
 #include "common/macros.h"
