@@ -10,6 +10,7 @@ import math
 import os
 import time
 import zlib
+from datetime import timedelta
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from ist_kernels.distributed import (
     plan_bytes,
     ps_bytes,
 )
+from ist_kernels.distributed.group import all_to_all_single
 from ist_kernels.partition import SlicePlan, TensorSlices, aggregate_slices_
 
 from conftest import free_port, rank_error, spawn_ranks_until, write_rank_error
@@ -413,6 +415,50 @@ CASES = [
 ]
 
 
+def check_all_to_all(rank, S):
+    """group.all_to_all_single (gloo: point-to-point, every receive posted before any send) equals
+    torch's all_to_all_single: uneven splits with zeros, this rank's own chunk, several dtypes, a
+    subgroup of the ranks."""
+    g = torch.Generator().manual_seed(1234)  # the same splits on every rank
+    split = torch.randint(0, 5, (S, S), generator=g)
+    split[0, S - 1] = 0  # rank 0 sends nothing to the last rank
+    split[1, 1] = 3  # something to itself
+    for dtype in (torch.float32, torch.int64, torch.uint8, torch.bool):
+        inp = (torch.arange(int(split[rank].sum())) + 100 * rank).to(dtype)
+        in_splits, out_splits = split[rank].tolist(), split[:, rank].tolist()
+        want = torch.empty(sum(out_splits), dtype=dtype)
+        if dtype != torch.bool:  # gloo's own all-to-all moves no bool
+            dist.all_to_all_single(want, inp, out_splits, in_splits)
+        else:
+            want = torch.cat([((torch.arange(int(split[k].sum())) + 100 * k).to(dtype))
+                              [int(split[k, :rank].sum()):int(split[k, :rank + 1].sum())] for k in range(S)])
+        calls = []
+        irecv, isend = dist.irecv, dist.isend
+        dist.irecv = lambda *a, **k: calls.append("recv") or irecv(*a, **k)
+        dist.isend = lambda *a, **k: calls.append("send") or isend(*a, **k)
+        try:
+            out = torch.full((sum(out_splits),), 7).to(dtype)
+            assert all_to_all_single(out, inp, out_splits, in_splits).wait(timeout=timedelta(seconds=30))
+        finally:
+            dist.irecv, dist.isend = irecv, isend
+        assert torch.equal(out, want), (dtype, out, want)
+        assert calls == sorted(calls), calls  # every "recv" before any "send"
+        assert calls.count("send") == sum(1 for q in range(S) if q != rank and in_splits[q])
+    with pytest.raises(ValueError, match="splits add up to"):
+        all_to_all_single(torch.empty(1), torch.empty(0), [2] + [0] * (S - 1), [0] * S)
+    if S >= 3:  # a group of the ranks 1..S-1: peers are named by their global ranks
+        sub = dist.new_group(list(range(1, S)))
+        if rank >= 1:
+            n = S - 1
+            inp = torch.arange(n * 2, dtype=torch.float32) + 10 * rank
+            out = torch.empty(n * 2)
+            assert all_to_all_single(out, inp, [2] * n, [2] * n, group=sub).wait(timeout=timedelta(seconds=30))
+            me = rank - 1
+            want = torch.cat([torch.arange(2 * me, 2 * me + 2, dtype=torch.float32) + 10 * (k + 1) for k in range(n)])
+            assert torch.equal(out, want)
+        dist.barrier()
+
+
 def _worker(rank, S, store, outdir):
     torch.set_num_threads(1)
     init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=S, timeout=60)
@@ -454,6 +500,8 @@ def _worker(rank, S, store, outdir):
     Exchange(make_plan("loft", S, 7, 0), make_plan("loft", S, 7, 1), meta, verify_plans=True)
     with pytest.raises(ValueError, match="different plans"):
         Exchange(make_plan("loft", S, 7 + (rank == 0), 0), make_plan("loft", S, 7, 1), meta, verify_plans=True)
+
+    check_all_to_all(rank, S)
 
     # local SGD baseline: one flat all_reduce of the whole model
     spec = loft_spec()

@@ -36,7 +36,7 @@ from .. import functional as F
 from ..partition.aggregate import aggregate_slices_
 from ..partition.plan import SlicePlan
 from . import compress as C, quantize as Q
-from .group import collective_timeout, wait_collective
+from .group import all_to_all_single, collective_timeout, wait_collective
 from .routing import (
     Entry,
     Routing,
@@ -327,7 +327,7 @@ class _Mover:
 
         stats.pack_seconds += time.perf_counter() - t_pack
         stats.collective_seconds[name] = stats.collective_seconds.get(name, 0.0) + wait_collective(
-            lambda: dist.all_to_all_single(out, wire, out_splits, in_splits, group=group, async_op=True),
+            lambda: all_to_all_single(out, wire, out_splits, in_splits, group=group),
             name=name, round=round, timeout=timeout, group=group)  # one mover per dtype: summed
         t_unpack = time.perf_counter()
         stats.collectives += 1
@@ -434,8 +434,7 @@ def _compressed_mean_(tensors: List[Tensor], compress: str, *, name: str, round,
         out_splits = [C.padded(pay[r]) if k != r else 0 for k in range(S)]
         out = torch.empty(sum(out_splits), dtype=torch.uint8, device=flat.device)
         stats.pack_seconds += time.perf_counter() - t_pack
-        secs = wait_collective(lambda: dist.all_to_all_single(out, wire, out_splits, in_splits, group=group,
-                                                              async_op=True),
+        secs = wait_collective(lambda: all_to_all_single(out, wire, out_splits, in_splits, group=group),
                                name=f"{name}, stage 1 of 2", round=round, timeout=timeout, group=group)
         t_mid = time.perf_counter()
         mine, off = flat[lo[r]:hi[r]], 0
@@ -454,8 +453,7 @@ def _compressed_mean_(tensors: List[Tensor], compress: str, *, name: str, round,
         out2_splits = [C.padded(pay[k]) if k != r else 0 for k in range(S)]
         out2 = torch.empty(sum(out2_splits), dtype=torch.uint8, device=flat.device)
         mid = time.perf_counter() - t_mid
-        secs += wait_collective(lambda: dist.all_to_all_single(out2, wire2, out2_splits, in2, group=group,
-                                                               async_op=True),
+        secs += wait_collective(lambda: all_to_all_single(out2, wire2, out2_splits, in2, group=group),
                                 name=f"{name}, stage 2 of 2", round=round, timeout=timeout, group=group)
         t_unpack = time.perf_counter()
         flat[lo[r]:hi[r]].copy_(acc)

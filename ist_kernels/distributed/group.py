@@ -142,3 +142,57 @@ def wait_collective(issue, *, name: str, round: Optional[int], timeout: timedelt
     if done is False:
         fail("timed out")
     return time.perf_counter() - t0
+
+
+class _Requests:
+    """Several point-to-point requests waited as one (``wait(timeout)``: False once the time is up)."""
+
+    def __init__(self, requests):
+        self.requests = requests
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        for req in self.requests:
+            if deadline is None:
+                done = req.wait()
+            else:
+                done = req.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            if done is False:
+                return False
+        return True
+
+
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, group=None):
+    """``dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)``
+    (flat 1-D tensors; splits in elements), but on gloo as point-to-point messages with every receive
+    posted before any send.
+
+    Why: gloo's TCP transport sends a message only once the peer has said it posted the receive,
+    and that note travels on the same socket as the data. gloo's all-to-all posts its sends first,
+    so when a peer's note comes early, this rank's own note queues behind the whole message it is
+    already sending, and the peer starts sending only after that message has arrived: the two
+    directions run one after the other. Over a 100 Mbit/s link, 1.2 MB each way took 91 ms in the
+    median but 182 ms at the 90th percentile (``dist.all_to_all_single`` at S=2, 30 tries); with
+    the receives posted first, the 90th percentile was 117 ms. Returns an object with
+    ``wait(timeout)``, as a collective's work does (for :func:`wait_collective`)."""
+    if dist.get_backend(group) != "gloo":
+        return dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=group, async_op=True)
+    S, r = dist.get_world_size(group), dist.get_rank(group)
+    if len(out_splits) != S or len(in_splits) != S:
+        raise ValueError(f"all_to_all_single: need {S} splits on each side, got {len(out_splits)} and {len(in_splits)}")
+    peer = (lambda q: q) if group is None else (lambda q: dist.get_global_rank(group, q))
+    recv_at, send_at = [0], [0]
+    for n in out_splits:
+        recv_at.append(recv_at[-1] + int(n))
+    for n in in_splits:
+        send_at.append(send_at[-1] + int(n))
+    if recv_at[-1] != out.numel() or send_at[-1] != inp.numel():
+        raise ValueError(f"all_to_all_single: the splits add up to {recv_at[-1]} and {send_at[-1]} elements, "
+                         f"but out has {out.numel()} and inp {inp.numel()}")
+    reqs = [dist.irecv(out[recv_at[q]:recv_at[q + 1]], peer(q), group=group)
+            for q in range(S) if q != r and out_splits[q]]
+    reqs += [dist.isend(inp[send_at[q]:send_at[q + 1]], peer(q), group=group)
+             for q in range(S) if q != r and in_splits[q]]
+    if out_splits[r]:
+        out[recv_at[r]:recv_at[r + 1]].copy_(inp[send_at[r]:send_at[r + 1]])
+    return _Requests(reqs)

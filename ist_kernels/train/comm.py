@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..distributed import Exchange, average_model_, compress as C, gather_bytes, gather_full_model, plan_bytes, ps_bytes
-from ..distributed.group import collective_timeout, wait_collective
+from ..distributed.group import all_to_all_single, collective_timeout, wait_collective
 from ..distributed.quantize import decode, encode
 from .timing import Clock
 
@@ -320,8 +320,8 @@ class Comm:
         if out.dtype == torch.bfloat16:
             out, inp, k = out.view(torch.int8), inp.view(torch.int8), 2
         name = f"all_to_all_single ({what})"
-        secs = wait_collective(lambda: dist.all_to_all_single(out, inp, [k * n for n in out_splits],
-                                                              [k * n for n in in_splits], async_op=True),
+        secs = wait_collective(lambda: all_to_all_single(out, inp, [k * n for n in out_splits],
+                                                         [k * n for n in in_splits]),
                                name=name, round=round + 1, timeout=collective_timeout())
         self._waited(name, secs)
 
