@@ -154,7 +154,6 @@ class EmulatedLink:
         global _counter
         _counter += 1
         self.ranks, self.bandwidth_bps, self.latency_s = ranks, bandwidth_bps, float(latency_s)
-        self.queue_s = float(os.environ.get("IST_LINK_QUEUE_S", "0.05"))
         self.prefix = f"{PREFIX}-{os.getpid()}-{_counter}"
         self._made: List[str] = []
         self._handlers: Dict[int, object] = {}
@@ -198,8 +197,7 @@ class EmulatedLink:
         if self.bandwidth_bps is not None:
             rate = int(self.bandwidth_bps)
             burst = max(32 * 1024, int(rate / 8 * 0.010))
-            _run(base + parent + ["tbf", "rate", f"{rate}bit", "burst", str(burst), "latency",
-                                  f"{self.queue_s * 1e6:.0f}us"])
+            _run(base + parent + ["tbf", "rate", f"{rate}bit", "burst", str(burst), "latency", "50ms"])
 
     def open(self) -> "EmulatedLink":
         if self.is_open:
