@@ -19,10 +19,11 @@ rounds' own wall time: local steps, plans, packing, communication; evaluation le
 test accuracy first reaches the target (``--target``, or ``--target-fraction`` of local SGD's
 final accuracy in the same workload, S and seed), the final accuracy, bytes per round, the measured
 round time and its parts, and the cost model's prediction (``ist_kernels.distributed.cost``): the
-same method's loopback round plus the link's time for the bytes of the run's busiest rank (the
-loopback round keeps what the link does not change: compute, plans, packing, a collective's set-up
-and the wait for a slower rank). DDP's gradient all-reduces overlap its backward pass, which the
-model leaves out: its prediction is an upper bound.
+run's own time outside its collectives (compute, plans, packing; measured) plus the model's
+communication, max(the same collectives over loopback, the link's time for the bytes of the run's
+busiest rank); also the prediction made from the loopback run alone (its whole round plus the
+link's time). DDP's gradient all-reduces run inside its backward pass: its prediction is the
+loopback round plus the link's time, an upper bound (they overlap the backward pass).
 
 ``scale``: the model alone, for S = 2 ... 1,024 at 1, 10 and 100 Gbit/s, on the papers' models
 (LOFT preact_resnet18 on CIFAR-10, ResIST preact_resnet101_basic on CIFAR-100, IST on a one-hidden-
@@ -342,20 +343,36 @@ def _mean(v: Sequence[float]) -> Optional[float]:
 
 
 def predict(run: Dict[str, Any], loop: Dict[str, Any], link: cost.Link, S: int, method: str, steps: int
-            ) -> List[float]:
-    """The cost model's per-round times of ``run`` from the loopback run ``loop`` of the same cell:
-    each loopback round (its compute, plans, packing, and its communication's fixed costs: the
-    collectives' set-up, waiting for a slower rank) plus the link's time for the bytes of the
-    round's busiest worker (``max_worker_bytes_sent``; the collectives are symmetric enough that
-    its sent bytes bound its received ones) and its latencies."""
-    out = []
+            ) -> Tuple[List[float], List[float]]:
+    """The cost model's per-round times of ``run`` over ``link``, two ways (lists of seconds):
+
+    * ``with measured compute``: the run's own time outside its collectives (local steps, plans,
+      packing, unpacking: what the link does not change, measured in that run) plus the model's
+      communication, max(the same collectives over loopback, in the loopback run ``loop`` of the
+      same cell, which holds their set-up and the wait for a slower rank; the link's time for the
+      bytes of the round's busiest worker, ``max_worker_bytes_sent``, and its latencies). The two
+      overlap: the collectives' own work goes on while the bytes are on the wire.
+    * ``from loopback``: ``loop``'s whole round in place of the run's own non-communication time,
+      the link's time added to it: a prediction made before the run, which also carries the
+      machine's drift in compute speed between the two runs.
+
+    DDP's all-reduces run inside its backward pass, so neither part of its round can be told
+    apart: both lists hold its loopback round plus the link's time (an upper bound, since the
+    all-reduces overlap the backward pass)."""
+    with_compute, from_loop = [], []
     lc, rc = loop["curve"], run["curve"]
     for i, per_round in enumerate(lc["round_s"]):
         per_rank = rc["busiest"][i] if rc["busiest"][i] is not None else rc["bytes"][i] / S
         latencies = 2 * (S - 1) * (steps if method == "ddp" else 1)
-        out.append(cost.predict_round(steps=0, step_s=0.0, bytes_per_rank=per_rank, link=link, latencies=latencies,
-                                      overhead_s=per_round).total)
-    return out
+        wire = cost.comm_s(per_rank, link, latencies)
+        from_loop.append(per_round + wire)
+        if method == "ddp":
+            with_compute.append(per_round + wire)
+            continue
+        loop_comm = lc["parts"][i].get("comm", 0.0)
+        outside = max(0.0, rc["round_s"][i] - rc["parts"][i].get("comm", 0.0))
+        with_compute.append(outside + max(loop_comm, wire))
+    return with_compute, from_loop
 
 
 def analyse(args, results: Dict[Tuple, Dict[str, Any]]) -> Tuple[List[Dict[str, Any]], List[str]]:
@@ -381,7 +398,8 @@ def analyse(args, results: Dict[Tuple, Dict[str, Any]]) -> Tuple[List[Dict[str, 
         bw = L.parse_rate(link_name) if emulated else None
         lk = cost.Link(bw, args.latency_s if emulated else 0.0)
         loop = results.get((config, S, "loopback", method, comp, seed))
-        pred = predict(r, loop, lk, S, method, w["local_steps"]) if loop and "curve" in loop else None
+        pred, pred_loop = predict(r, loop, lk, S, method, w["local_steps"]) if loop and "curve" in loop \
+            else (None, None)
         ttt = cost.time_to_target(cv["round_s"], cv["accuracy"], target) if target is not None else None
         k = cost.rounds_to_target(cv["accuracy"], target) if target is not None else None
         parts = {p: sum(x.get(p, 0.0) for x in cv["parts"]) for p in ("local", "plan", "pack", "comm", "unpack")}
@@ -393,6 +411,7 @@ def analyse(args, results: Dict[Tuple, Dict[str, Any]]) -> Tuple[List[Dict[str, 
             "predicted_time_to_target_s": sum(pred[:k]) if pred and k else None,
             "final_accuracy": cv["accuracy"][-1], "rounds": len(cv["round_s"]),
             "round_time_s": _mean(cv["round_s"]), "predicted_round_time_s": _mean(pred) if pred else None,
+            "predicted_round_time_from_loopback_s": _mean(pred_loop) if pred_loop else None,
             "bytes_per_round": _mean(cv["bytes"]), "time_by_part": parts,
             "train_time_s": sum(cv["round_s"]), "curve": {"round_s": cv["round_s"], "accuracy": cv["accuracy"]},
         })
@@ -401,8 +420,10 @@ def analyse(args, results: Dict[Tuple, Dict[str, Any]]) -> Tuple[List[Dict[str, 
                      all(b[k] == r[k] for k in ("config", "workers", "link", "seed"))), None)
         r["time_vs_localsgd"] = (r["time_to_target_s"] / base["time_to_target_s"]
                                  if base and r["time_to_target_s"] and base["time_to_target_s"] else None)
-        p, m = r["predicted_round_time_s"], r["round_time_s"]
-        r["prediction_error"] = (p - m) / m if p is not None and m else None
+        m = r["round_time_s"]
+        for key, err in (("predicted_round_time_s", "prediction_error"),
+                         ("predicted_round_time_from_loopback_s", "prediction_error_from_loopback")):
+            r[err] = (r[key] - m) / m if r[key] is not None and m else None
     return runs, errors
 
 
