@@ -413,7 +413,8 @@ def analyse(args, results: Dict[Tuple, Dict[str, Any]]) -> Tuple[List[Dict[str, 
             "round_time_s": _mean(cv["round_s"]), "predicted_round_time_s": _mean(pred) if pred else None,
             "predicted_round_time_from_loopback_s": _mean(pred_loop) if pred_loop else None,
             "bytes_per_round": _mean(cv["bytes"]), "time_by_part": parts,
-            "train_time_s": sum(cv["round_s"]), "curve": {"round_s": cv["round_s"], "accuracy": cv["accuracy"]},
+            "train_time_s": sum(cv["round_s"]), "curve": {"round_s": cv["round_s"], "accuracy": cv["accuracy"],
+                                                    "parts": cv["parts"], "busiest": cv["busiest"]},
         })
     for r in runs:
         base = next((b for b in runs if b["method"] == "localsgd" and b["compress"] == "none" and
