@@ -263,3 +263,39 @@ def test_engine_keeps_the_compact_module_between_rounds(tmp_path):
     for k in sim:
         assert torch.equal(sim[k], dist[k]), k
     assert [r["bytes_sent"] for r in sim_hist] == [r["bytes_sent"] for r in dist_hist]
+
+
+# --------------------------------------------------------------------------- the busiest worker and DDP
+
+def _busiest(tmp_path, method, launch, *extra):
+    out = tmp_path / f"{method}{launch[0]}"
+    assert cli.main([*TINY_MLP, "--method", method, *launch, "--rounds", "3", "--eval-interval", "0",
+                     "--out-dir", str(out), *extra]) == 0
+    return [r for r in outputs(out)[2] if r["round"] > 0]
+
+
+def test_busiest_worker_bytes_both_ways_and_in_both_launch_modes(tmp_path):
+    # masked: random masks give unequal slices, so a worker may receive more than it sends; its
+    # link carries max(sent, received) of each collective. Every byte sent is received, so the
+    # busiest link carries at least the mean, and never more than all bytes.
+    sim = _busiest(tmp_path, "masked", ["--simulate", "3"])
+    dist = _busiest(tmp_path, "masked", ["--workers", "3"])
+    for r in sim:
+        assert r["bytes_sent"] / 3 <= r["max_worker_bytes_sent"] <= r["max_worker_link_bytes"] <= r["bytes_sent"]
+    keys = ("bytes_sent", "max_worker_bytes_sent", "max_worker_link_bytes")
+    assert [[r[k] for k in keys] for r in sim] == [[r[k] for k in keys] for r in dist]
+    # local SGD's ring all-reduce loads every link alike, in both directions
+    for r in _busiest(tmp_path, "localsgd", ["--simulate", "3"]):
+        assert r["max_worker_link_bytes"] == r["max_worker_bytes_sent"] == r["bytes_sent"] // 3
+
+
+def test_ddp_charges_the_gradient_all_reduces_its_backward_pass_did_not_hide(tmp_path):
+    out = tmp_path / "ddp"
+    assert cli.main([*TINY_MLP, "--method", "ddp", "--workers", "2", "--rounds", "3", "--eval-interval", "0",
+                     "--out-dir", str(out)]) == 0
+    summary, _, hist = outputs(out)
+    trained = _check_times(hist, summary)
+    for r in trained:
+        assert set(r["collectives"]) == {"all_reduce (gradient buckets)"}, r["collectives"]
+        assert r["collectives"]["all_reduce (gradient buckets)"] == pytest.approx(r["time"]["comm"], abs=1e-5)
+        assert 0 < r["time"]["comm"] < r["time"]["round"]

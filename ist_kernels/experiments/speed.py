@@ -21,9 +21,9 @@ final accuracy in the same workload, S and seed), the final accuracy, bytes per 
 round time and its parts, and the cost model's prediction (``ist_kernels.distributed.cost``): the
 run's own time outside its collectives (compute, plans, packing; measured) plus the model's
 communication, max(the same collectives over loopback, the link's time for the bytes of the run's
-busiest rank); also the prediction made from the loopback run alone (its whole round plus the
-link's time). DDP's gradient all-reduces run inside its backward pass: its prediction is the
-loopback round plus the link's time, an upper bound (they overlap the backward pass).
+busiest link: a rank's sent or received bytes, whichever is more); also the prediction made from
+the loopback run alone (its whole round plus the link's time). DDP's collectives are the gradient
+all-reduces its backward pass did not hide, timed by the trainer's DDP hook.
 
 ``scale``: the model alone, for S = 2 ... 1,024 at 1, 10 and 100 Gbit/s, on the papers' models
 (LOFT preact_resnet18 on CIFAR-10, ResIST preact_resnet101_basic on CIFAR-100, IST on a one-hidden-
@@ -287,7 +287,7 @@ def curve(run: Dict[str, Any]) -> Dict[str, List]:
         prev = m["train_time"]
     return {"round_s": train, "accuracy": [m.get("accuracy") for m in rows],
             "bytes": [m["bytes_sent"] for m in rows], "parts": [m["time"] for m in rows],
-            "busiest": [m.get("max_worker_bytes_sent") for m in rows],
+            "busiest": [m.get("max_worker_link_bytes", m.get("max_worker_bytes_sent")) for m in rows],
             "phase": [m.get("phase") for m in rows]}
 
 
@@ -350,15 +350,16 @@ def predict(run: Dict[str, Any], loop: Dict[str, Any], link: cost.Link, S: int, 
       packing, unpacking: what the link does not change, measured in that run) plus the model's
       communication, max(the same collectives over loopback, in the loopback run ``loop`` of the
       same cell, which holds their set-up and the wait for a slower rank; the link's time for the
-      bytes of the round's busiest worker, ``max_worker_bytes_sent``, and its latencies). The two
-      overlap: the collectives' own work goes on while the bytes are on the wire.
+      bytes of the round's busiest link, ``max_worker_link_bytes``: a worker's sent or received
+      bytes, whichever is more, summed over the collectives, and the latencies). The two overlap:
+      the collectives' own work goes on while the bytes are on the wire.
     * ``from loopback``: ``loop``'s whole round in place of the run's own non-communication time,
       the link's time added to it: a prediction made before the run, which also carries the
       machine's drift in compute speed between the two runs.
 
-    DDP's all-reduces run inside its backward pass, so neither part of its round can be told
-    apart: both lists hold its loopback round plus the link's time (an upper bound, since the
-    all-reduces overlap the backward pass)."""
+    DDP's collectives are the gradient all-reduces its backward pass did not hide (``comm``: from
+    a step's last gradient bucket being ready to its all-reduce's end, ``Comm.gradient_step_done``);
+    its latencies are one ring's per local step."""
     with_compute, from_loop = [], []
     lc, rc = loop["curve"], run["curve"]
     for i, per_round in enumerate(lc["round_s"]):
@@ -366,9 +367,6 @@ def predict(run: Dict[str, Any], loop: Dict[str, Any], link: cost.Link, S: int, 
         latencies = 2 * (S - 1) * (steps if method == "ddp" else 1)
         wire = cost.comm_s(per_rank, link, latencies)
         from_loop.append(per_round + wire)
-        if method == "ddp":
-            with_compute.append(per_round + wire)
-            continue
         loop_comm = lc["parts"][i].get("comm", 0.0)
         outside = max(0.0, rc["round_s"][i] - rc["parts"][i].get("comm", 0.0))
         with_compute.append(outside + max(loop_comm, wire))

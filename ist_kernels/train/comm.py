@@ -22,11 +22,14 @@ included), in both conventions.
 """
 from __future__ import annotations
 
+import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
 
 from ..distributed import Exchange, average_model_, compress as C, gather_bytes, gather_full_model, plan_bytes, ps_bytes
 from ..distributed.group import all_to_all_single, collective_timeout, wait_collective
@@ -58,7 +61,12 @@ class Comm:
         self.shared = shared
         self.clock = clock
         self.sent_by_worker: Dict[int, int] = {s: 0 for s in self.local_workers}
+        #: per worker, the bytes its link carried in its busier direction, summed over the
+        #: collectives: max(sent, received) of each (an all-to-all of unequal slices loads a
+        #: receiver's link more than its sender's; a ring all-reduce loads both alike)
+        self.link_by_worker: Dict[int, int] = {s: 0 for s in self.local_workers}
         self.gathered = 0
+        self._buckets: Optional[_BucketTimes] = None
         #: seconds this process waited on each named collective since the last take (a round's
         #: ``collectives`` in metrics.jsonl: where its ``comm`` time went)
         self.collectives: Dict[str, float] = {}
@@ -68,17 +76,21 @@ class Comm:
         """Bytes this process's workers sent since the last take."""
         return sum(self.sent_by_worker.values())
 
-    def _sent(self, nbytes: int, workers: Optional[Sequence[int]] = None) -> None:
-        """Count ``nbytes`` sent by each of ``workers`` (default: every local worker)."""
+    def _sent(self, nbytes: int, workers: Optional[Sequence[int]] = None, received: Optional[int] = None) -> None:
+        """Count ``nbytes`` sent (and ``received``, default as many) by each of ``workers`` (default:
+        every local worker)."""
+        link = max(int(nbytes), int(nbytes if received is None else received))
         for s in self.local_workers if workers is None else workers:
             self.sent_by_worker[s] += int(nbytes)
+            self.link_by_worker[s] += link
 
     def take(self) -> Dict[str, object]:
         """The bytes counted since the last take (``sent``, ``gathered``, and ``sent_by_worker``:
         worker -> its part of ``sent``), then zero."""
         out = {"sent": self.sent, "gathered": self.gathered, "sent_by_worker": dict(self.sent_by_worker),
-               "collectives": self.collectives}
+               "link_by_worker": dict(self.link_by_worker), "collectives": self.collectives}
         self.sent_by_worker = {s: 0 for s in self.local_workers}
+        self.link_by_worker = {s: 0 for s in self.local_workers}
         self.gathered = 0
         self.collectives = {}
         return out
@@ -116,7 +128,7 @@ class Comm:
         ex = Exchange(current, next, spec, storage=storage, shared=shared or self.shared, round=round,
                       drop_unowned=drop_unowned, compress=compress)
         out = ex(local, names=names)
-        self._sent(ex.last_stats.bytes_sent)
+        self._sent(ex.last_stats.bytes_sent, received=ex.last_stats.bytes_received)
         self._charge(ex.last_stats)
         return out
 
@@ -130,7 +142,7 @@ class Comm:
             stats = plan_bytes(current, next, spec, storage=storage, shared=shared or self.shared, names=names,
                                compress=compress)
             for s in self.local_workers:
-                self._sent(stats[s].bytes_sent, [s])
+                self._sent(stats[s].bytes_sent, [s], received=stats[s].bytes_received)
 
     def ps_bytes(self, plan, spec, *, names: Optional[Sequence[str]] = None, download=None,
                  compress: Optional[str] = None) -> int:
@@ -237,7 +249,7 @@ class Comm:
         if self.distributed:
             (ts,) = copies
             st = average_model_(list(ts), round=round, compress=self.compress)
-            self._sent(st.bytes_sent)
+            self._sent(st.bytes_sent, received=st.bytes_received)
             self._charge(st)
             return
         if self.compress is not None:  # the two-stage compressed average, as every rank gets it
@@ -373,9 +385,55 @@ class Comm:
         buckets, which torch's DistributedDataParallel sends itself)."""
         self._sent(times * all_reduce_wire_bytes(nbytes, self.world_size))
 
+    # ---- torch's DistributedDataParallel ----------------------------------------------------------
+    def data_parallel(self, model: nn.Module, device_ids=None) -> nn.Module:
+        """``model`` in torch's DistributedDataParallel, its gradient buckets all-reduced (and
+        averaged) by torch's default hook, timed: :meth:`gradient_step_done` after each step charges
+        the time the step waited on them after its backward pass ended to ``comm``."""
+        net = DistributedDataParallel(model, device_ids=device_ids)
+        self._buckets = _BucketTimes()
+        net.register_comm_hook(self._buckets, _timed_all_reduce_hook)
+        return net
+
+    def gradient_step_done(self) -> None:
+        """After a DistributedDataParallel step: charge to ``comm`` (collective ``all_reduce
+        (gradient buckets)``) the time from its last bucket's gradients being ready, the end of the
+        backward pass, to the last all-reduce's completion: the part of the step's communication
+        that the backward pass did not hide. The rest of the step stays in the open part."""
+        b = self._buckets
+        if b is None or b.ready is None:
+            return
+        if b.done is not None:
+            self._waited("all_reduce (gradient buckets)", max(0.0, b.done - b.ready))
+        b.ready = b.done = None
+
     def count_sent(self, nbytes: int) -> None:
         """Count bytes a collective outside this object sent (e.g. DDP's buffer broadcast), shared
         evenly by the local workers."""
         n = len(self.local_workers)
         for i, s in enumerate(self.local_workers):
             self._sent(nbytes // n + (1 if i < nbytes % n else 0), [s])
+
+
+class _BucketTimes:
+    """State of :func:`_timed_all_reduce_hook`: when the current step's latest bucket became ready
+    and when its latest all-reduce finished (``time.perf_counter``)."""
+    process_group = None  # the default group, as DistributedDataParallel's own hook uses
+
+    def __init__(self):
+        self.ready: Optional[float] = None
+        self.done: Optional[float] = None
+
+
+def _timed_all_reduce_hook(state: _BucketTimes, bucket):
+    """torch's default DDP hook (all-reduce the bucket, divide by the world size) with its ready and
+    completion times noted in ``state``. gloo runs a process group's collectives in the order they
+    were issued, so the last bucket's completion ends the step's communication."""
+    state.ready = time.perf_counter()
+    fut = default_hooks.allreduce_hook(state.process_group, bucket)
+
+    def finished(f):
+        state.done = time.perf_counter()
+        return f.value()
+
+    return fut.then(finished)

@@ -146,10 +146,11 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
         done = r + 1
         taken = comm.take()
         sent = taken["sent"] + res.bytes_sent
-        sent_by_worker = [0] * S
+        sent_by_worker, link_by_worker = [0] * S, [0] * S
         for i, s in enumerate(ctx.local_workers):  # what the method reported apart, shared evenly
-            sent_by_worker[s] = taken["sent_by_worker"][s] + res.bytes_sent // len(ctx.local_workers) + \
-                (1 if i < res.bytes_sent % len(ctx.local_workers) else 0)
+            apart = res.bytes_sent // len(ctx.local_workers) + (1 if i < res.bytes_sent % len(ctx.local_workers) else 0)
+            sent_by_worker[s] = taken["sent_by_worker"][s] + apart
+            link_by_worker[s] = taken["link_by_worker"][s] + apart
         scores = {}
         if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == rounds:
             scores = eval_record(done)
@@ -158,15 +159,15 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
             for s, b in (res.state_bytes or {}).items():
                 per_worker[s] = b
             stats = sum_over_ranks([res.loss_sum, res.steps, sent, res.ps_bytes, comm.take()["gathered"],
-                                    *per_worker, *sent_by_worker], "the round's metrics", r)
+                                    *per_worker, *sent_by_worker, *link_by_worker], "the round's metrics", r)
             loss_sum, steps, bytes_sent, ps, gathered = stats[:5]
-            per_worker, sent_by_worker = stats[5:5 + S], stats[5 + S:]
+            per_worker, sent_by_worker, link_by_worker = stats[5:5 + S], stats[5 + S:5 + 2 * S], stats[5 + 2 * S:]
             totals["total_bytes"] += bytes_sent
             totals["total_ps_bytes"] += ps
             totals["total_gather_bytes"] += gathered
             rec = {"round": done, "train_loss": loss_sum / max(steps, 1), "bytes_sent": bytes_sent,
                    "ps_bytes": ps, "gather_bytes": gathered, **totals, "rank_state_bytes": max(per_worker),
-                   "max_worker_bytes_sent": max(sent_by_worker),
+                   "max_worker_bytes_sent": max(sent_by_worker), "max_worker_link_bytes": max(link_by_worker),
                    "collectives": {k: round(v, 6) for k, v in taken["collectives"].items()},
                    "train_time": train_time, "lr": ctx.lr_at(r, 0), **(res.extra or {}), **scores}
         if cap is not None and max(per_worker) > cap:  # every rank sees the same sums: all stop here

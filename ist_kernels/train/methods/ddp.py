@@ -6,7 +6,6 @@ S-fold batch instead of rank 0's batch)."""
 from __future__ import annotations
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from . import Method, RoundResult, held_bytes, register_method
 
@@ -19,7 +18,7 @@ class DDP(Method):
         self.net = self.model
         if ctx.distributed:
             dev = [ctx.device] if ctx.device.type == "cuda" else None
-            self.net = DistributedDataParallel(self.model, device_ids=dev)
+            self.net = ctx.comm.data_parallel(self.model, device_ids=dev)
         self.optimizer = ctx.make_optimizer(self.model.parameters())
         S = ctx.num_workers
         # per step: every worker all_reduces its gradients (ring wire bytes, counted by ctx.comm);
@@ -33,7 +32,7 @@ class DDP(Method):
 
     def run_round(self, r: int) -> RoundResult:
         ctx, tau = self.ctx, self.ctx.local_steps
-        with ctx.clock("local"):  # DDP's all-reduces overlap the backward: their time is in here
+        with ctx.clock("local"):  # the all-reduces the backward pass hid are in here; the rest is comm
             self.net.train()
             total = torch.zeros((), dtype=torch.float64, device=ctx.device)
             for i in range(tau):
@@ -46,6 +45,7 @@ class DDP(Method):
                     out = self.net(x)
                 loss = ctx.loss(out, y)
                 ctx.backward_step(loss, self.optimizer, worker=ctx.local_workers[0])
+                ctx.comm.gradient_step_done()
                 total += loss.detach() * len(batches)  # the mean of the workers' losses, once per worker
         n = len(ctx.local_workers)
         ctx.comm.count_all_reduce(self._grads, times=tau)
