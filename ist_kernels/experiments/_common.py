@@ -291,3 +291,13 @@ def write_outputs(args, name: str, results: Dict[str, Any], markdown: str, fig, 
     print(md)
     print("wrote " + ", ".join(os.path.abspath(p) for p in paths.values()))
     return paths
+
+
+def style_axis(ax, title: str, xlabel: str, ylabel: str, legend: bool = False) -> None:
+    """The experiments' panel style: title, axis labels, a light grid and, on one panel, a small legend."""
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=6)

@@ -602,12 +602,7 @@ def plot(runs, links: Sequence[str], workers: Sequence[int]):
                     acc.append(a)
                 label = f"{r['method']}" + ("" if r["compress"] == "none" else f" {r['compress']}") + f" ({r['config']})"
                 ax.plot(xs, acc, marker=".", label=label, linestyle="-" if r["config"] == "cnn" else "--")
-            ax.set_title(f"S={S}, {link_name}")
-            ax.set_xlabel("training time (s)")
-            ax.set_ylabel("test accuracy")
-            ax.grid(alpha=0.3)
-            if i == 0 and j == 0:
-                ax.legend(fontsize=6)
+            C.style_axis(ax, f"S={S}, {link_name}", "training time (s)", "test accuracy", legend=i == j == 0)
     return fig
 
 

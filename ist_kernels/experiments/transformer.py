@@ -282,12 +282,7 @@ def plot(runs, workers: Sequence[int], links: Sequence[str]):
                         linestyle="--" if v.endswith("+nesterov") else "-")
             if key == "bytes":
                 ax.set_xscale("log")
-            ax.set_title(f"S={S}, {link_name}")
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel("test bits per byte")
-            ax.grid(alpha=0.3)
-            if i == 0 and j == 0:
-                ax.legend(fontsize=6)
+            C.style_axis(ax, f"S={S}, {link_name}", xlabel, "test bits per byte", legend=i == j == 0)
     return fig
 
 

@@ -16,6 +16,12 @@ from ._resnet import Block, skippable, stages
 from ._subnetworks import SubnetworkPlan
 
 
+def check_min_depth(min_depth, who: str) -> None:
+    """``min_depth`` (blocks every subnetwork holds at least) must be an int >= 0."""
+    if isinstance(min_depth, bool) or not isinstance(min_depth, int) or min_depth < 0:
+        raise ValueError(f"{who}: min_depth must be an int >= 0, got {min_depth!r}")
+
+
 def deal_blocks(P: int, S: int, min_depth: int, generator: Optional[torch.Generator] = None) -> List[List[int]]:
     """The blocks ``0..P-1`` each of ``S`` subnetworks owns (sorted): a random permutation dealt
     round-robin (every block owned once), then shared, walking the same permutation cyclically,
@@ -48,8 +54,7 @@ class ResistPlan(SubnetworkPlan):
         S = num_subnetworks
         if isinstance(S, bool) or not isinstance(S, int) or S < 1:
             raise ValueError(f"resist_plan: S (number of sub-ResNets) must be an int >= 1, got {S!r}")
-        if isinstance(min_depth, bool) or not isinstance(min_depth, int) or min_depth < 0:
-            raise ValueError(f"resist_plan: min_depth must be an int >= 0, got {min_depth!r}")
+        check_min_depth(min_depth, self.who)
         all_stages = stages(model, self.who)
         if len(all_stages) < 3:
             raise ValueError(f"resist_plan: expected a ResNet with at least three stages "

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from ._subnetworks import SubnetworkPlan
-from .resist import deal_blocks
+from .resist import check_min_depth, deal_blocks
 
 #: what ``partition`` (the IST option) may name
 PARTITIONS = ("ffn", "heads", "both")
@@ -148,8 +148,7 @@ class TransformerResistPlan(SubnetworkPlan):
                  generator: Optional[torch.Generator] = None):
         S = num_subnetworks
         _check_S(S, self.who)
-        if isinstance(min_depth, bool) or not isinstance(min_depth, int) or min_depth < 0:
-            raise ValueError(f"{self.who}: min_depth must be an int >= 0, got {min_depth!r}")
+        check_min_depth(min_depth, self.who)
         blocks = transformer_blocks(model, self.who)
         if len(blocks) < 3:
             raise ValueError(f"{self.who}: the first and last blocks are shared, so a transformer needs at least "
