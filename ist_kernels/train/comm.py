@@ -399,7 +399,9 @@ class Comm:
         """After a DistributedDataParallel step: charge to ``comm`` (collective ``all_reduce
         (gradient buckets)``) the time from its last bucket's gradients being ready, the end of the
         backward pass, to the last all-reduce's completion: the part of the step's communication
-        that the backward pass did not hide. The rest of the step stays in the open part."""
+        that the backward pass did not hide. The rest of the step stays in the open part. The times
+        are the host's (``time.perf_counter``): exact for gloo, whose futures complete when the
+        bytes have arrived; on CUDA an NCCL future may complete before its kernels do."""
         b = self._buckets
         if b is None or b.ready is None:
             return
