@@ -370,6 +370,28 @@ def test_speed_quick(tmp_path):
     _check_claims(tmp_path, "speed")
 
 
+def test_speed_predict_adds_the_loopback_collectives_and_the_busiest_links_wire_time():
+    """The prediction per round: the run's time outside its collectives + the same collectives over
+    loopback (set-up, the wait for a slower rank) + the busiest link's bytes at the link's payload
+    rate + 2 (S - 1) latencies (DDP: per local step); from loopback: its whole round + the wire."""
+    from ist_kernels.distributed import cost
+    from ist_kernels.experiments import speed
+
+    link = cost.Link(bandwidth_bps=1e8, latency_s=1e-3)
+    rate = 1e8 * 1448 / 1514 / 8  # payload bytes per second
+    run = {"curve": {"round_s": [0.50, 0.40], "bytes": [8e6, 8e6], "busiest": [3e6, None],
+                     "parts": [{"local": 0.2, "comm": 0.25}, {"local": 0.3, "comm": 0.10}]}}
+    loop = {"curve": {"round_s": [0.30, 0.35], "bytes": [8e6, 8e6], "busiest": [3e6, 2e6],
+                      "parts": [{"comm": 0.04}, {"comm": 0.07}]}}
+    S = 4
+    with_compute, from_loop = speed.predict(run, loop, link, S, "resist", steps=5)
+    wire = [3e6 / rate + 6e-3, 8e6 / S / rate + 6e-3]  # no busiest count: the mean rank's bytes
+    assert with_compute == pytest.approx([0.50 - 0.25 + 0.04 + wire[0], 0.40 - 0.10 + 0.07 + wire[1]], rel=1e-12)
+    assert from_loop == pytest.approx([0.30 + wire[0], 0.35 + wire[1]], rel=1e-12)
+    ddp, _ = speed.predict(run, loop, link, S, "ddp", steps=5)
+    assert ddp[0] == pytest.approx(0.50 - 0.25 + 0.04 + 3e6 / rate + 5 * 6e-3, rel=1e-12)
+
+
 def test_transformer_quick(tmp_path):
     """Real 2-process runs of a transformer's subnetworks (FFN units, heads, ResIST layers), DiLoCo
     and local SGD on pycode: bits per byte after every round, bytes and time, and the answers at

@@ -20,8 +20,9 @@ test accuracy first reaches the target (``--target``, or ``--target-fraction`` o
 final accuracy in the same workload, S and seed), the final accuracy, bytes per round, the measured
 round time and its parts, and the cost model's prediction (``ist_kernels.distributed.cost``): the
 run's own time outside its collectives (compute, plans, packing; measured) plus the model's
-communication, max(the same collectives over loopback, the link's time for the bytes of the run's
-busiest link: a rank's sent or received bytes, whichever is more); also the prediction made from
+communication: the same collectives over loopback (their set-up and the wait for a slower rank)
+plus the link's time for the bytes of the run's busiest link (a rank's sent or received bytes,
+whichever is more, and the latencies); also the prediction made from
 the loopback run alone (its whole round plus the link's time). DDP's collectives are the gradient
 all-reduces its backward pass did not hide, timed by the trainer's DDP hook.
 
@@ -348,11 +349,12 @@ def predict(run: Dict[str, Any], loop: Dict[str, Any], link: cost.Link, S: int, 
 
     * ``with measured compute``: the run's own time outside its collectives (local steps, plans,
       packing, unpacking: what the link does not change, measured in that run) plus the model's
-      communication, max(the same collectives over loopback, in the loopback run ``loop`` of the
-      same cell, which holds their set-up and the wait for a slower rank; the link's time for the
-      bytes of the round's busiest link, ``max_worker_link_bytes``: a worker's sent or received
-      bytes, whichever is more, summed over the collectives, and the latencies). The two overlap:
-      the collectives' own work goes on while the bytes are on the wire.
+      communication: the same collectives over loopback, in the loopback run ``loop`` of the same
+      cell (their set-up and the wait for a slower rank, which come before any byte moves), plus
+      the link's time for the bytes of the round's busiest link, ``max_worker_link_bytes`` (a
+      worker's sent or received bytes, whichever is more, summed over the collectives) and the
+      latencies. The loopback collectives' own copying, which a real link would overlap with the
+      wire, is counted again: an upper bound by that much (within 10% in the committed runs).
     * ``from loopback``: ``loop``'s whole round in place of the run's own non-communication time,
       the link's time added to it: a prediction made before the run, which also carries the
       machine's drift in compute speed between the two runs.
@@ -369,7 +371,7 @@ def predict(run: Dict[str, Any], loop: Dict[str, Any], link: cost.Link, S: int, 
         from_loop.append(per_round + wire)
         loop_comm = lc["parts"][i].get("comm", 0.0)
         outside = max(0.0, rc["round_s"][i] - rc["parts"][i].get("comm", 0.0))
-        with_compute.append(outside + max(loop_comm, wire))
+        with_compute.append(outside + loop_comm + wire)
     return with_compute, from_loop
 
 
