@@ -370,7 +370,7 @@ def test_speed_quick(tmp_path):
     _check_claims(tmp_path, "speed")
 
 
-def test_speed_predict_adds_the_loopback_collectives_and_the_busiest_links_wire_time():
+def test_speed_predict_adds_the_wait_for_the_slowest_rank_and_the_busiest_links_wire_time():
     """The prediction per round: the run's time outside its collectives + the same collectives over
     loopback (set-up, the wait for a slower rank) + the busiest link's bytes at the link's payload
     rate + 2 (S - 1) latencies (DDP: per local step); from loopback: its whole round + the wire."""
@@ -390,6 +390,16 @@ def test_speed_predict_adds_the_loopback_collectives_and_the_busiest_links_wire_
     assert from_loop == pytest.approx([0.30 + wire[0], 0.35 + wire[1]], rel=1e-12)
     ddp, _ = speed.predict(run, loop, link, S, "ddp", steps=5)
     assert ddp[0] == pytest.approx(0.50 - 0.25 + 0.04 + 3e6 / rate + 5 * 6e-3, rel=1e-12)
+    # with each run's wait for its slowest rank measured: outside + the run's wait + max(the
+    # loopback collectives' own work, the wire), the work and the wire overlapping
+    run["curve"]["wait"], loop["curve"]["wait"] = [0.05, 0.02], [0.01, 0.065]
+    with_wait, _ = speed.predict(run, loop, link, S, "resist", steps=5)
+    assert with_wait == pytest.approx([0.25 + 0.05 + max(0.03, wire[0]), 0.30 + 0.02 + max(0.005, wire[1])], rel=1e-12)
+    # at 1 Gbit/s the first round's wire time (0.031 s) is shorter than its loopback work (0.04 s)
+    loop["curve"]["wait"][0] = 0.0
+    fast = cost.Link(bandwidth_bps=1e9, latency_s=1e-3)
+    assert 3e6 / (rate * 10) + 6e-3 < 0.04
+    assert speed.predict(run, loop, fast, S, "resist", steps=5)[0][0] == pytest.approx(0.25 + 0.05 + 0.04, rel=1e-12)
 
 
 def test_transformer_quick(tmp_path):

@@ -299,3 +299,20 @@ def test_ddp_charges_the_gradient_all_reduces_its_backward_pass_did_not_hide(tmp
         assert set(r["collectives"]) == {"all_reduce (gradient buckets)"}, r["collectives"]
         assert r["collectives"]["all_reduce (gradient buckets)"] == pytest.approx(r["time"]["comm"], abs=1e-5)
         assert 0 < r["time"]["comm"] < r["time"]["round"]
+
+
+@pytest.mark.parametrize("method", ["ist", "ddp", "localsgd"])
+def test_peer_wait_is_the_time_rank_0_waited_for_a_slower_rank(tmp_path, monkeypatch, method):
+    # rank 1 starts every round 0.3 s late: rank 0 enters its first collective (DDP: its first
+    # step's gradient all-reduce) that much earlier and waits for it, inside its comm time
+    monkeypatch.setenv("IST_TEST_DELAY_RANK", "1:0.3")
+    delayed = _busiest(tmp_path, method, ["--workers", "2"])
+    for r in delayed:
+        assert 0.25 <= r["peer_wait_s"] <= r["time"]["comm"] + 1e-3, (r["peer_wait_s"], r["time"])
+    # the delay on rank 0 instead: rank 0 is the last to arrive, the others wait, it does not
+    monkeypatch.setenv("IST_TEST_DELAY_RANK", "0:0.3")
+    for r in _busiest(tmp_path / "rank0", method, ["--workers", "2"]):
+        assert 0 <= r["peer_wait_s"] < 0.25, r["peer_wait_s"]
+    # simulated workers never wait for each other: no such field
+    monkeypatch.delenv("IST_TEST_DELAY_RANK")
+    assert all("peer_wait_s" not in r for r in _busiest(tmp_path / "sim", method, ["--simulate", "2"]))

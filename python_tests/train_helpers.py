@@ -7,7 +7,7 @@ import torch
 from ist_kernels.train import cli
 from ist_kernels.train.output import read_metrics
 
-TIME_KEYS = ("train_time", "wall_time", "time", "collectives")
+TIME_KEYS = ("train_time", "wall_time", "time", "collectives", "peer_wait_s")
 # One thread per process: the spawned workers and the simulated run then compute bit-identical steps
 # on any machine (and small runs do not fight over a shared box's cores). Digits, an MLP of width 16.
 TINY_MLP = ["--dataset", "digits", "--model", "mlp", "--width", "16", "--batch-size", "8", "--local-steps", "2",

@@ -73,6 +73,14 @@ class CommStats:
     #: (they replace the ring all_reduce, whose buffer ``all_reduce_bytes`` then does not count)
     average_bytes_sent: int = 0
     average_bytes_received: int = 0
+    #: ``time.perf_counter()`` when this call issued its first collective (None: it issued none):
+    #: the ranks' entries, compared, say how long each waited for the last to arrive
+    entered: Optional[float] = None
+
+    def enter(self) -> None:
+        """Note that a collective is about to be issued (the first sets :attr:`entered`)."""
+        if self.entered is None:
+            self.entered = time.perf_counter()
 
     @property
     def all_reduce_wire_bytes(self) -> int:
@@ -326,6 +334,7 @@ class _Mover:
             esize = self.esize
 
         stats.pack_seconds += time.perf_counter() - t_pack
+        stats.enter()
         stats.collective_seconds[name] = stats.collective_seconds.get(name, 0.0) + wait_collective(
             lambda: all_to_all_single(out, wire, out_splits, in_splits, group=group),
             name=name, round=round, timeout=timeout, group=group)  # one mover per dtype: summed
@@ -394,6 +403,7 @@ def _all_reduce_mean_(tensors: List[Tensor], *, name: str, round, group, timeout
         t_pack = time.perf_counter()
         flat = torch.cat([t.reshape(-1) for t in ts])
         stats.pack_seconds += time.perf_counter() - t_pack
+        stats.enter()
         stats.collective_seconds[name] = stats.collective_seconds.get(name, 0.0) + wait_collective(
             lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True),
             name=name, round=round, timeout=timeout, group=group)
@@ -434,6 +444,7 @@ def _compressed_mean_(tensors: List[Tensor], compress: str, *, name: str, round,
         out_splits = [C.padded(pay[r]) if k != r else 0 for k in range(S)]
         out = torch.empty(sum(out_splits), dtype=torch.uint8, device=flat.device)
         stats.pack_seconds += time.perf_counter() - t_pack
+        stats.enter()
         secs = wait_collective(lambda: all_to_all_single(out, wire, out_splits, in_splits, group=group),
                                name=f"{name}, stage 1 of 2", round=round, timeout=timeout, group=group)
         t_mid = time.perf_counter()

@@ -19,10 +19,10 @@ rounds' own wall time: local steps, plans, packing, communication; evaluation le
 test accuracy first reaches the target (``--target``, or ``--target-fraction`` of local SGD's
 final accuracy in the same workload, S and seed), the final accuracy, bytes per round, the measured
 round time and its parts, and the cost model's prediction (``ist_kernels.distributed.cost``): the
-run's own time outside its collectives (compute, plans, packing; measured) plus the model's
-communication: the same collectives over loopback (their set-up and the wait for a slower rank)
-plus the link's time for the bytes of the run's busiest link (a rank's sent or received bytes,
-whichever is more, and the latencies); also the prediction made from
+run's own time outside its collectives (compute, plans, packing; measured) and its wait for the
+slowest rank to enter them (measured) plus the model's communication: max(the collectives' own
+work over loopback, the link's time for the bytes of the run's busiest link: a rank's sent or
+received bytes, whichever is more, and the latencies); also the prediction made from
 the loopback run alone (its whole round plus the link's time). DDP's collectives are the gradient
 all-reduces its backward pass did not hide, timed by the trainer's DDP hook.
 
@@ -280,7 +280,8 @@ def launch(flags: List[str], S: int, seed: int, out_dir: str, link: Optional["L.
 
 
 def curve(run: Dict[str, Any]) -> Dict[str, List]:
-    """Per trained round: its training seconds, accuracy, bytes (all ranks) and time parts."""
+    """Per trained round: its training seconds, accuracy, bytes (all ranks), time parts, the
+    busiest link's bytes and rank 0's wait for the last rank in its collectives (``wait``)."""
     rows = [m for m in run["metrics"] if m["round"] > 0]
     train, prev = [], 0.0
     for m in rows:
@@ -289,7 +290,7 @@ def curve(run: Dict[str, Any]) -> Dict[str, List]:
     return {"round_s": train, "accuracy": [m.get("accuracy") for m in rows],
             "bytes": [m["bytes_sent"] for m in rows], "parts": [m["time"] for m in rows],
             "busiest": [m.get("max_worker_link_bytes", m.get("max_worker_bytes_sent")) for m in rows],
-            "phase": [m.get("phase") for m in rows]}
+            "wait": [m.get("peer_wait_s") for m in rows], "phase": [m.get("phase") for m in rows]}
 
 
 def run_over_links(todo: Sequence[Tuple], link_and_workers, run_one, desc: str, latency_s: float = 0.0
@@ -348,13 +349,15 @@ def predict(run: Dict[str, Any], loop: Dict[str, Any], link: cost.Link, S: int, 
     """The cost model's per-round times of ``run`` over ``link``, two ways (lists of seconds):
 
     * ``with measured compute``: the run's own time outside its collectives (local steps, plans,
-      packing, unpacking: what the link does not change, measured in that run) plus the model's
-      communication: the same collectives over loopback, in the loopback run ``loop`` of the same
-      cell (their set-up and the wait for a slower rank, which come before any byte moves), plus
-      the link's time for the bytes of the round's busiest link, ``max_worker_link_bytes`` (a
-      worker's sent or received bytes, whichever is more, summed over the collectives) and the
-      latencies. The loopback collectives' own copying, which a real link would overlap with the
-      wire, is counted again: an upper bound by that much (within 10% in the committed runs).
+      packing, unpacking: what the link does not change, measured in that run), plus the run's
+      wait for its slowest rank to enter the collectives (``peer_wait_s``: the ranks' compute
+      differs, and no byte moves before the last arrives; measured in that run too), plus the
+      model's communication: max(the collectives' own work over loopback, in the loopback run
+      ``loop`` of the same cell, its comm less its own wait; the link's time for the bytes of the
+      round's busiest link, ``max_worker_link_bytes`` (a worker's sent or received bytes,
+      whichever is more, summed over the collectives) and the latencies). The two overlap: gloo
+      reduces and copies one piece while the next is on the wire. Runs from before the wait was
+      measured add the loopback collectives whole to the link's time (an upper bound).
     * ``from loopback``: ``loop``'s whole round in place of the run's own non-communication time,
       the link's time added to it: a prediction made before the run, which also carries the
       machine's drift in compute speed between the two runs.
@@ -371,7 +374,11 @@ def predict(run: Dict[str, Any], loop: Dict[str, Any], link: cost.Link, S: int, 
         from_loop.append(per_round + wire)
         loop_comm = lc["parts"][i].get("comm", 0.0)
         outside = max(0.0, rc["round_s"][i] - rc["parts"][i].get("comm", 0.0))
-        with_compute.append(outside + loop_comm + wire)
+        run_wait, loop_wait = (c.get("wait", [None] * (i + 1))[i] for c in (rc, lc))
+        if run_wait is None or loop_wait is None:
+            with_compute.append(outside + loop_comm + wire)
+        else:
+            with_compute.append(outside + run_wait + max(loop_comm - loop_wait, wire))
     return with_compute, from_loop
 
 

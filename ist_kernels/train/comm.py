@@ -70,6 +70,11 @@ class Comm:
         #: seconds this process waited on each named collective since the last take (a round's
         #: ``collectives`` in metrics.jsonl: where its ``comm`` time went)
         self.collectives: Dict[str, float] = {}
+        #: ``time.perf_counter()`` when this process entered each of its synchronising collectives
+        #: since the last take (an exchange: its first collective; DDP: each step's last gradient
+        #: bucket). Every rank enters the same ones in the same order, so comparing the ranks' lists
+        #: says how long each waited for the last to arrive (the runner's ``peer_wait_s``).
+        self.entered: List[float] = []
 
     @property
     def sent(self) -> int:
@@ -88,11 +93,13 @@ class Comm:
         """The bytes counted since the last take (``sent``, ``gathered``, and ``sent_by_worker``:
         worker -> its part of ``sent``), then zero."""
         out = {"sent": self.sent, "gathered": self.gathered, "sent_by_worker": dict(self.sent_by_worker),
-               "link_by_worker": dict(self.link_by_worker), "collectives": self.collectives}
+               "link_by_worker": dict(self.link_by_worker), "collectives": self.collectives,
+               "entered": self.entered}
         self.sent_by_worker = {s: 0 for s in self.local_workers}
         self.link_by_worker = {s: 0 for s in self.local_workers}
         self.gathered = 0
         self.collectives = {}
+        self.entered = []
         return out
 
     def _waited(self, name: str, secs: float) -> None:
@@ -107,6 +114,8 @@ class Comm:
         rest = max(0.0, stats.seconds - coll - stats.pack_seconds - stats.unpack_seconds)
         for name, secs in stats.collective_seconds.items():
             self._waited(name, secs)
+        if stats.entered is not None:
+            self.entered.append(stats.entered)
         self.clock.add("pack", stats.pack_seconds)
         self.clock.add("unpack", stats.unpack_seconds)
         if part is not None:
@@ -336,6 +345,7 @@ class Comm:
                                                          [k * n for n in in_splits]),
                                name=name, round=round + 1, timeout=collective_timeout())
         self._waited(name, secs)
+        self.entered.append(time.perf_counter() - secs)
 
     def _reduce_scatter_coded(self, coded, sizes, codec: str, round: int) -> Tensor:
         """This rank's chunk of the mean: every rank's coded chunk ``rank`` decoded and summed in
@@ -378,6 +388,7 @@ class Comm:
             secs = wait_collective(lambda: dist.all_reduce(tensor, async_op=True), name=name,
                                    round=round + 1, timeout=collective_timeout())
             self._waited(name, secs)
+            self.entered.append(time.perf_counter() - secs)
         return tensor
 
     def count_all_reduce(self, nbytes: int, times: int = 1) -> None:
@@ -407,6 +418,7 @@ class Comm:
             return
         if b.done is not None:
             self._waited("all_reduce (gradient buckets)", max(0.0, b.done - b.ready))
+            self.entered.append(b.ready)
         b.ready = b.done = None
 
     def count_sent(self, nbytes: int) -> None:

@@ -56,6 +56,16 @@ def _crash_for_tests(r: int, world: World) -> None:
         os._exit(3)
 
 
+def _delay_for_tests(world: World) -> None:
+    """Tests of the peer-wait measurement only: with IST_TEST_DELAY_RANK=rank:seconds that rank
+    sleeps that long at the start of every round, as a slower machine would."""
+    spec = os.environ.get("IST_TEST_DELAY_RANK")
+    if spec is not None and world.distributed:
+        rank, secs = spec.split(":")
+        if world.rank == int(rank):
+            time.sleep(float(secs))
+
+
 def _warm_up() -> None:
     """One-time set-up every run pays once per process, before its first round: torch imports its
     compiler stack on the first optimizer built (about a second on a CPU), which would otherwise
@@ -105,6 +115,20 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
                             round=r + 1, timeout=collective_timeout())
         return [int(v) if i else v for i, v in enumerate(t.tolist())]
 
+    def wait_for_peers(entered, k_sum, k_squares, r) -> Optional[float]:
+        """This round's seconds rank 0 waited in its collectives for the last rank to enter them:
+        the sum over the collectives every rank entered (``Comm.entered``) of the latest entry
+        minus rank 0's. None when not distributed, or when the ranks entered different numbers of
+        collectives (the sums of the counts and of their squares, the same on every rank, say so)."""
+        P = world.world_size
+        if not world.distributed or P < 2 or k_sum == 0 or P * k_squares != k_sum * k_sum:
+            return None
+        t = torch.zeros(P, k_sum // P, dtype=torch.float64, device=world.device)
+        t[world.rank] = torch.tensor(entered, dtype=torch.float64)
+        wait_collective(lambda: dist.all_reduce(t, async_op=True), name="all_reduce (the collectives' entry times)",
+                        round=r + 1, timeout=collective_timeout())
+        return float((t.max(dim=0).values - t[0]).clamp(min=0).sum())
+
     def eval_record(r):
         """The full model's scores after round r (rank 0); what assembling it sent is in comm."""
         with clock("eval"):
@@ -139,6 +163,7 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
     for r in range(start, end):
         _crash_for_tests(r, world)
         t0 = time.perf_counter()
+        _delay_for_tests(world)
         res = method.run_round(r)
         if world.device.type == "cuda":
             torch.cuda.synchronize(world.device)
@@ -158,10 +183,13 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
             per_worker = [0] * S
             for s, b in (res.state_bytes or {}).items():
                 per_worker[s] = b
+            entered = taken["entered"]
             stats = sum_over_ranks([res.loss_sum, res.steps, sent, res.ps_bytes, comm.take()["gathered"],
-                                    *per_worker, *sent_by_worker, *link_by_worker], "the round's metrics", r)
+                                    *per_worker, *sent_by_worker, *link_by_worker,
+                                    len(entered), len(entered) ** 2], "the round's metrics", r)
             loss_sum, steps, bytes_sent, ps, gathered = stats[:5]
-            per_worker, sent_by_worker, link_by_worker = stats[5:5 + S], stats[5 + S:5 + 2 * S], stats[5 + 2 * S:]
+            per_worker, sent_by_worker, link_by_worker = stats[5:5 + S], stats[5 + S:5 + 2 * S], stats[5 + 2 * S:5 + 3 * S]
+            peer_wait = wait_for_peers(entered, *stats[5 + 3 * S:], r)
             totals["total_bytes"] += bytes_sent
             totals["total_ps_bytes"] += ps
             totals["total_gather_bytes"] += gathered
@@ -169,6 +197,7 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
                    "ps_bytes": ps, "gather_bytes": gathered, **totals, "rank_state_bytes": max(per_worker),
                    "max_worker_bytes_sent": max(sent_by_worker), "max_worker_link_bytes": max(link_by_worker),
                    "collectives": {k: round(v, 6) for k, v in taken["collectives"].items()},
+                   **({} if peer_wait is None else {"peer_wait_s": round(peer_wait, 6)}),
                    "train_time": train_time, "lr": ctx.lr_at(r, 0), **(res.extra or {}), **scores}
         if cap is not None and max(per_worker) > cap:  # every rank sees the same sums: all stop here
             worst = max(range(S), key=lambda s: per_worker[s])
