@@ -351,6 +351,10 @@ def test_speed_quick(tmp_path):
         assert r["round_time_s"] > 0 and r["bytes_per_round"] > 0 and 0 <= r["final_accuracy"] <= 1
         assert r["predicted_round_time_s"] > 0  # every run has its loopback twin
         assert set(r["time_by_part"]) == {"local", "plan", "pack", "comm", "unpack"}
+        # real processes: rank 0's wait for the last rank in its collectives, part of its comm
+        waits = r["curve"]["wait"]
+        assert len(waits) == len(r["curve"]["round_s"])
+        assert all(0 <= w <= p["comm"] + 1e-3 for w, p in zip(waits, r["curve"]["parts"])), waits
         # the target is a fraction of local SGD's final accuracy on the same workload
         base = next(b for b in runs if b["method"] == "localsgd" and b["config"] == r["config"] and
                     b["link"] == r["link"])

@@ -3,6 +3,8 @@ pay off, the rules methods follow (no raw config, no ist_kernels.distributed, no
 an import graph of the package without circles."""
 import ast
 import os
+import subprocess
+import sys
 import time
 import warnings
 
@@ -316,3 +318,13 @@ def test_peer_wait_is_the_time_rank_0_waited_for_a_slower_rank(tmp_path, monkeyp
     # simulated workers never wait for each other: no such field
     monkeypatch.delenv("IST_TEST_DELAY_RANK")
     assert all("peer_wait_s" not in r for r in _busiest(tmp_path / "sim", method, ["--simulate", "2"]))
+
+
+def test_machine_id_is_exact_in_a_float64_and_the_same_for_every_process_here():
+    from ist_kernels.train import runner
+
+    mid = runner._machine_id()
+    assert 0 <= mid < 2 ** 48 and float(mid) == mid
+    out = subprocess.run([sys.executable, "-c", "from ist_kernels.train import runner; print(runner._machine_id())"],
+                         capture_output=True, text=True, check=True)
+    assert int(out.stdout) == mid

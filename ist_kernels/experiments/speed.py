@@ -421,7 +421,8 @@ def analyse(args, results: Dict[Tuple, Dict[str, Any]]) -> Tuple[List[Dict[str, 
             "predicted_round_time_from_loopback_s": _mean(pred_loop) if pred_loop else None,
             "bytes_per_round": _mean(cv["bytes"]), "time_by_part": parts,
             "train_time_s": sum(cv["round_s"]), "curve": {"round_s": cv["round_s"], "accuracy": cv["accuracy"],
-                                                    "parts": cv["parts"], "busiest": cv["busiest"]},
+                                                    "parts": cv["parts"], "busiest": cv["busiest"],
+                                                    "wait": cv["wait"]},
         })
     for r in runs:
         base = next((b for b in runs if b["method"] == "localsgd" and b["compress"] == "none" and

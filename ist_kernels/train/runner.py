@@ -6,8 +6,10 @@ time of each phase (``round_time_by_phase``).
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import socket
 import time
 from typing import Any, Dict, Optional
 
@@ -54,6 +56,16 @@ def _crash_for_tests(r: int, world: World) -> None:
     n = restart_count()
     if n < len(rounds) and r == rounds[n]:
         os._exit(3)
+
+
+def _machine_id() -> int:
+    """48 bits that differ between machines (Linux: the kernel's boot id; else the host name), exact
+    in a float64: processes with equal ids share one monotonic clock."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return int(f.read().strip().replace("-", "")[:12], 16)
+    except (OSError, ValueError):
+        return int(hashlib.sha256(socket.gethostname().encode()).hexdigest()[:12], 16)
 
 
 def _delay_for_tests(world: World) -> None:
@@ -118,16 +130,20 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
     def wait_for_peers(entered, k_sum, k_squares, r) -> Optional[float]:
         """This round's seconds rank 0 waited in its collectives for the last rank to enter them:
         the sum over the collectives every rank entered (``Comm.entered``) of the latest entry
-        minus rank 0's. None when not distributed, or when the ranks entered different numbers of
-        collectives (the sums of the counts and of their squares, the same on every rank, say so)."""
+        minus rank 0's. None when not distributed, when the ranks entered different numbers of
+        collectives (the sums of the counts and of their squares, the same on every rank, say so),
+        or when they run on several machines (their boot ids differ), whose monotonic clocks do
+        not compare."""
         P = world.world_size
-        if not world.distributed or P < 2 or k_sum == 0 or P * k_squares != k_sum * k_sum:
+        if not world.distributed or P < 2 or P * k_squares != k_sum * k_sum:
             return None
-        t = torch.zeros(P, k_sum // P, dtype=torch.float64, device=world.device)
-        t[world.rank] = torch.tensor(entered, dtype=torch.float64)
+        t = torch.zeros(P, k_sum // P + 1, dtype=torch.float64, device=world.device)
+        t[world.rank] = torch.tensor([*entered, _machine_id()], dtype=torch.float64)
         wait_collective(lambda: dist.all_reduce(t, async_op=True), name="all_reduce (the collectives' entry times)",
                         round=r + 1, timeout=collective_timeout())
-        return float((t.max(dim=0).values - t[0]).clamp(min=0).sum())
+        if not bool((t[:, -1] == t[0, -1]).all()):
+            return None
+        return float((t[:, :-1].max(dim=0).values - t[0, :-1]).clamp(min=0).sum()) if k_sum else 0.0
 
     def eval_record(r):
         """The full model's scores after round r (rank 0); what assembling it sent is in comm."""
