@@ -107,6 +107,12 @@ class Comm:
         self.clock.add("comm", secs)
         self.collectives[name] = self.collectives.get(name, 0.0) + secs
 
+    def _collective(self, name: str, round: int, issue) -> None:
+        """Issue one collective (``issue()``, async) under the run's timeout, note when this process
+        entered it (:attr:`entered`) and charge its seconds to ``comm`` as ``name``."""
+        self.entered.append(time.perf_counter())
+        self._waited(name, wait_collective(issue, name=name, round=round + 1, timeout=collective_timeout()))
+
     def _charge(self, stats, part: Optional[str] = "plan") -> None:
         """Bytes and seconds of one collective call (``CommStats``): the collectives to ``comm``, the
         buffer copies to ``pack`` / ``unpack``, the rest (routing, checks) to ``part``."""
@@ -340,12 +346,8 @@ class Comm:
         k = 1
         if out.dtype == torch.bfloat16:
             out, inp, k = out.view(torch.int8), inp.view(torch.int8), 2
-        name = f"all_to_all_single ({what})"
-        secs = wait_collective(lambda: all_to_all_single(out, inp, [k * n for n in out_splits],
-                                                         [k * n for n in in_splits]),
-                               name=name, round=round + 1, timeout=collective_timeout())
-        self._waited(name, secs)
-        self.entered.append(time.perf_counter() - secs)
+        self._collective(f"all_to_all_single ({what})", round,
+                         lambda: all_to_all_single(out, inp, [k * n for n in out_splits], [k * n for n in in_splits]))
 
     def _reduce_scatter_coded(self, coded, sizes, codec: str, round: int) -> Tensor:
         """This rank's chunk of the mean: every rank's coded chunk ``rank`` decoded and summed in
@@ -384,11 +386,7 @@ class Comm:
         if counted:
             self.count_all_reduce(tensor.numel() * tensor.element_size())
         if self.distributed:
-            name = f"all_reduce ({what})"
-            secs = wait_collective(lambda: dist.all_reduce(tensor, async_op=True), name=name,
-                                   round=round + 1, timeout=collective_timeout())
-            self._waited(name, secs)
-            self.entered.append(time.perf_counter() - secs)
+            self._collective(f"all_reduce ({what})", round, lambda: dist.all_reduce(tensor, async_op=True))
         return tensor
 
     def count_all_reduce(self, nbytes: int, times: int = 1) -> None:

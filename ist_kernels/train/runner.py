@@ -127,6 +127,8 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
                             round=r + 1, timeout=collective_timeout())
         return [int(v) if i else v for i, v in enumerate(t.tolist())]
 
+    machine_id = _machine_id() if world.distributed else 0  # read once, compared every round
+
     def wait_for_peers(entered, k_sum, k_squares, r) -> Optional[float]:
         """This round's seconds rank 0 waited in its collectives for the last rank to enter them:
         the sum over the collectives every rank entered (``Comm.entered``) of the latest entry
@@ -138,7 +140,7 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
         if not world.distributed or P < 2 or P * k_squares != k_sum * k_sum:
             return None
         t = torch.zeros(P, k_sum // P + 1, dtype=torch.float64, device=world.device)
-        t[world.rank] = torch.tensor([*entered, _machine_id()], dtype=torch.float64)
+        t[world.rank] = torch.tensor([*entered, machine_id], dtype=torch.float64)
         wait_collective(lambda: dist.all_reduce(t, async_op=True), name="all_reduce (the collectives' entry times)",
                         round=r + 1, timeout=collective_timeout())
         if not bool((t[:, -1] == t[0, -1]).all()):
