@@ -199,7 +199,8 @@ def cuda_clock_runs(fns, calls, repeats):
     return cpu_runs(fns, calls, repeats, before_run=torch.cuda.synchronize)
 
 
-def measure(device, calls, repeats, only=None, cuda_timer="profiler"):
+def measure(device, calls, repeats, only=None, cuda_timer="profiler", on_row=None):
+    """One row per op; ``on_row(rows so far)`` after each (a run stopped at a time limit keeps them)."""
     rows = []
     for op, (ours, theirs) in cases(device).items():
         if only and not any(s in op for s in only):
@@ -209,6 +210,8 @@ def measure(device, calls, repeats, only=None, cuda_timer="profiler"):
         rows.append({"op": op, "device": device, "ours_us": round(ours_us, 2), "torch_us": round(torch_us, 2),
                      "ratio": round(ours_us / torch_us, 3),
                      "timer": "host clock" if device == "cpu" or cuda_timer == "clock" else "torch.profiler"})
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
@@ -239,13 +242,18 @@ def main(argv=None):
         if args.device == "cuda":
             p.error("--device cuda: no CUDA device")
         devices = ["cpu"]
-    rows = [r for d in devices for r in measure(d, args.calls, args.repeats, args.only, args.cuda_timer)]
-    sys.stdout.write(markdown(rows, args.threads))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-            f.write("\n")
-    return rows
+    done = []
+
+    def write(rows_so_far):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(done + rows_so_far, f, indent=1)
+                f.write("\n")
+
+    for d in devices:
+        done += measure(d, args.calls, args.repeats, args.only, args.cuda_timer, on_row=write)
+    sys.stdout.write(markdown(done, args.threads))
+    return done
 
 
 if __name__ == "__main__":

@@ -51,7 +51,14 @@ def randn(*shape, gen, device, dtype=torch.float32):
 
 
 def maybe_compile(fn, compiled):
-    return torch.compile(fn, fullgraph=True, dynamic=False) if compiled else fn
+    """``fn`` compiled (fullgraph) or as is. Dynamo's cache is per code object, and every test's
+    function is the same code (``under_autocast``'s ``run``) closing over other values: without a
+    reset, one process's ninth compiled test hit the recompile limit (8) and fullgraph failed it
+    (an H200 run with 4 xdist workers, 2026-11-27)."""
+    if not compiled:
+        return fn
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, dynamic=False)
 
 
 def under_autocast(fn, device, dtype):
@@ -242,7 +249,7 @@ def test_grelu_mlp(device, dtype, compiled, gen):
     # element to its own rounding-error bound, the network on absolute values (C x's relu dropped:
     # bf16 may take either side of its kink, moving h_0 by a rounding) differentiated with |g|.
     # (That bound of the output is ~300x its error, too loose to see a wrong gate.)
-    h_last = ref.grelu_mlp(x, net.C, net.psi, weights, torch.eye(net.width, dtype=torch.float64), gates=on)
+    h_last = ref.grelu_mlp(x, net.C, net.psi, weights, torch.eye(net.width, dtype=torch.float64, device=device), gates=on)
     assert_amp_close(y, want, dtype, "GReLUMLP", scale=(h_last.abs() @ net.B.double().abs().T).max().item())
     abs_weights = [w.detach().abs().requires_grad_() for w in weights]
     out_bound = ref.grelu_mlp(x.abs(), net.C.abs(), net.psi, abs_weights, net.B.abs(), gates=on)

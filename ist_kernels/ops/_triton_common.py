@@ -25,10 +25,12 @@ _STATE = threading.local()
 
 
 def launch(kernel):
-    """``kernel`` ready for ``kernel[grid](...)``: every launch goes through wrap_triton where torch
-    has it, so under torch.compile the launch is traced into the graph; eager launches are direct
-    (ops/_cuda.py switches wrap_triton off around the eager kernels)."""
-    return kernel if _wrap_triton is None else _wrap_triton(kernel)
+    """``kernel`` ready for ``kernel[grid](...)``: while torch.compile traces the op (``tracing()``,
+    ops/_cuda.py) the launch goes through wrap_triton, so that it lands in the graph; every other
+    launch is direct. (wrap_triton refuses autotune configs with pre-hooks, which the TMA kernels
+    have: an eager call of a launcher, e.g. ``ops.grelu._triton.relu_gates`` on CUDA tensors, failed
+    with "pre_hook and post_hook are not supported" on an H200, 2026-11-27.)"""
+    return _wrap_triton(kernel) if _wrap_triton is not None and is_tracing() else kernel
 
 
 @contextlib.contextmanager
