@@ -85,107 +85,143 @@ def _warm_up() -> None:
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
-def train(cfg, world: World) -> Optional[Dict[str, Any]]:
-    """Run one config on this process; returns the summary on rank 0 (None elsewhere)."""
-    t_setup = time.perf_counter()
-    _warm_up()
-    method_cls = get_method(cfg.method)
-    dataset = load_dataset(cfg)
-    data = ShardedData(dataset, cfg.num_workers, cfg.batch_size, cfg.seed, world.device, augment_default(cfg))
-    rounds = resolve_rounds(cfg, data.shard_size)
-    ctx = RunContext(cfg, world, data, rounds)
-    method = method_cls(ctx)
-    clock, comm = ctx.clock, ctx.comm
-    rank0 = world.rank == 0
-    out_dir = cfg.resolved_out_dir()
-    ckpt_dir = cfg.resolved_checkpoint_dir()
-    S = cfg.num_workers
+class Run:
+    """One run of one config on this process, a round at a time: the round engine as a library.
 
-    start, history, train_time, wall0 = 0, [], 0.0, 0.0
-    if cfg.resume:
-        payload = checkpoint.restore(ckpt_dir, world.rank, world.world_size, cfg, method)
-        start, history = payload["round"], payload.get("history", [])
-        train_time, wall0 = payload["train_time"], payload["wall_time"]
-        ctx.load_scaler_states(payload.get("grad_scalers", {}))
-        if start > rounds:
-            raise ConfigError("rounds", f"the checkpoint is at round {start}, past rounds={rounds}")
-    comm.take()
-    clock.take()  # set-up is not a round's
-    setup_time = time.perf_counter() - t_setup
-    log = MetricsLog(os.path.join(out_dir, "metrics.jsonl"), history) if rank0 else None
-    t_start = time.perf_counter() - wall0
-    totals = ({k: history[-1][k] for k in ("total_bytes", "total_ps_bytes", "total_gather_bytes")}
-              if history else dict(total_bytes=0, total_ps_bytes=0, total_gather_bytes=0))
-    assembled = {}  # round -> the full model assembled for it (rank 0), reused by the final save
+    ``Run(cfg, world)`` sets the run up (data shards, the method, a checkpoint to resume from);
+    :meth:`begin` scores round 0 (a fresh run), :meth:`round` runs round r (the method's round:
+    plan, subnetworks, local steps, exchange, outer step) with its evaluation, metrics and
+    checkpoint, and :meth:`finish` writes the outputs (rank 0) and returns the summary. ``ist-train``
+    is ``for r in run.pending(): run.round(r)`` between the two (:func:`train`); a user's own loop
+    (:mod:`ist_kernels.train.library`) runs the same object with its own local steps
+    (``train_local``) and scores (``evaluate``) in place of the data set's.
 
-    def sum_over_ranks(values, what, r):
+    ``data``: the sharded data the built-in local steps and scores read (default: the config's data
+    set); ``model_factory``: builds the global model (default: the config's model); ``train_local``:
+    ``fn(model, optimizer, worker, r) -> summed loss`` replacing the built-in local steps;
+    ``evaluate``: ``fn(model) -> scores`` replacing the built-in test-set scores.
+    """
+
+    def __init__(self, cfg, world: World, *, data=None, model_factory=None, train_local=None, evaluate=None):
+        t_setup = time.perf_counter()
+        _warm_up()
+        self.cfg, self.world = cfg, world
+        method_cls = get_method(cfg.method)
+        if data is None and train_local is None:
+            dataset = load_dataset(cfg)
+            data = ShardedData(dataset, cfg.num_workers, cfg.batch_size, cfg.seed, world.device, augment_default(cfg))
+        self.rounds = resolve_rounds(cfg, data.shard_size if data is not None else 0)
+        self.ctx = ctx = RunContext(cfg, world, data, self.rounds, model_factory=model_factory,
+                                    train_local=train_local, evaluate=evaluate)
+        self.method = method_cls(ctx)
+        self.rank0 = world.rank == 0
+        self.out_dir = cfg.resolved_out_dir()
+        self.ckpt_dir = cfg.resolved_checkpoint_dir()
+        self.start, history, self.train_time, wall0 = 0, [], 0.0, 0.0
+        if cfg.resume:
+            payload = checkpoint.restore(self.ckpt_dir, world.rank, world.world_size, cfg, self.method)
+            self.start, history = payload["round"], payload.get("history", [])
+            self.train_time, wall0 = payload["train_time"], payload["wall_time"]
+            ctx.load_scaler_states(payload.get("grad_scalers", {}))
+            if self.start > self.rounds:
+                raise ConfigError("rounds", f"the checkpoint is at round {self.start}, past rounds={self.rounds}")
+        ctx.comm.take()
+        ctx.clock.take()  # set-up is not a round's
+        self.setup_time = time.perf_counter() - t_setup
+        self.log = MetricsLog(os.path.join(self.out_dir, "metrics.jsonl"), history) if self.rank0 else None
+        self.t_start = time.perf_counter() - wall0
+        self.totals = ({k: history[-1][k] for k in ("total_bytes", "total_ps_bytes", "total_gather_bytes")}
+                       if history else dict(total_bytes=0, total_ps_bytes=0, total_gather_bytes=0))
+        self.assembled = {}  # round -> the full model assembled for it (rank 0), reused by the final save
+        self.machine_id = _machine_id() if world.distributed else 0  # read once, compared every round
+        # stop_after: stop once that many rounds are done (a checkpoint is written), resume later
+        self.end = self.rounds if cfg.stop_after is None else min(self.rounds, cfg.stop_after)
+        self.cap = None if cfg.max_rank_state_mb is None else cfg.max_rank_state_mb * 1e6
+        self.bar = None
+
+    @property
+    def history(self):
+        """metrics.jsonl's records so far (rank 0; empty elsewhere)."""
+        return self.log.history if self.log is not None else []
+
+    def pending(self) -> range:
+        """The rounds this run has left: from the checkpoint's (or 0) to rounds (or stop_after)."""
+        return range(self.start, self.end)
+
+    def _sum_over_ranks(self, values, what, r):
         """The round's metrics summed over the ranks (the trainer's bookkeeping: timed as
         ``metrics``, its bytes not counted as the method's)."""
-        t = torch.tensor(values, dtype=torch.float64, device=world.device)
-        if world.distributed:
+        t = torch.tensor(values, dtype=torch.float64, device=self.world.device)
+        if self.world.distributed:
             wait_collective(lambda: dist.all_reduce(t, async_op=True), name=f"all_reduce ({what})",
                             round=r + 1, timeout=collective_timeout())
         return [int(v) if i else v for i, v in enumerate(t.tolist())]
 
-    machine_id = _machine_id() if world.distributed else 0  # read once, compared every round
-
-    def wait_for_peers(entered, k_sum, k_squares, r) -> Optional[float]:
+    def _wait_for_peers(self, entered, k_sum, k_squares, r) -> Optional[float]:
         """This round's seconds rank 0 waited in its collectives for the last rank to enter them:
         the sum over the collectives every rank entered (``Comm.entered``) of the latest entry
         minus rank 0's. None when not distributed, when the ranks entered different numbers of
         collectives (the sums of the counts and of their squares, the same on every rank, say so),
         or when they run on several machines (their boot ids differ), whose monotonic clocks do
         not compare."""
+        world = self.world
         P = world.world_size
         if not world.distributed or P < 2 or P * k_squares != k_sum * k_sum:
             return None
         t = torch.zeros(P, k_sum // P + 1, dtype=torch.float64, device=world.device)
-        t[world.rank] = torch.tensor([*entered, machine_id], dtype=torch.float64)
+        t[world.rank] = torch.tensor([*entered, self.machine_id], dtype=torch.float64)
         wait_collective(lambda: dist.all_reduce(t, async_op=True), name="all_reduce (the collectives' entry times)",
                         round=r + 1, timeout=collective_timeout())
         if not bool((t[:, -1] == t[0, -1]).all()):
             return None
         return float((t[:, :-1].max(dim=0).values - t[0, :-1]).clamp(min=0).sum()) if k_sum else 0.0
 
-    def eval_record(r):
+    def _eval_record(self, r):
         """The full model's scores after round r (rank 0); what assembling it sent is in comm."""
-        with clock("eval"):
-            model = method.global_model()
-            if r == end:  # kept for the final save (only then: it may be the whole model, on rank 0)
-                assembled[r] = model
-            return method.evaluate(model) if rank0 else {}
+        with self.ctx.clock("eval"):
+            model = self.method.global_model()
+            if r == self.end:  # kept for the final save (only then: it may be the whole model, on rank 0)
+                self.assembled[r] = model
+            return self.method.evaluate(model) if self.rank0 else {}
 
-    def timed(parts: Dict[str, float], wall: float) -> Dict[str, float]:
+    @staticmethod
+    def _timed(parts: Dict[str, float], wall: float) -> Dict[str, float]:
         out = {k: round(parts[k], 6) for k in PARTS}
         out["other"] = round(wall - sum(parts.values()), 6)
         out["round"] = round(wall, 6)
         return out
 
-    # stop_after: stop once that many rounds are done (a checkpoint is written), resume later
-    end = rounds if cfg.stop_after is None else min(rounds, cfg.stop_after)
-    if start == 0:
-        t0 = time.perf_counter()
-        scores = eval_record(0)
-        with clock("metrics"):
-            (_, gathered) = sum_over_ranks([0.0, comm.take()["gathered"]], "the evaluation's bytes", -1)
-            totals["total_gather_bytes"] += gathered
-            rec = {"round": 0, "train_loss": None, "bytes_sent": 0, "ps_bytes": 0,
-                   "gather_bytes": gathered, **totals, "train_time": 0.0, "wall_time": 0.0,
-                   "lr": ctx.lr_at(0, 0), **scores}
-        rec["time"] = timed(clock.take(), time.perf_counter() - t0)
-        if rank0:
-            log.append(rec)
+    def begin(self) -> None:
+        """Round 0's record (the initial model's scores) on a fresh run, and the progress bar."""
+        ctx, cfg = self.ctx, self.cfg
+        if self.start == 0:
+            t0 = time.perf_counter()
+            scores = self._eval_record(0)
+            with ctx.clock("metrics"):
+                (_, gathered) = self._sum_over_ranks([0.0, ctx.comm.take()["gathered"]], "the evaluation's bytes", -1)
+                self.totals["total_gather_bytes"] += gathered
+                rec = {"round": 0, "train_loss": None, "bytes_sent": 0, "ps_bytes": 0,
+                       "gather_bytes": gathered, **self.totals, "train_time": 0.0, "wall_time": 0.0,
+                       "lr": ctx.lr_at(0, 0), **scores}
+            rec["time"] = self._timed(ctx.clock.take(), time.perf_counter() - t0)
+            if self.rank0:
+                self.log.append(rec)
+        self.bar = progress_bar(self.rounds, self.start, self.rank0 and cfg.progress,
+                                desc=f"{cfg.method} S={cfg.num_workers}")
 
-    bar = progress_bar(rounds, start, rank0 and cfg.progress, desc=f"{cfg.method} S={S}")
-    cap = None if cfg.max_rank_state_mb is None else cfg.max_rank_state_mb * 1e6
-    for r in range(start, end):
+    def round(self, r: int) -> Dict[str, Any]:
+        """Round r: the method's round, then its scores (every ``eval_interval`` rounds and the
+        last), the metrics summed over the ranks, a checkpoint when one is due; returns the round's
+        record (metrics.jsonl's line; rank 0's carries the scores)."""
+        ctx, cfg, world, method, S = self.ctx, self.cfg, self.world, self.method, self.cfg.num_workers
+        comm, clock = ctx.comm, ctx.clock
         _crash_for_tests(r, world)
         t0 = time.perf_counter()
         _delay_for_tests(world)
         res = method.run_round(r)
         if world.device.type == "cuda":
             torch.cuda.synchronize(world.device)
-        train_time += time.perf_counter() - t0
+        self.train_time += time.perf_counter() - t0
         done = r + 1
         taken = comm.take()
         sent = taken["sent"] + res.bytes_sent
@@ -195,19 +231,20 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
             sent_by_worker[s] = taken["sent_by_worker"][s] + apart
             link_by_worker[s] = taken["link_by_worker"][s] + apart
         scores = {}
-        if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == rounds:
-            scores = eval_record(done)
+        if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == self.rounds:
+            scores = self._eval_record(done)
+        totals = self.totals
         with clock("metrics"):
             per_worker = [0] * S
             for s, b in (res.state_bytes or {}).items():
                 per_worker[s] = b
             entered = taken["entered"]
-            stats = sum_over_ranks([res.loss_sum, res.steps, sent, res.ps_bytes, comm.take()["gathered"],
-                                    *per_worker, *sent_by_worker, *link_by_worker,
-                                    len(entered), len(entered) ** 2], "the round's metrics", r)
+            stats = self._sum_over_ranks([res.loss_sum, res.steps, sent, res.ps_bytes, comm.take()["gathered"],
+                                          *per_worker, *sent_by_worker, *link_by_worker,
+                                          len(entered), len(entered) ** 2], "the round's metrics", r)
             loss_sum, steps, bytes_sent, ps, gathered = stats[:5]
             per_worker, sent_by_worker, link_by_worker = stats[5:5 + S], stats[5 + S:5 + 2 * S], stats[5 + 2 * S:5 + 3 * S]
-            peer_wait = wait_for_peers(entered, *stats[5 + 3 * S:], r)
+            peer_wait = self._wait_for_peers(entered, *stats[5 + 3 * S:], r)
             totals["total_bytes"] += bytes_sent
             totals["total_ps_bytes"] += ps
             totals["total_gather_bytes"] += gathered
@@ -216,45 +253,65 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
                    "max_worker_bytes_sent": max(sent_by_worker), "max_worker_link_bytes": max(link_by_worker),
                    "collectives": {k: round(v, 6) for k, v in taken["collectives"].items()},
                    **({} if peer_wait is None else {"peer_wait_s": round(peer_wait, 6)}),
-                   "train_time": train_time, "lr": ctx.lr_at(r, 0), **(res.extra or {}), **scores}
-        if cap is not None and max(per_worker) > cap:  # every rank sees the same sums: all stop here
+                   "train_time": self.train_time, "lr": ctx.lr_at(r, 0), **(res.extra or {}), **scores}
+        if self.cap is not None and max(per_worker) > self.cap:  # every rank sees the same sums: all stop here
             worst = max(range(S), key=lambda s: per_worker[s])
             raise RankStateError(
                 f"worker {worst} held {per_worker[worst] / 1e6:.3f} MB of parameters, buffers and optimizer state "
                 f"in round {done}, above --max-rank-state-mb {cfg.max_rank_state_mb:g} (the whole model's state: "
                 f"{method.full_state_bytes / 1e6:.3f} MB; storage={cfg.storage}, method {cfg.method})")
-        if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == end:
+        if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == self.end:
             # the checkpoint's history ends with this round, its time measured up to the checkpoint
-            partial = {**rec, "time": timed(clock.peek(), time.perf_counter() - t0),
-                       "wall_time": time.perf_counter() - t_start}
+            partial = {**rec, "time": self._timed(clock.peek(), time.perf_counter() - t0),
+                       "wall_time": time.perf_counter() - self.t_start}
             with clock("checkpoint"):
-                checkpoint.save(ckpt_dir, done, world.rank, world.world_size, {
+                checkpoint.save(self.ckpt_dir, done, world.rank, world.world_size, {
                     "config": cfg.to_dict(), "num_workers": S, "method": method.state_dict(),
                     "rng": checkpoint.rng_state(), "grad_scalers": ctx.scaler_states(),
-                    "history": log.history + [partial] if rank0 else [],
-                    "train_time": train_time, "wall_time": time.perf_counter() - t_start},
+                    "history": self.log.history + [partial] if self.rank0 else [],
+                    "train_time": self.train_time, "wall_time": time.perf_counter() - self.t_start},
                     barrier=lambda what: _barrier(world, what, done),
                     manifest={"storage": cfg.storage if S > 1 else "single",
                               "holds": "this rank's subnetwork and the shared tensors" if
                               cfg.storage == "decentralized" and world.distributed else "the whole state"})
-        rec["time"] = timed(clock.take(), time.perf_counter() - t0)
-        rec["wall_time"] = time.perf_counter() - t_start
-        if rank0:
-            log.append(rec)
-            bar.update(1)
-            bar.set_postfix({k: f"{rec[k]:.4g}" for k in ("train_loss", "accuracy") if rec.get(k) is not None})
-    bar.close()
+        rec["time"] = self._timed(clock.take(), time.perf_counter() - t0)
+        rec["wall_time"] = time.perf_counter() - self.t_start
+        if self.rank0:
+            self.log.append(rec)
+            if self.bar is not None:
+                self.bar.update(1)
+                self.bar.set_postfix({k: f"{rec[k]:.4g}" for k in ("train_loss", "accuracy") if rec.get(k) is not None})
+        return rec
 
-    model = assembled[end] if end in assembled else method.global_model()
-    final_gather = comm.take()["gathered"]  # outside metrics.jsonl (a stop_after run assembles after its last round)
-    final_gather = sum_over_ranks([0.0, final_gather], "the final save's bytes", end)[1]
-    clock.take()
-    summary = (_write_outputs(cfg, world, method, model, log.history, final_gather, rounds, out_dir, setup_time)
-               if rank0 else None)
-    # every rank leaves together, once rank 0 has written the outputs (none tears its process group
-    # down while another still works)
-    _barrier(world, "the run's outputs written", end)
-    return summary
+    def global_model(self):
+        """The full model now (every rank calls it: it may gather; its bytes go to the next round's
+        or the final record's gather count)."""
+        return self.method.global_model()
+
+    def finish(self) -> Optional[Dict[str, Any]]:
+        """The run's outputs (model.pt, summary.json on rank 0); returns the summary on rank 0
+        (None elsewhere). Every rank leaves together, once rank 0 has written them."""
+        if self.bar is not None:
+            self.bar.close()
+        end, world = self.end, self.world
+        model = self.assembled[end] if end in self.assembled else self.method.global_model()
+        final_gather = self.ctx.comm.take()["gathered"]  # outside metrics.jsonl (a stop_after run assembles after its last round)
+        final_gather = self._sum_over_ranks([0.0, final_gather], "the final save's bytes", end)[1]
+        self.ctx.clock.take()
+        summary = (_write_outputs(self.cfg, world, self.method, model, self.log.history, final_gather, self.rounds,
+                                  self.out_dir, self.setup_time) if self.rank0 else None)
+        # none tears its process group down while another still works
+        _barrier(world, "the run's outputs written", end)
+        return summary
+
+
+def train(cfg, world: World) -> Optional[Dict[str, Any]]:
+    """Run one config on this process; returns the summary on rank 0 (None elsewhere)."""
+    run = Run(cfg, world)
+    run.begin()
+    for r in run.pending():
+        run.round(r)
+    return run.finish()
 
 
 def _write_outputs(cfg, world, method, model, hist, final_gather, rounds, out_dir, setup_time) -> Dict[str, Any]:

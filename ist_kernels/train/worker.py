@@ -82,12 +82,22 @@ def lr_at(cfg, rounds: int, r: int, i: int) -> float:
 class RunContext:
     """A method's view of the run (see the module docstring); built once per process by the trainer."""
 
-    def __init__(self, cfg, world: World, data: ShardedData, rounds: int):
+    def __init__(self, cfg, world: World, data: Optional[ShardedData], rounds: int, *,
+                 model_factory: Optional[Callable[[], nn.Module]] = None,
+                 train_local: Optional[Callable[..., float]] = None,
+                 evaluate: Optional[Callable[[nn.Module], Dict[str, float]]] = None):
+        """``data``: the shards the built-in local steps and scores read (None when a user's loop
+        brings its own: ``train_local`` and ``evaluate`` then replace them, see
+        :mod:`ist_kernels.train.library`); ``model_factory``: builds the global model in place of
+        the config's."""
         self._cfg = cfg
         self.hp = HyperParams(cfg)
         self.world = world
         self.data = data
-        self.dataset = data.dataset
+        self.dataset = data.dataset if data is not None else None
+        self._model_factory = model_factory
+        self._user_train_local = train_local
+        self._user_evaluate = evaluate
         self.rounds = rounds
         self.options: Dict[str, Any] = cfg.options
         self.num_workers = cfg.num_workers
@@ -141,8 +151,9 @@ class RunContext:
     def build_model(self, factory: Optional[Callable[[], nn.Module]] = None) -> nn.Module:
         """A fresh global model, initialised from the run's seed (identical on every rank and launch
         mode), on the device: the configured model by default, or ``factory()`` (e.g. a SubnetMLP)."""
-        if factory is None:
+        if factory is None and self._model_factory is None:
             return build_model(self._cfg, self.dataset).to(self.device)
+        factory = factory or self._model_factory
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self._cfg.seed)
             return factory().to(self.device)
@@ -225,7 +236,11 @@ class RunContext:
         return self.data.batch(worker, r * self.local_steps + i)
 
     def train_local(self, model: nn.Module, optimizer, worker: int, r: int, steps: Optional[int] = None) -> float:
-        """``steps`` (default local_steps) SGD steps of ``worker`` in round r; returns the summed loss."""
+        """``steps`` (default local_steps) SGD steps of ``worker`` in round r; returns the summed loss.
+        A user's loop (``train_local`` given to the context) trains instead, timed the same."""
+        if self._user_train_local is not None:
+            with self.clock("local"):
+                return float(self._user_train_local(model, optimizer, worker, r))
         with self.clock("local"):
             model.train()
             total = torch.zeros((), device=self.device, dtype=torch.float64)
@@ -244,7 +259,16 @@ class RunContext:
     def evaluate(self, model: nn.Module) -> Dict[str, float]:
         """Scores of ``model`` on the test set: test_loss and, for classification, accuracy; for a
         language model the mean cross-entropy per token (nats), ``bits_per_byte`` (it over ln 2) and
-        ``accuracy`` (of the next byte)."""
+        ``accuracy`` (of the next byte). A user's loop may bring its own scores (``evaluate``
+        given to the context), or none (no data: no scores)."""
+        if self._user_evaluate is not None:
+            was_training = model.training
+            try:
+                return dict(self._user_evaluate(model))
+            finally:
+                model.train(was_training)
+        if self.data is None:
+            return {}
         was_training = model.training
         model.eval()
         loss_sum, correct, n = 0.0, 0, 0

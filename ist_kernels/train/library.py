@@ -1,0 +1,320 @@
+"""The round engine in your own training loop.
+
+``ist-train`` runs a method's rounds with its own local steps. :class:`Engine` runs the same rounds
+(the same plans, subnetworks, exchange, owner-averaging, outer step, byte and time accounting,
+checkpoints and exact resume: the same :class:`ist_kernels.train.runner.Run` object ``ist-train``
+uses) and hands each worker's subnetwork and optimizer to *your* loop for its local steps::
+
+    engine = Engine(model=my_factory, method="ist", workers=2, rounds=10, local_steps=8, lr=0.1)
+    for rnd in engine.rounds():          # round r: the engine plans it and cuts the subnetworks
+        for worker in rnd:               # the workers this process trains, as the method asks
+            model, opt = worker.model, worker.optimizer
+            for x, y in my_batches(worker.index, rnd.index):    # your data, loss, schedule, logging
+                opt.zero_grad(); loss = my_loss(model(x), y); loss.backward(); opt.step()
+                worker.add_loss(loss)    # optional: metrics.jsonl's train_loss
+        # leaving the round: exchange, owner-average, outer step, scores, metrics, checkpoint
+    full = engine.global_model()         # the full model on demand (every rank calls it)
+    summary = engine.close()             # model.pt, summary.json (rank 0)
+
+Launch modes: under ``torchrun --nproc-per-node S`` each process trains one worker (its rank; the
+engine creates the process group, gloo on CPUs, NCCL on GPUs, unless one exists); in one process
+without torchrun it trains the S = ``workers`` workers one after another (the simulated mode, the
+reference the distributed run equals).
+
+``model``: a factory (a callable returning an ``nn.Module``; every rank calls it under the same seed,
+so every rank starts from the same model) or a ``"module:factory"`` string as ``ist-train --model``
+takes. ``dataset`` (optional): a data set ``ist-train`` knows (``"digits"``, ``"pycode"``, ...): then
+``worker.batches()`` gives the very batches ``ist-train``'s local steps would use (with its learning
+rate schedule applied to the optimizer before each), and the engine scores the full model on its
+test split as ``ist-train`` does; without one, pass ``evaluate=fn(model) -> dict`` for scores (or
+none). Every other keyword is an ``ist-train`` option by its config name (``lr``, ``momentum``,
+``options={"partition": "heads"}``, ``storage``, ``out_dir``, ``checkpoint_interval``, ``resume``,
+``seed``, ``timeout_s``, ...): ``Engine.options()`` lists them.
+
+How it works: a method's round calls its worker view's ``train_local(model, optimizer, worker, r)``
+once per local worker. The engine runs the round on a helper thread and, at each such call, hands the
+subnetwork and optimizer to your loop on the calling thread and waits (the two threads never run at
+once: no locks are needed and collectives run on one thread at a time); when your loop asks for the
+next worker, the round continues. The time your loop spends is the round's ``local`` time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+
+import torch
+from torch import nn
+
+from ..distributed import destroy_process_group, init_process_group
+from .config import TrainConfig, under_torchrun
+from .datasets import ShardedData, augment_default, load_dataset
+from .errors import ConfigError
+from .launch import resolve_backend, resolve_device
+from .runner import Run, World
+
+_DONE = object()  # the round finished (engine -> loop)
+_ABORT = object()  # the loop stopped before the round's end (loop -> engine)
+
+
+class _Aborted(BaseException):
+    """Raised inside the engine's round when the user's loop left it early (not an Exception, so
+    no method's ``except Exception`` swallows it)."""
+
+
+class Worker:
+    """One worker's turn in a round: ``model`` (its subnetwork, or the whole model for local-SGD
+    methods), ``optimizer`` (over ``model``'s parameters, built by the engine from the config: SGD
+    with ``lr``, ``momentum``, ``weight_decay``), ``index`` (the worker, 0..S-1), ``round`` (r)."""
+
+    def __init__(self, engine: "Engine", model: nn.Module, optimizer, index: int, r: int):
+        self.model, self.optimizer, self.index, self.round = model, optimizer, index, r
+        self._engine = engine
+        self.loss_sum = 0.0
+        self.steps = 0
+
+    def add_loss(self, loss: Union[float, torch.Tensor], steps: int = 1) -> None:
+        """Count a local step's loss into the round's ``train_loss`` (metrics.jsonl)."""
+        self.loss_sum += float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        self.steps += steps
+
+    def batches(self) -> Iterator:
+        """The ``local_steps`` batches ``(x, y)`` ``ist-train`` would give this worker in this round
+        (needs ``dataset``); before each, the optimizer's learning rate is set from the schedule."""
+        ctx = self._engine._run.ctx
+        if ctx.data is None:
+            raise RuntimeError("Worker.batches(): the engine has no dataset; pass Engine(dataset=...) or bring "
+                               "your own batches")
+        for i in range(ctx.local_steps):
+            ctx.set_lr(self.optimizer, self.round, i)
+            yield ctx.batch(self.index, self.round, i)
+
+    def loss(self, out, y) -> torch.Tensor:
+        """``ist-train``'s loss for the dataset's task (cross-entropy on logits, or on ``.logits``)."""
+        return self._engine._run.ctx.loss(out, y)
+
+
+class Round:
+    """Round ``index``: iterate it for the workers this process trains (:class:`Worker`); the round
+    ends (exchange, aggregation, scores, metrics, checkpoint) when the iteration does. ``record``:
+    the round's metrics.jsonl record once it ended."""
+
+    def __init__(self, engine: "Engine", r: int):
+        self.engine, self.index = engine, r
+        self.record: Optional[Dict[str, Any]] = None
+        self._used = False
+
+    def __iter__(self) -> Iterator[Worker]:
+        if self._used:
+            raise RuntimeError(f"round {self.index} was iterated already")
+        self._used = True
+        eng = self.engine
+        to_loop: "queue.Queue" = queue.Queue()
+        to_engine: "queue.Queue" = queue.Queue()
+        device = eng._world.device
+
+        def train_local(model, optimizer, worker, r):
+            to_loop.put((model, optimizer, worker))
+            msg = to_engine.get()
+            if msg is _ABORT:
+                raise _Aborted()
+            return msg
+
+        def body():
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            try:
+                to_loop.put((_DONE, eng._run.round(self.index)))
+            except BaseException as e:  # noqa: B902 - handed to the loop's thread, which raises it
+                to_loop.put((_DONE, e))
+
+        eng._train_local = train_local
+        thread = threading.Thread(target=body, name=f"ist-engine-round-{self.index}", daemon=True)
+        thread.start()
+        current: Optional[Worker] = None
+        finished = False
+        try:
+            while True:
+                msg = to_loop.get()
+                if msg[0] is _DONE:
+                    finished = True
+                    if isinstance(msg[1], _Aborted):
+                        raise RuntimeError(f"round {self.index} was left before its end")
+                    if isinstance(msg[1], BaseException):
+                        eng._broken = msg[1]
+                        raise msg[1]
+                    self.record = msg[1]
+                    return
+                model, optimizer, index = msg
+                current = Worker(eng, model, optimizer, index, self.index)
+                yield current
+                eng._losses.append((current.loss_sum, current.steps))
+                to_engine.put(current.loss_sum)
+                current = None
+        finally:
+            if not finished:  # the loop stopped early (break, an exception): unwind the engine's round
+                to_engine.put(_ABORT)
+                thread.join()
+                eng._broken = RuntimeError(f"round {self.index} did not finish (the training loop left it); "
+                                           f"the engine cannot continue: resume from its last checkpoint")
+            else:
+                thread.join()
+            eng._train_local = None
+
+
+class Engine:
+    """The round engine for a user's own loop (see the module docstring)."""
+
+    def __init__(self, model: Union[Callable[[], nn.Module], str], *, method: str = "ist",
+                 workers: Optional[int] = None, dataset: Optional[str] = None,
+                 evaluate: Optional[Callable[[nn.Module], Dict[str, float]]] = None, **config: Any):
+        if "simulate" in config or "model" in config:
+            raise TypeError("Engine: pass the model as the first argument and the worker count as workers=")
+        unknown = sorted(set(config) - {f.name for f in dataclasses.fields(TrainConfig)})
+        if unknown:
+            raise TypeError(f"Engine: unknown option(s) {', '.join(unknown)}; see Engine.options()")
+        distributed = under_torchrun()
+        if distributed:
+            S = int(os.environ["WORLD_SIZE"])
+            if workers is not None and workers != S:
+                raise ConfigError("workers", f"is {workers} but torchrun started WORLD_SIZE={S} processes")
+        else:
+            S = 1 if workers is None else workers
+        if isinstance(model, str):
+            name, factory = model, None
+        elif callable(model):
+            name, factory = _label(model), model
+        else:
+            raise ConfigError("model", f"expected a factory (a callable returning an nn.Module) or 'module:factory', "
+                              f"got {type(model).__name__}")
+        cfg = TrainConfig()
+        values = {"method": method, "model": name, "dataset": dataset or "none", "progress": False,
+                  **config}
+        if distributed:
+            values["workers"] = S
+        else:
+            values["simulate"] = S if S > 1 else 0
+        cfg.update(values, "Engine()")
+        _validate(cfg, factory, dataset)
+        self.config = cfg
+        rank = int(os.environ["RANK"]) if distributed else 0
+        local_rank = int(os.environ["LOCAL_RANK"]) if distributed else 0
+        device = resolve_device(cfg, local_rank, S if distributed else 1)
+        self._own_group = False
+        if distributed:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            if not torch.distributed.is_initialized():
+                init_process_group(resolve_backend(cfg, device), timeout=cfg.timeout_s)
+                self._own_group = True
+        self._world = World(rank, S if distributed else 1, local_rank, simulated=not distributed and S > 1,
+                            device=device)
+        data = None
+        if dataset is not None:
+            data = ShardedData(load_dataset(cfg), cfg.num_workers, cfg.batch_size, cfg.seed, device,
+                               augment_default(cfg))
+        self._train_local: Optional[Callable] = None
+        self._losses: List = []
+        self._broken: Optional[BaseException] = None
+        self._summary: Optional[Dict[str, Any]] = None
+        self._closed = False
+        self._run = Run(cfg, self._world, data=data, model_factory=factory,
+                        train_local=lambda *a: self._dispatch(*a), evaluate=evaluate)
+        self._begun = False
+
+    # -- what the engine is
+    @staticmethod
+    def options() -> List[str]:
+        """The keyword options Engine takes besides model, method, workers, dataset and evaluate."""
+        return sorted(f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("model", "simulate"))
+
+    @property
+    def num_workers(self) -> int:
+        return self.config.num_workers
+
+    @property
+    def rank(self) -> int:
+        return self._world.rank
+
+    @property
+    def local_workers(self) -> List[int]:
+        return self._run.ctx.local_workers
+
+    @property
+    def history(self) -> List[Dict[str, Any]]:
+        """metrics.jsonl's records so far (rank 0)."""
+        return self._run.history
+
+    # -- the rounds
+    def _dispatch(self, model, optimizer, worker, r):
+        if self._train_local is None:
+            raise RuntimeError("Engine: a round's local steps were asked for outside Engine.rounds()")
+        return self._train_local(model, optimizer, worker, r)
+
+    def _check(self) -> None:
+        if self._closed:
+            raise RuntimeError("Engine: closed")
+        if self._broken is not None:
+            raise RuntimeError(f"Engine: a round failed ({self._broken}); resume from the last checkpoint") \
+                from self._broken
+
+    def rounds(self) -> Iterator[Round]:
+        """The rounds left (from 0, or from the checkpoint with ``resume=True``), one :class:`Round`
+        each; iterate each round's workers before asking for the next round."""
+        self._check()
+        if not self._begun:
+            self._run.begin()
+            self._begun = True
+        for r in self._run.pending():
+            self._check()
+            rnd = Round(self, r)
+            yield rnd
+            if not rnd._used:
+                raise RuntimeError(f"Engine: round {r} was skipped: iterate its workers (for worker in rnd)")
+            self._check()
+
+    def global_model(self) -> nn.Module:
+        """The full model now (assembled from the workers' parts; every rank must call it)."""
+        self._check()
+        return self._run.global_model()
+
+    def close(self) -> Optional[Dict[str, Any]]:
+        """Write model.pt and summary.json (rank 0) and return the summary (None on other ranks);
+        leaves the process group the engine created."""
+        if self._closed:
+            return self._summary
+        try:
+            if self._broken is None:
+                if not self._begun:
+                    self._run.begin()
+                    self._begun = True
+                self._summary = self._run.finish()
+        finally:
+            self._closed = True
+            if self._own_group:
+                destroy_process_group()
+        return self._summary
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            self._closed = True
+            if self._own_group:
+                destroy_process_group()
+
+
+def _validate(cfg: TrainConfig, factory: Optional[Callable], dataset: Optional[str]) -> None:
+    """The config's checks before any work (ConfigError naming the option)."""
+    cfg.validate()
+
+
+def _label(factory: Callable) -> str:
+    mod = getattr(factory, "__module__", None) or "callable"
+    name = getattr(factory, "__qualname__", None) or type(factory).__name__
+    return f"{mod}:{name}"

@@ -1,0 +1,141 @@
+"""The round engine in a user's own loop (ist_kernels.train.Engine, docs/library.md): the same
+model, metrics and checkpoints as ist-train, in one process and under torchrun; leaving a round
+early, errors in the loop, resume."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ist_kernels.train import Engine
+from train_helpers import assert_equal_states, outputs, run, untimed
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SETTINGS = dict(method="ist", dataset="digits", rounds=3, local_steps=2, batch_size=8, lr=0.1, seed=3,
+                width=16, threads=1, eval_interval=2, device="cpu")
+CLI = ["--method", "ist", "--dataset", "digits", "--rounds", "3", "--local-steps", "2", "--batch-size", "8",
+       "--lr", "0.1", "--seed", "3", "--width", "16", "--threads", "1", "--eval-interval", "2", "--no-progress",
+       "--no-plots"]
+
+
+def user_loop(engine, stop_at=None):
+    """A loop as a user writes it: the engine's batches, its loss by hand."""
+    for rnd in engine.rounds():
+        for worker in rnd:
+            model, opt = worker.model, worker.optimizer
+            for x, y in worker.batches():
+                opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+                loss.backward()
+                opt.step()
+                worker.add_loss(loss)
+            if stop_at is not None and (rnd.index, worker.index) == stop_at:
+                raise KeyboardInterrupt("the user stopped")
+    return engine.close()
+
+
+def test_engine_equals_ist_train_simulated(tmp_path):
+    """Same settings, same model, same metrics (bar the clocks) as ist-train --simulate 2."""
+    _, want, want_hist = run(tmp_path / "cli", "--model", "mlp", "--simulate", "2", *CLI, base=[])
+    summary = user_loop(Engine("mlp", workers=2, out_dir=str(tmp_path / "lib"), **SETTINGS))
+    _, got, got_hist = outputs(tmp_path / "lib")
+    assert_equal_states(got, want)
+    assert untimed(got_hist) == untimed(want_hist)
+    assert summary["bytes_per_round"] > 0 and summary["rounds"] == 3
+
+
+def test_engine_resume_is_exact(tmp_path):
+    """stop_after=2 then resume=True: the model of an uninterrupted run, bit for bit."""
+    user_loop(Engine("mlp", workers=2, out_dir=str(tmp_path / "full"), **SETTINGS))
+    first = Engine("mlp", workers=2, out_dir=str(tmp_path / "cut"), stop_after=2, checkpoint_interval=1, **SETTINGS)
+    assert [r.index for r in _rounds_of(first)] == [0, 1]
+    again = Engine("mlp", workers=2, out_dir=str(tmp_path / "cut"), resume=True, **SETTINGS)
+    done = [r.index for r in _rounds_of(again)]
+    assert done == [2]
+    assert_equal_states(outputs(tmp_path / "cut")[1], outputs(tmp_path / "full")[1])
+
+
+def _rounds_of(engine):
+    seen = []
+    for rnd in engine.rounds():
+        for worker in rnd:
+            for x, y in worker.batches():
+                worker.optimizer.zero_grad(set_to_none=True)
+                worker.loss(worker.model(x), y).backward()
+                worker.optimizer.step()
+        seen.append(rnd)
+    engine.close()
+    return seen
+
+
+def test_leaving_a_round_early_stops_the_engine(tmp_path):
+    engine = Engine("mlp", workers=2, out_dir=str(tmp_path / "lib"), **SETTINGS)
+    with pytest.raises(KeyboardInterrupt, match="the user stopped"):
+        user_loop(engine, stop_at=(1, 0))
+    with pytest.raises(RuntimeError, match="round 1 did not finish"):
+        next(iter(engine.rounds()))
+    with pytest.raises(RuntimeError, match="round 1 did not finish"):
+        engine.global_model()
+    assert not [t for t in __import__("threading").enumerate() if t.name.startswith("ist-engine-round")]
+
+
+def test_an_error_in_the_round_reaches_the_loop(tmp_path):
+    """An exception inside the engine's round (here: its byte count after the method's round) is
+    raised in the user's thread, and the engine stops."""
+    engine = Engine("mlp", workers=2, out_dir=str(tmp_path / "lib"), **SETTINGS)
+    rounds = engine.rounds()
+    rnd = next(rounds)
+    it = iter(rnd)
+    worker = next(it)
+    def broken():
+        raise ValueError("the engine's bookkeeping broke")
+
+    engine._run.ctx.comm.take = broken  # runs on the engine's thread once the method's round returns
+    with pytest.raises(ValueError, match="bookkeeping broke"):
+        for worker in it:
+            pass
+    with pytest.raises(RuntimeError, match="a round failed"):
+        next(rounds)
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="unknown option.*no_such_option"):
+        Engine("mlp", workers=2, dataset="digits", no_such_option=1)
+    with pytest.raises(TypeError, match="worker count as workers="):
+        Engine("mlp", simulate=2, dataset="digits")
+    from ist_kernels.train.errors import ConfigError
+    with pytest.raises(ConfigError, match="lr"):
+        Engine("mlp", workers=2, dataset="digits", lr=-1)
+    with pytest.raises(ConfigError, match="model"):
+        Engine(42, workers=2, dataset="digits")
+
+
+def _docs_example():
+    with open(os.path.join(ROOT, "docs", "library.md")) as f:
+        text = f.read()
+    return re.search(r"```python\n(.*?)```", text, re.S).group(1)
+
+
+def test_docs_example_under_torchrun_equals_ist_train(tmp_path):
+    """The first python block of docs/library.md, as written, under torchrun with 2 processes,
+    gives the model ist-train gives with the same settings (2 gloo workers)."""
+    (tmp_path / "example.py").write_text(_docs_example())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "MB per round" in p.stdout
+    p2 = subprocess.run([sys.executable, "-m", "ist_kernels.train", "--model", "example:make_model", "--method", "ist",
+                         "--workers", "2", "--dataset", "digits", "--rounds", "3", "--local-steps", "4",
+                         "--batch-size", "16", "--lr", "0.1", "--seed", "0", "--out-dir", "cli", "--no-progress",
+                         "--no-plots", "--device", "cpu"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                        timeout=500)
+    assert p2.returncode == 0, p2.stdout[-3000:] + p2.stderr[-3000:]
+    got = torch.load(tmp_path / "runs" / "library-example" / "model.pt")
+    want = torch.load(tmp_path / "cli" / "ist" / "model.pt") if (tmp_path / "cli" / "ist").exists() else \
+        torch.load(tmp_path / "cli" / "model.pt")
+    assert_equal_states(got, want)
