@@ -124,7 +124,11 @@ def gather_slices(sources: Sequence[Tensor], source_ids: Sequence[int], indices:
                              "pass a GatherBuffers holder (one buffer per dtype)")
         if not isinstance(out, (Tensor, GatherBuffers)):
             raise TypeError(f"gather_slices: out must be None, a Tensor or a GatherBuffers, got {type(out).__name__}")
-    if len(groups) > 1 or isinstance(out, GatherBuffers):  # check first: errors name the caller's positions
+    # Several dtypes (several launches): check first, so that errors name the caller's positions.
+    # One dtype: the one launch checks everything in C++ and its errors already name the caller's
+    # positions, so nothing is checked here twice (the Python checks cost more than the launch:
+    # bench_slices "into a reused buffer", H200 2026-11-27).
+    if len(groups) > 1 or not sources:
         d = _slices.check_gather(sources, source_ids, indices, dims, same_dtype=False)
     # Index values are checked by each launch (in C++, O(n)); a launch that fails has written only
     # buffers the caller never sees, and the whole call is then re-checked so that the error names
@@ -132,7 +136,7 @@ def gather_slices(sources: Sequence[Tensor], source_ids: Sequence[int], indices:
     try:
         return _gather_groups(sources, source_ids, indices, dims, out, groups)
     except (ValueError, IndexError, TypeError):
-        if len(groups) > 1 or isinstance(out, GatherBuffers):
+        if len(groups) > 1:
             _slices.check_index_values("slice_gather", indices, [sources[s].shape[d[s]] for s in source_ids],
                                        what=[f"sources[{s}] along dim {d[s]}" for s in source_ids])
         raise
@@ -141,26 +145,25 @@ def gather_slices(sources: Sequence[Tensor], source_ids: Sequence[int], indices:
 def _gather_groups(sources, source_ids, indices, dims, out, groups) -> List[Tensor]:
     result: List[Tensor] = [None] * len(indices)  # type: ignore[list-item]
     for members in groups.values():
-        if len(groups) == 1:
-            segs, ids = list(range(len(indices))), source_ids
+        if len(groups) == 1:  # the caller's lists as they are (the op checks them)
+            segs, ids, srcs, gdims = range(len(indices)), source_ids, sources, dims
         else:
             segs, ids = _segment_group(source_ids, members)
-        srcs = [sources[t] for t in members]
-        gdims = [dims[t] for t in members]
+            srcs = [sources[t] for t in members]
+            gdims = [dims[t] for t in members]
         if out is None:
             for j, v in zip(segs, _ops.slice_gather_segments(srcs, ids, [indices[j] for j in segs], gdims)):
                 result[j] = v
             continue
-        if isinstance(out, Tensor):
-            flat = out
-        else:
-            numel = _slices.gather_numel(srcs, ids, [indices[j] for j in segs],
-                                         [gdims[i] % srcs[i].dim() for i in range(len(srcs))])
-            flat = out.take(numel, srcs[0].dtype, srcs[0].device)
-        _ops.slice_gather_into_(flat, srcs, ids, [indices[j] for j in segs], gdims)
-        views = _slices.split_segments(flat, [srcs[i].shape for i in ids],
-                                       [gdims[i] % srcs[i].dim() for i in ids],
-                                       [indices[j].shape[0] for j in segs])
+        idx = indices if len(groups) == 1 else [indices[j] for j in segs]
+        try:  # the segments' shapes, once (for the buffer's size and the views)
+            shapes, numels = _slices.segment_layout(srcs, ids, idx, gdims)
+        except Exception:  # bad arguments (one dtype: not checked yet): raise what the checks say
+            _slices.check_gather(srcs, ids, idx, gdims)
+            raise
+        flat = out if isinstance(out, Tensor) else out.take(sum(numels), srcs[0].dtype, srcs[0].device)
+        _ops.slice_gather_into_(flat, srcs, ids, idx, gdims)
+        views = _slices.segment_views(flat, shapes, numels)
         for j, v in zip(segs, views):
             result[j] = v
     return result

@@ -6,11 +6,12 @@ targets with reduce = copy / sum / mean over the owners (csrc/ops.cpp has the sc
 csrc/common/slices.h the math). The fake kernels check what can be checked without reading data
 (list lengths, dtypes, devices, dims, shapes); the kernels also check the index values.
 """
+import math
 from typing import List, Optional, Sequence
 
 import torch
 
-from .._checks import byte_range, check, check_index, check_type, memory_overlap, overlap_words
+from .._checks import byte_range, check, check_index, check_type, fail, memory_overlap, overlap_words
 
 REDUCES = ("copy", "sum", "mean")
 MAX_SLICES = (1 << 31) - 1  # slices along one dim the kernels support (csrc/common/slices.h kFastDivMax)
@@ -21,37 +22,50 @@ REDUCIBLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
 
 def wrap_dims(op: str, tensors: Sequence[torch.Tensor], dims: Sequence[int], name: str,
               same_dtype: bool = True) -> List[int]:
-    """One dim per tensor, wrapped; one device (and unless told otherwise one dtype) for all tensors."""
-    check(len(tensors) > 0, op, f"{name} is empty; give at least one tensor")
-    check(len(dims) == len(tensors), op, f"dims must have one entry per {name} ({len(tensors)}), got {len(dims)}")
+    """One dim per tensor, wrapped; one device (and unless told otherwise one dtype) for all tensors.
+
+    Per-tensor checks test first and build a message only on failure (``fail``): these run once
+    per tensor and per segment on every call of the Python paths (GatherBuffers, mixed dtypes,
+    fake kernels), where formatting a message per check cost more than the launch."""
+    if len(tensors) == 0:
+        fail(op, f"{name} is empty; give at least one tensor")
+    if len(dims) != len(tensors):
+        fail(op, f"dims must have one entry per {name} ({len(tensors)}), got {len(dims)}")
+    dtype0, device0 = tensors[0].dtype, tensors[0].device
     out = []
     for t, (x, d) in enumerate(zip(tensors, dims)):
-        check_type(not same_dtype or x.dtype == tensors[0].dtype, op,
-              f"{name}[{t}] has dtype {x.dtype} but {name}[0] has {tensors[0].dtype}; all {name} must share one "
-              "dtype (the functional wrappers group mixed dtypes)")
-        check(x.device == tensors[0].device, op,
-              f"{name}[{t}] is on {x.device} but {name}[0] is on {tensors[0].device}; all tensors must be on one device")
-        check(x.dim() >= 1, op, f"{name}[{t}] is 0-d; a sliced tensor needs at least 1 dimension")
-        check_index(-x.dim() <= d < x.dim(), op,
-                    f"dims[{t}] = {d} is out of range for {name}[{t}] with {x.dim()} dimensions")
-        out.append(d % x.dim())
-        check(x.shape[out[-1]] <= MAX_SLICES, op, f"{name}[{t}] has {x.shape[out[-1]]} slices along dim {out[-1]}; "
-              "at most 2^31 - 1 are supported")
+        if same_dtype and x.dtype != dtype0:
+            fail(op, f"{name}[{t}] has dtype {x.dtype} but {name}[0] has {dtype0}; all {name} must share one "
+                 "dtype (the functional wrappers group mixed dtypes)", TypeError)
+        if x.device != device0:
+            fail(op, f"{name}[{t}] is on {x.device} but {name}[0] is on {device0}; all tensors must be on one device")
+        nd = x.dim()
+        if nd < 1:
+            fail(op, f"{name}[{t}] is 0-d; a sliced tensor needs at least 1 dimension")
+        if not -nd <= d < nd:
+            fail(op, f"dims[{t}] = {d} is out of range for {name}[{t}] with {nd} dimensions", IndexError)
+        w = d % nd
+        out.append(w)
+        if x.shape[w] > MAX_SLICES:
+            fail(op, f"{name}[{t}] has {x.shape[w]} slices along dim {w}; at most 2^31 - 1 are supported")
     return out
 
 
 def check_ids(op: str, ids: Sequence[int], count: int, ids_name: str, name: str) -> None:
     for j, i in enumerate(ids):
-        check_index(0 <= i < count, op, f"{ids_name}[{j}] = {i} is out of range: there are {count} {name}")
+        if not 0 <= i < count:
+            fail(op, f"{ids_name}[{j}] = {i} is out of range: there are {count} {name}", IndexError)
 
 
 def check_index_lists(op: str, indices: Sequence[torch.Tensor], device: torch.device) -> None:
     for j, idx in enumerate(indices):
-        check_type(idx.dtype == torch.int64, op, f"indices[{j}] must be int64, got {idx.dtype}")
-        check(idx.dim() == 1, op, f"indices[{j}] must be 1-D, got {idx.dim()} dimensions")
-        check(idx.device.type == "cpu" or idx.device == device, op,
-              f"indices[{j}] is on {idx.device} but the tensors are on {device}; index lists must be on the CPU"
-              + ("" if torch.device(device).type == "cpu" else " or on the tensors' device"))
+        if idx.dtype != torch.int64:
+            fail(op, f"indices[{j}] must be int64, got {idx.dtype}", TypeError)
+        if idx.dim() != 1:
+            fail(op, f"indices[{j}] must be 1-D, got {idx.dim()} dimensions")
+        if idx.device.type != "cpu" and idx.device != device:
+            fail(op, f"indices[{j}] is on {idx.device} but the tensors are on {device}; index lists must be on the "
+                 "CPU" + ("" if torch.device(device).type == "cpu" else " or on the tensors' device"))
 
 
 def segment_shape(shape: Sequence[int], dim: int, n: int) -> List[int]:
@@ -62,8 +76,8 @@ def segment_shape(shape: Sequence[int], dim: int, n: int) -> List[int]:
 
 def check_gather(sources, source_ids, indices, dims, same_dtype: bool = True) -> List[int]:
     op = "slice_gather"
-    check(len(source_ids) == len(indices), op,
-          f"source_ids and indices must have one entry per segment, got {len(source_ids)} and {len(indices)}")
+    if len(source_ids) != len(indices):
+        fail(op, f"source_ids and indices must have one entry per segment, got {len(source_ids)} and {len(indices)}")
     d = wrap_dims(op, sources, dims, "sources", same_dtype)
     check_ids(op, source_ids, len(sources), "source_ids", "sources")
     check_index_lists(op, indices, sources[0].device)
@@ -72,26 +86,28 @@ def check_gather(sources, source_ids, indices, dims, same_dtype: bool = True) ->
 
 def check_scatter(targets, target_ids, updates, indices, dims, reduce, same_dtype: bool = True) -> List[int]:
     op = "slice_scatter_"
-    check(len(target_ids) == len(updates) == len(indices), op,
-          "target_ids, updates and indices must have one entry per segment, got "
-          f"{len(target_ids)}, {len(updates)} and {len(indices)}")
-    check(reduce in REDUCES, op, f'reduce must be "copy", "sum" or "mean", got "{reduce}"')
+    if not len(target_ids) == len(updates) == len(indices):
+        fail(op, "target_ids, updates and indices must have one entry per segment, got "
+             f"{len(target_ids)}, {len(updates)} and {len(indices)}")
+    if reduce not in REDUCES:
+        fail(op, f'reduce must be "copy", "sum" or "mean", got "{reduce}"')
     d = wrap_dims(op, targets, dims, "targets", same_dtype)
     device = targets[0].device
     for x in targets:
-        check_type(reduce == "copy" or x.dtype in REDUCIBLE, op,
-              f'reduce="{reduce}" needs a floating or integer dtype, got {x.dtype}; use reduce="copy"')
+        if reduce != "copy" and x.dtype not in REDUCIBLE:
+            fail(op, f'reduce="{reduce}" needs a floating or integer dtype, got {x.dtype}; use reduce="copy"', TypeError)
     check_ids(op, target_ids, len(targets), "target_ids", "targets")
     check_index_lists(op, indices, device)
     for j, (t, u, idx) in enumerate(zip(target_ids, updates, indices)):
-        check_type(u.dtype == targets[t].dtype, op, f"updates[{j}] has dtype {u.dtype} but targets[{t}] has {targets[t].dtype}")
-        check(u.device == device, op, f"updates[{j}] is on {u.device} but targets are on {device}")
+        if u.dtype != targets[t].dtype:
+            fail(op, f"updates[{j}] has dtype {u.dtype} but targets[{t}] has {targets[t].dtype}", TypeError)
+        if u.device != device:
+            fail(op, f"updates[{j}] is on {u.device} but targets are on {device}")
         want = segment_shape(targets[t].shape, d[t], idx.shape[0])
-        check(list(u.shape) == want, op,
-              f"updates[{j}] has shape {list(u.shape)} but targets[{t}] {list(targets[t].shape)} sliced along dim "
-              f"{d[t]} by indices[{j}] ({idx.shape[0]} slices) needs {want}")
+        if list(u.shape) != want:
+            fail(op, f"updates[{j}] has shape {list(u.shape)} but targets[{t}] {list(targets[t].shape)} sliced along "
+                 f"dim {d[t]} by indices[{j}] ({idx.shape[0]} slices) needs {want}")
     return d
-
 
 
 @torch.library.register_fake("ist_kernels::slice_gather")
@@ -152,17 +168,40 @@ def _slice_scatter_fake(targets, target_ids, updates, indices, dims, reduce):
 
 
 def split_segments(flat: torch.Tensor, shapes, dims, lengths) -> List[torch.Tensor]:
-    """Views of a flat gather buffer as the compact segment tensors."""
+    """Views of a flat gather buffer as the compact segment tensors (one split; a 1-D segment is
+    its split piece as is, only the others take a ``view``)."""
     shapes = [segment_shape(shape, d, n) for shape, d, n in zip(shapes, dims, lengths)]
+    if not shapes:
+        return []
     numels = []
     for shape in shapes:
         n = 1
         for x in shape:
             n = n * x
         numels.append(n)
+    return [part if len(shape) == 1 else part.view(shape) for part, shape in zip(torch.split(flat, numels), shapes)]
+
+
+def segment_layout(sources, source_ids, indices, dims):
+    """(shapes, numels) of a gather's segments: segment j has its source's shape with
+    ``len(indices[j])`` along its dim (``dims`` per source, wrapped here). One pass, no checks:
+    bad arguments raise whatever Python raises (the callers then run the checks)."""
+    wrapped = [d % s.dim() for s, d in zip(sources, dims)]
+    shapes, numels = [], []
+    for s, idx in zip(source_ids, indices):
+        shape = list(sources[s].shape)
+        shape[wrapped[s]] = idx.shape[0]
+        shapes.append(shape)
+        numels.append(math.prod(shape))
+    return shapes, numels
+
+
+def segment_views(flat: torch.Tensor, shapes, numels) -> List[torch.Tensor]:
+    """Views of a flat gather buffer as segments of ``shapes`` (``numels`` elements each): one
+    split, and a ``view`` only for the segments that are not 1-D."""
     if not shapes:
         return []
-    return [part.view(shape) for part, shape in zip(torch.split(flat, numels), shapes)]
+    return [part if len(shape) == 1 else part.view(shape) for part, shape in zip(flat.split_with_sizes(numels), shapes)]
 
 
 def check_index_values(op: str, indices: Sequence[torch.Tensor], sizes: Sequence[int],
