@@ -1,15 +1,16 @@
 """Run by test_packaging.py in a fresh interpreter: a meta-path hook makes the trainer's and the
-experiments' dependencies (and Triton, absent from a CPU-only install) unimportable, as in a fresh
-`pip install ist_kernels` with no extras; then ``import ist_kernels`` and its library subpackages,
-run every op (forward and backward) against the float64 references, and check that none of the
-blocked modules was imported. Prints ``ok <number of ops checked>``."""
+experiments' dependencies, the [hf] extra's transformers (and Triton, absent from a CPU-only
+install) unimportable, as in a fresh `pip install ist_kernels` with no extras; then ``import
+ist_kernels`` and its library subpackages, run every op (forward and backward) against the float64
+references, and check that none of the blocked modules was imported. Prints ``ok <number of ops checked>``."""
 import importlib
 import importlib.abc
 import os
 import pkgutil
 import sys
 
-BLOCKED = ("matplotlib", "sklearn", "tqdm", "yaml", "numpy", "triton")
+BLOCKED = ("matplotlib", "sklearn", "tqdm", "yaml", "numpy", "triton", "transformers", "tokenizers", "safetensors",
+           "huggingface_hub")
 # ist-train and the experiments need the extras
 OPTIONAL = ("ist_kernels.train", "ist_kernels.experiments")
 # the optional Triton backend: each op family's _triton module and the shared ops/_triton_common.py

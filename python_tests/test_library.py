@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ist_kernels.train import Engine
+
 from train_helpers import assert_equal_states, outputs, run, untimed
 
 HERE = os.path.dirname(os.path.abspath(__file__))

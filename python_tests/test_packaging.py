@@ -49,14 +49,59 @@ def test_dependencies_torch_only_and_extras():
     assert EXTRAS_ONLY <= {_name(r) for r in extras["train"]}
     assert {"numpy", "matplotlib", "tqdm"} <= {_name(r) for r in extras["experiments"]}
     assert [_name(r) for r in extras["triton"]] == ["triton"]
+    assert [_name(r) for r in extras["hf"]] == ["transformers"]
     # the test extra pulls the others in; requirements.txt (tools/setup.sh) installs all of it
-    assert "ist_kernels[train,experiments,triton]" in extras["test"]
-    wanted = {_name(r) for name in ("train", "experiments", "triton", "test", "dev") for r in extras[name]}
+    assert "ist_kernels[train,experiments,triton,hf]" in extras["test"]
+    assert "ist_kernels[test]" in extras["dev"]
+    wanted = {_name(r) for name in ("train", "experiments", "triton", "hf", "test", "dev") for r in extras[name]}
     wanted.discard("ist_kernels")
     with open(os.path.join(ROOT, "requirements.txt")) as f:
         listed = {_name(ln) for ln in f if ln.strip() and not ln.startswith("#")}
     assert wanted <= listed, wanted - listed
     assert "torch" not in listed  # tools/setup.sh installs torch itself, never a CUDA wheel by accident
+
+
+def _unconditional_requirements(dist):
+    """The requirements of an installed distribution that apply without extras on this machine."""
+    from packaging.requirements import Requirement
+
+    out = []
+    for text in dist.requires or []:
+        req = Requirement(text)
+        if req.marker is None or req.marker.evaluate({"extra": ""}):
+            out.append(req.name)
+    return out
+
+
+def test_requirements_never_pull_torch():
+    """What requirements.txt installs (every extra, transformers included), and everything those
+    packages depend on in turn, needs no torch: tools/setup.sh's `pip install -r requirements.txt`
+    cannot replace the installed torch (e.g. with a CUDA wheel from PyPI). Walks the installed
+    distributions' metadata (tools/setup.sh installed them)."""
+    import importlib.metadata as md
+
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        todo = [_name(ln) for ln in f if ln.strip() and not ln.startswith("#")]
+    assert "transformers" in todo
+    seen, missing, path = set(), [], {}
+    while todo:
+        name = todo.pop().replace("_", "-")
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            missing.append(name)
+            continue
+        for dep in _unconditional_requirements(dist):
+            dep = dep.lower().replace("_", "-")
+            path.setdefault(dep, name)
+            todo.append(dep)
+    if "transformers" in missing:
+        pytest.skip("transformers is not installed (tools/setup.sh installs requirements.txt)")
+    pulled = sorted(n for n in seen if n == "torch" or n.startswith(("nvidia-", "torch-")))
+    assert not pulled, {n: f"required by {path.get(n)}" for n in pulled}
 
 
 def test_version_single_source():

@@ -15,7 +15,7 @@ V="$VENV/bin/python"
 MAX_JOBS=${MAX_JOBS:-2} "$V" -m pip install -q --no-build-isolation -e .
 installed=$("$V" -m pip list --format=freeze | cut -d= -f1 | tr 'A-Z_' 'a-z-')
 echo "installed in $VENV:" $installed
-for extra in matplotlib scikit-learn tqdm pyyaml numpy triton; do
+for extra in matplotlib scikit-learn tqdm pyyaml numpy triton transformers; do
   if grep -qx "$extra" <<<"$installed"; then
     echo "fresh_venv_check: $extra was installed without being asked for" >&2
     exit 1

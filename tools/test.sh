@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Set up (tools/setup.sh) and run the whole test suite. Without a GPU, Triton kernels run under
-# the interpreter (TRITON_INTERPRET=1 is set by python_tests/conftest.py) and GPU-only tests skip.
+# Set up (tools/setup.sh: it rebuilds the extension only when its sources, setup.py, pyproject.toml
+# or torch changed since the last build, see tools/needs_build.py) and run the whole test suite.
+# Without a GPU, Triton kernels run under the interpreter (TRITON_INTERPRET=1 is set by
+# python_tests/conftest.py) and GPU-only tests skip.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh || exit 1

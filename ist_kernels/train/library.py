@@ -221,7 +221,7 @@ class Engine:
         self._summary: Optional[Dict[str, Any]] = None
         self._closed = False
         self._run = Run(cfg, self._world, data=data, model_factory=factory,
-                        train_local=lambda *a: self._dispatch(*a), evaluate=evaluate)
+                        train_local=lambda *a: self._dispatch(*a), scores=evaluate)
         self._begun = False
 
     # -- what the engine is

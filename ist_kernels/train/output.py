@@ -1,19 +1,22 @@
-"""What a run leaves behind: metrics.jsonl (one line per round), summary.json, the comparison table,
-and PNG plots of accuracy and loss against rounds and against bytes sent; and the lock that keeps
-two runs out of one output folder."""
+"""What a run leaves behind: metrics.jsonl (one line per round), summary.json, the comparison table
+(all of it in summary.md, a few columns on the terminal), and PNG plots of accuracy and loss against
+rounds, megabytes sent and training seconds; and the lock that keeps two runs out of one output
+folder."""
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import json
+import math
 import os
 import socket
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .checkpoint import is_checkpoint_file
 from .config import ConfigError, under_torchrun
+from .timing import TRAIN_PARTS
 
 LOCK_FILE = ".ist-train.lock"
 # what a run writes; --overwrite deletes these (and the checkpoints) and nothing else
@@ -284,42 +287,120 @@ def summary_table(summaries: Sequence[Dict[str, Any]]) -> str:
     return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
 
 
-def write_plots(runs: Dict[str, List[Dict[str, Any]]], out_dir: str) -> List[str]:
-    """accuracy.png and loss.png, each with two panels: against rounds and against bytes sent.
-    ``runs``: label -> metrics history. Returns the paths written."""
+def _mb(n: float) -> str:
+    mb = n / 1e6
+    return f"{mb:.0f}" if mb >= 100 else f"{mb:.3g}"
+
+
+def terminal_table(summaries: Sequence[Dict[str, Any]]) -> str:
+    """The few columns a person reads on a terminal (summary.md has them all, from
+    :func:`summary_table`): method, accuracy (bits per byte for language models), train time,
+    seconds per round (the training parts, from round 2 on; per phase, in order, where a run has
+    phases), megabytes per round and, with a local-SGD run among ``summaries``, bytes and time over
+    local SGD's. A line fits 120 columns."""
+    base = next((s for s in summaries if s["method"] == "localsgd"), None) if len(summaries) > 1 else None
+    lm = any(s.get("bits_per_byte") is not None for s in summaries)
+    head = ["method", "bits / byte" if lm else "accuracy", "train time (s)", "s / round", "MB / round"]
+    if base is not None:
+        head += ["bytes / local SGD", "time / local SGD"]
+    rows, phases = [], []
+    for s in summaries:
+        comp = s.get("compress", "none")
+        if lm:
+            score = "-" if s.get("bits_per_byte") is None else f"{s['bits_per_byte']:.3f}"
+        else:
+            score = "-" if s.get("accuracy") is None else f"{100 * s['accuracy']:.2f}%"
+        per_phase = s.get("round_time_by_phase") or {}
+        if len(per_phase) > 1 and list(per_phase) not in phases:
+            phases.append(list(per_phase))
+        row = [s["method"] + ("" if comp == "none" else f" ({comp})"), score, f"{s['train_time']:.1f}",
+               " / ".join(f"{v:.3f}" for v in per_phase.values()) or "-", _mb(s["bytes_per_round"])]
+        if base is not None:
+            row.append(f"{s['bytes_per_round'] / base['bytes_per_round']:.3f}" if base["bytes_per_round"] else "-")
+            row.append(f"{s['train_time'] / base['train_time']:.2f}" if base["train_time"] else "-")
+        rows.append(row)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows]
+    if phases:
+        out.append("s / round by phase: " + "; ".join(" / ".join(p) for p in phases))
+    return "\n".join(out)
+
+
+def train_seconds(history: Sequence[Dict[str, Any]]) -> List[float]:
+    """Each record's cumulative training seconds: the sum of the training parts of ``time``
+    (:data:`~ist_kernels.train.timing.TRAIN_PARTS`: local steps, plans, pack, collectives, unpack;
+    not evaluation, metrics or checkpoints) over the rounds up to and including it. A record without
+    ``time`` (an older metrics.jsonl) counts its ``train_time`` since the previous one."""
+    out, total, last_train_time = [], 0.0, 0.0
+    for rec in history:
+        t = rec.get("time")
+        if t:
+            total += sum(t.get(k, 0.0) for k in TRAIN_PARTS)
+        else:
+            total += max(rec.get("train_time", last_train_time) - last_train_time, 0.0)
+        last_train_time = rec.get("train_time", last_train_time)
+        out.append(total)
+    return out
+
+
+def plot_figures(runs: Dict[str, List[Dict[str, Any]]]) -> List[Tuple[str, Any]]:
+    """``[(file name, matplotlib Figure)]`` (Agg): accuracy.png and loss.png, each with three panels,
+    the metric against rounds, against megabytes sent (all workers) and against training seconds
+    (:func:`train_seconds`). loss.png has the training loss too (dashed); for language models
+    (records with ``bits_per_byte``) both losses in bits per byte. ``runs``: label -> metrics
+    history; a figure whose metric no run has is left out. The caller closes the figures."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    os.makedirs(out_dir, exist_ok=True)
-    paths = []
-    for key, ylabel, fname in (("accuracy", "test accuracy", "accuracy.png"), ("test_loss", "test loss", "loss.png")):
+    lm = bool(runs) and all(any(r.get("bits_per_byte") is not None for r in h) for h in runs.values())
+    scale = 1 / math.log(2) if lm else 1.0  # nats per byte -> bits per byte
+    figures = []
+    for key, ylabel, fname in (("accuracy", "test accuracy", "accuracy.png"),
+                               ("test_loss", "bits per byte" if lm else "test loss", "loss.png")):
         if not any(r.get(key) is not None for h in runs.values() for r in h):
             continue
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
         for label, hist in runs.items():
+            seconds = dict(zip((id(r) for r in hist), train_seconds(hist)))
+            xs = (lambda r: r["round"], lambda r: r["total_bytes"] / 1e6, lambda r: seconds[id(r)])
             pts = [r for r in hist if r.get(key) is not None]
             if key == "test_loss":  # also the training loss, dashed
                 tr = [r for r in hist if r.get("train_loss") is not None]
-                axes[0].plot([r["round"] for r in tr], [r["train_loss"] for r in tr], "--", alpha=0.6,
-                             label=f"{label} (train)")
-                axes[1].plot([r["total_bytes"] for r in tr], [r["train_loss"] for r in tr], "--", alpha=0.6,
-                             label=f"{label} (train)")
-            axes[0].plot([r["round"] for r in pts], [r[key] for r in pts], "o-", ms=3, label=label)
-            axes[1].plot([r["total_bytes"] for r in pts], [r[key] for r in pts], "o-", ms=3, label=label)
+                for ax, x in zip(axes, xs):
+                    ax.plot([x(r) for r in tr], [scale * r["train_loss"] for r in tr], "--", alpha=0.6,
+                            label=f"{label} (train)")
+            for ax, x in zip(axes, xs):
+                ax.plot([x(r) for r in pts], [(scale if key == "test_loss" else 1.0) * r[key] for r in pts], "o-",
+                        ms=3, label=label)
         axes[0].set_xlabel("round")
-        axes[1].set_xlabel("bytes sent (all workers)")
+        axes[1].set_xlabel("MB sent (all workers)")
+        axes[2].set_xlabel("training time (s): local, plan, pack, comm, unpack")
         for ax in axes:
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-        if key == "test_loss":
-            for ax in axes:
+            if key == "test_loss":
                 ax.set_yscale("log")
         fig.tight_layout()
+        figures.append((fname, fig))
+    return figures
+
+
+def write_plots(runs: Dict[str, List[Dict[str, Any]]], out_dir: str) -> List[str]:
+    """accuracy.png and loss.png (:func:`plot_figures`) in ``out_dir``. ``runs``: label -> metrics
+    history. Returns the paths written."""
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for fname, fig in plot_figures(runs):
         path = os.path.join(out_dir, fname)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        try:
+            fig.savefig(path, dpi=110)
+        finally:
+            plt.close(fig)
         paths.append(path)
     return paths

@@ -94,15 +94,15 @@ class Run:
     checkpoint, and :meth:`finish` writes the outputs (rank 0) and returns the summary. ``ist-train``
     is ``for r in run.pending(): run.round(r)`` between the two (:func:`train`); a user's own loop
     (:mod:`ist_kernels.train.library`) runs the same object with its own local steps
-    (``train_local``) and scores (``evaluate``) in place of the data set's.
+    (``train_local``) and scores (``scores``) in place of the data set's.
 
     ``data``: the sharded data the built-in local steps and scores read (default: the config's data
     set); ``model_factory``: builds the global model (default: the config's model); ``train_local``:
     ``fn(model, optimizer, worker, r) -> summed loss`` replacing the built-in local steps;
-    ``evaluate``: ``fn(model) -> scores`` replacing the built-in test-set scores.
+    ``scores``: ``fn(model) -> dict`` replacing the built-in test-set scores.
     """
 
-    def __init__(self, cfg, world: World, *, data=None, model_factory=None, train_local=None, evaluate=None):
+    def __init__(self, cfg, world: World, *, data=None, model_factory=None, train_local=None, scores=None):
         t_setup = time.perf_counter()
         _warm_up()
         self.cfg, self.world = cfg, world
@@ -112,7 +112,7 @@ class Run:
             data = ShardedData(dataset, cfg.num_workers, cfg.batch_size, cfg.seed, world.device, augment_default(cfg))
         self.rounds = resolve_rounds(cfg, data.shard_size if data is not None else 0)
         self.ctx = ctx = RunContext(cfg, world, data, self.rounds, model_factory=model_factory,
-                                    train_local=train_local, evaluate=evaluate)
+                                    train_local=train_local, evaluate=scores)
         self.method = method_cls(ctx)
         self.rank0 = world.rank == 0
         self.out_dir = cfg.resolved_out_dir()
@@ -325,6 +325,8 @@ def _write_outputs(cfg, world, method, model, hist, final_gather, rounds, out_di
         "method": cfg.method, "model": cfg.model, "dataset": cfg.dataset, "workers": S,
         "mode": "simulated" if world.simulated else ("distributed" if world.distributed else "single"),
         "storage": cfg.storage, "shared": cfg.shared, "compress": cfg.compress,
+        # the local optimizer and its resolved base learning rate (diloco's inner optimizer is AdamW)
+        "optimizer": "adamw" if cfg.method == "diloco" else cfg.optimizer, "lr": cfg.lr,
         "rounds": final["round"], "finished": final["round"] == rounds,
         "accuracy": final.get("accuracy"), "test_loss": final.get("test_loss"),
         **({"bits_per_byte": final["bits_per_byte"]} if "bits_per_byte" in final else {}),
