@@ -15,11 +15,18 @@ from .neurons import (  # noqa: F401
 )
 from .plan import SlicePlan, TensorSlices, positions  # noqa: F401
 from .resist import ResistPlan, resist_plan  # noqa: E402,F401
+from .structure import FFN, Attention, Structure, find_structure  # noqa: F401
 from .transformer import (  # noqa: F401
     PARTITIONS,
     TransformerISTPlan,
     TransformerResistPlan,
+    check_ist,
+    check_resist,
+    input_scale,
     is_transformer,
+    residual_scale,
+    set_input_scale,
+    set_residual_scale,
     transformer_ist_plan,
     transformer_resist_plan,
 )

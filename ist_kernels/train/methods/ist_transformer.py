@@ -1,20 +1,24 @@
-"""``--method ist`` on a transformer (``gpt_tiny``, ``gpt_small``): IST's partition of every block's
-FFN units (``--option partition=ffn``, default), attention heads (``heads``) or both (``both``)
-among the S workers (:func:`ist_kernels.partition.transformer_ist_plan`). Not a method of its own:
-``ist`` (:mod:`.masked`) runs this class when its model is a language model.
+"""``--method ist`` on a transformer or any model whose FFNs / attention heads are found from its
+structure (``gpt_tiny``, ``gpt_small``, HF Llama / GPT-2, a user's ``nn.Sequential`` MLP; see
+:func:`ist_kernels.partition.find_structure`): IST's partition of every FFN's hidden units
+(``--option partition=ffn``, default), attention heads (``heads``) or both (``both``) among the S
+workers (:func:`ist_kernels.partition.transformer_ist_plan`). Not a method of its own: ``ist``
+(:mod:`.masked`) runs this class when its model is a language model.
 
 Each round a fresh plan from ``ctx.generator(PLAN, r)`` (the same on every rank, never sent); each
 worker trains its subnetwork (its units / heads, and everything shared: embeddings, positions,
-LayerNorms, output biases) for ``local_steps``, then every slice goes to its next owner and the
+norms, output biases) for ``local_steps``, then every slice goes to its next owner and the
 shared tensors are averaged (the round engine's ``SubnetRounds``: decentralized storage by default,
 a rank holds only its subnetwork; ``--storage replicated``; simulated). Optimizer state is fresh
 every round (``momentum_state=reset``, as the MLP's ist). The full model scales the partitioned
-units' outputs by 1/S (``output_scale``): each branch is the mean of the subnetworks' branches.
+output projections' inputs by 1/S (forward pre-hooks, nothing in the state dict): each branch is
+the mean of the subnetworks' branches. ``ctx.model_spec`` (if the context has one) is the user's
+explicit structure where discovery does not fit.
 """
 from __future__ import annotations
 
 from ...models.gpt import gpt_shape
-from ...partition import PARTITIONS, transformer_ist_plan
+from ...partition import PARTITIONS, check_ist, transformer_ist_plan
 from ..engine import SubnetRounds, state_split, warn_payoff
 from . import ConfigError, Method, RoundResult
 
@@ -43,12 +47,26 @@ class TransformerIST(Method):
         if partition != "heads" and 4 * width < S:
             raise ConfigError("workers", f"{S} workers but {hp.model} of width {width} has only {4 * width} FFN units")
 
+    @staticmethod
+    def validate_model(model, S: int, partition: str = "ffn", spec=None):
+        """The checks of ``ist`` on a built model (any structure): what
+        :func:`~ist_kernels.partition.check_ist` finds (FFNs, attentions) against ``S``, as a
+        ConfigError naming ``options.partition`` (nothing found, heads not divisible) or ``workers``
+        (fewer hidden units than workers). Returns the :class:`~ist_kernels.partition.Structure`."""
+        try:
+            return check_ist(model, S, partition, spec, who="ist")
+        except ValueError as e:
+            raise ConfigError("workers" if "hidden units" in str(e) else "options.partition", str(e)) from None
+
     def __init__(self, ctx):
         super().__init__(ctx)
         self.partition = ctx.options["partition"]
+        self.spec = getattr(ctx, "model_spec", None)
         self.model = ctx.build_model()
+        self.structure = self.validate_model(self.model, ctx.num_workers, self.partition, self.spec)
         self.full_state_bytes = ctx.full_state_bytes(self.model)
-        self.rounds = SubnetRounds(ctx, self.model, "reset", self.plan)
+        # momentum_state: reset (fresh optimizer state every round) or aggregate (sliced and sent with the units)
+        self.rounds = SubnetRounds(ctx, self.model, ctx.options.get("momentum_state", "reset"), self.plan)
         first = self.rounds.plan(0)
         first.scale_outputs(self.model)  # the full model is scored as the mean of the subnetworks from round 0
         self.split = state_split(first.slices, self.rounds.spec, self.rounds.param_names, False)
@@ -56,7 +74,8 @@ class TransformerIST(Method):
         self.rounds.start(0)
 
     def plan(self, r: int):
-        return transformer_ist_plan(self.model, self.ctx.num_workers, self.partition, self.ctx.generator(PLAN, r))
+        return transformer_ist_plan(self.model, self.ctx.num_workers, self.partition, self.ctx.generator(PLAN, r),
+                                    spec=self.spec)
 
     def run_round(self, r: int) -> RoundResult:
         return self.rounds.run(r, last=r == self.ctx.rounds - 1)
