@@ -34,7 +34,16 @@ from .datasets import available_datasets
 from .launch import exit_worker, failure_status, launch, report_failure, resume_if_checkpointed
 from .methods import available_methods, get_method
 from .models import available_models
-from .output import add_baseline_ratios, claim_outputs, claimed_by, job_id, read_metrics, summary_table, write_plots
+from .output import (
+    add_baseline_ratios,
+    claim_outputs,
+    claimed_by,
+    job_id,
+    read_metrics,
+    summary_table,
+    terminal_table,
+    write_plots,
+)
 
 
 def _show(value) -> str:
@@ -85,6 +94,9 @@ def _add_option(g, f: dataclasses.Field, tp, default, choices: Optional[Sequence
     help_ = help_.replace("%", "%%")  # argparse formats help with %
     if f.name == "options":
         g.add_argument("--option", dest="options", action="append", metavar="KEY=VALUE", help=help_,
+                       default=argparse.SUPPRESS)
+    elif typing.get_origin(base) in (dict, Dict):  # model_args, dataset_args: K=V[,K=V...], repeatable
+        g.add_argument(flag, dest=f.name, action="append", metavar="K=V[,K=V...]", help=help_,
                        default=argparse.SUPPRESS)
     elif base is bool:
         g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_,
@@ -204,8 +216,8 @@ def _write_table(cfg: TrainConfig, summaries: List[Dict[str, Any]]) -> None:
     if cfg.plots:
         plots = write_plots({f"{s['method']} S={s['workers']}": read_metrics(os.path.join(s["out_dir"], "metrics.jsonl"))
                              for s in summaries}, out_dir)
-    print(table)
-    print(f"\noutputs in {os.path.abspath(out_dir)}: summary.md"
+    print(terminal_table(summaries))  # a few columns; summary.md has them all
+    print(f"\noutputs in {os.path.abspath(out_dir)}:\n  summary.md (the full table)"
           + "".join(f", {os.path.basename(p)}" for p in plots)
           + "; per run: metrics.jsonl, summary.json, model.pt, checkpoints/")
 

@@ -26,19 +26,25 @@ BACKENDS = ("auto", "gloo", "nccl")
 STORAGES = ("decentralized", "replicated")
 SHARED = ("all_reduce", "exact")
 OUTER_OPTIMIZERS = ("none", "nesterov")
+OPTIMIZERS = ("sgd", "adamw")
+#: the default --lr: by optimizer; diloco (its inner optimizer is AdamW whatever --optimizer says) takes AdamW's
+DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
+DEFAULT_MOMENTUM = 0.9  # SGD's
+DEFAULT_BETAS = (0.9, 0.999)
 COMPRESS = ("none", "bf16", "int8")  # ist_kernels.distributed.compress.COMPRESS (checked by a test)
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # larger values overflow the backends' millisecond timeouts
 # the values an option takes, where they are a fixed list (--help shows them)
 CHOICES = {"precision": PRECISIONS, "lr_schedule": LR_SCHEDULES, "backend": BACKENDS, "storage": STORAGES,
-           "shared": SHARED, "outer_optimizer": OUTER_OPTIMIZERS, "compress": COMPRESS}
+           "shared": SHARED, "outer_optimizer": OUTER_OPTIMIZERS, "compress": COMPRESS, "optimizer": OPTIMIZERS}
 # --help's sections: every option of TrainConfig in exactly one
 GROUPS = {
-    "data": ("dataset", "data_path", "augment", "dataset_size", "context"),
-    "model": ("model", "width", "depth"),
+    "data": ("dataset", "data_path", "dataset_args", "augment", "dataset_size", "context"),
+    "model": ("model", "model_args", "width", "depth"),
     "method": ("method", "prune_ratio", "options", "storage", "shared", "compress", "outer_optimizer",
                "outer_lr", "outer_momentum", "baseline"),
-    "training": ("local_steps", "rounds", "epochs", "batch_size", "eval_batch_size", "lr", "lr_schedule",
-                 "lr_warmup_rounds", "lr_milestones", "lr_gamma", "momentum", "nesterov", "weight_decay", "seed",
+    "training": ("local_steps", "rounds", "epochs", "batch_size", "eval_batch_size", "optimizer", "lr",
+                 "lr_schedule", "lr_warmup_rounds", "lr_milestones", "lr_gamma", "momentum", "nesterov",
+                 "weight_decay", "betas", "eps", "seed",
                  "precision", "eval_interval"),
     "distributed": ("workers", "simulate", "device", "backend", "timeout_s", "max_restarts", "max_rank_state_mb",
                     "threads"),
@@ -60,18 +66,36 @@ def _opt(default, help: str, **kw):
 class TrainConfig:
     # what to train
     method: str = _opt("localsgd", "training method (see --list-methods)")
-    model: str = _opt("mlp", "model: mlp, or a name from ist_kernels.models (e.g. preact_resnet18)")
+    model: str = _opt("mlp", "model: mlp, a name from ist_kernels.models (e.g. preact_resnet18; see --list-models), "
+                      "or your own: MODULE:FACTORY (importable from the working directory or PYTHONPATH, e.g. "
+                      "torchvision.models:resnet18) or path/to/file.py:FACTORY, returning an nn.Module whose output "
+                      "is logits or has .logits")
+    model_args: Dict[str, Any] = _opt({}, "--model MODULE:FACTORY: keyword arguments of the factory, "
+                                      "K=V[,K=V...] (values read as int, float, true/false, else string; "
+                                      "repeatable), e.g. num_classes=10")
     width: Optional[int] = _opt(None, "mlp: hidden width (default 128); ResNets: first-stage channels (default 64); "
                                 "gpt_tiny / gpt_small: model width (default 128 / 256; heads of 32)")
     depth: Optional[int] = _opt(None, "mlp: hidden layers (default 1); gpt_tiny / gpt_small: transformer blocks "
                                 "(default 4 / 6)")
-    dataset: str = _opt("digits", "dataset (see --list-datasets)")
-    data_path: Optional[str] = _opt(None, "folder of the dataset files (CIFAR python-pickle folder)")
+    dataset: str = _opt("digits", "dataset (see --list-datasets), or your own: MODULE:FACTORY or "
+                        "path/to/file.py:FACTORY returning (train, test) torch.utils.data.Datasets of "
+                        "(input, target) items (read into memory)")
+    data_path: Optional[str] = _opt(None, "the dataset's files: the CIFAR python-pickle folder; imagefolder: "
+                                    "DIR with train/<class>/* and test/<class>/* (or val/), or <class>/* (a tenth "
+                                    "by path hash is the test split); tokens: a flat file of token ids (its last "
+                                    "tenth is the test split) or a folder with train.bin and val.bin")
+    dataset_args: Dict[str, Any] = _opt({}, "K=V[,K=V...] (repeatable): --dataset MODULE:FACTORY: keyword "
+                                        "arguments of the factory; tokens: dtype (uint16, the default as in "
+                                        "nanoGPT's .bin; uint8; uint32), vocab_size (default: meta.pkl's, else 256 "
+                                        "for uint8, else the largest id + 1), test_fraction (0.1), test_tokens; "
+                                        "imagefolder: image_size (resize to N x N), backend (torchvision, the "
+                                        "default, or pil: the same layout read without torchvision)")
     augment: Optional[bool] = _opt(None, "random crop + flip for image batches (default: on for CIFAR)")
-    dataset_size: Optional[int] = _opt(None, "pycode: training bytes (default 1048576); "
+    dataset_size: Optional[int] = _opt(None, "pycode: training bytes (default 1048576); tokens: training ids "
+                                       "(default: the whole split); "
                                        "generated data sets (synthetic_cifar10/100): training samples "
                                        "(default 50000, CIFAR's; the test set has a fifth as many)")
-    context: int = _opt(128, "pycode: bytes per sequence (the language model's context)")
+    context: int = _opt(128, "pycode, tokens: ids per sequence (the language model's context)")
     # workers
     workers: Optional[int] = _opt(None, "number of workers S (processes); default: WORLD_SIZE under torchrun, else 2")
     simulate: int = _opt(0, "train S workers/subnetworks one after another in one process (0: off)")
@@ -103,14 +127,19 @@ class TrainConfig:
     epochs: Optional[float] = _opt(None, "passes over each worker's shard, converted to rounds")
     batch_size: int = _opt(32, "batch size per worker")
     eval_batch_size: int = _opt(512, "batch size for evaluation")
-    lr: float = _opt(0.05, "base learning rate")
+    optimizer: str = _opt("sgd", "the local optimizer of every method: sgd (--momentum, --nesterov, --weight-decay) "
+                          "or adamw (--betas, --eps, --weight-decay: torch.optim.AdamW); diloco's inner optimizer "
+                          "is AdamW with its own --option beta1/beta2/eps/weight_decay")
+    lr: Optional[float] = _opt(None, "base learning rate (default: 0.05 for sgd, 0.001 for adamw and for diloco)")
     lr_schedule: str = _opt("constant", "constant, cosine (over all steps) or step (x lr_gamma at lr_milestones)")
     lr_warmup_rounds: int = _opt(0, "linear learning-rate warm-up over this many rounds")
     lr_milestones: List[int] = _opt([], "rounds at which the step schedule multiplies lr by lr_gamma (default: 50%, 75%)")
     lr_gamma: float = _opt(0.1, "factor of the step schedule")
-    momentum: float = _opt(0.9, "SGD momentum")
-    nesterov: bool = _opt(False, "Nesterov momentum")
-    weight_decay: float = _opt(5e-4, "SGD weight decay")
+    momentum: Optional[float] = _opt(None, "SGD momentum (default 0.9; sgd only)")
+    nesterov: bool = _opt(False, "Nesterov momentum (sgd only)")
+    weight_decay: float = _opt(5e-4, "weight decay (sgd: L2 in the gradient; adamw: decoupled)")
+    betas: List[float] = _opt(list(DEFAULT_BETAS), "adamw: B1,B2, the moments' decay rates")
+    eps: float = _opt(1e-8, "adamw: epsilon")
     prune_ratio: float = _opt(0.0, "fraction of filters/weights pruned by methods that prune (loft, masked)")
     options: Dict[str, Any] = _opt({}, "method-specific options, KEY=VALUE (see the method's docs)")
     # run
@@ -176,7 +205,7 @@ class TrainConfig:
     def resolved_out_dir(self) -> str:
         if self.out_dir:
             return self.out_dir
-        return os.path.join("runs", f"{self.method}-{self.model}-{self.dataset}-S{self.num_workers}")
+        return os.path.join("runs", f"{self.method}-{_short(self.model)}-{_short(self.dataset)}-S{self.num_workers}")
 
     def resolved_checkpoint_dir(self) -> str:
         return self.checkpoint_dir or os.path.join(self.resolved_out_dir(), "checkpoints")
@@ -220,6 +249,7 @@ class TrainConfig:
             raise ConfigError("rounds", f"must be >= 1, got {self.rounds}")
         if self.epochs is not None and not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise ConfigError("epochs", f"must be a finite number > 0, got {self.epochs}")
+        _resolve_optimizer(self)
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError("lr", f"must be a finite number > 0, got {self.lr}")
         if self.lr_schedule not in LR_SCHEDULES:
@@ -230,9 +260,9 @@ class TrainConfig:
             raise ConfigError("lr_milestones", f"must be increasing round numbers >= 0, got {self.lr_milestones}")
         if not (0 < self.lr_gamma <= 1):
             raise ConfigError("lr_gamma", f"must be in (0, 1], got {self.lr_gamma}")
-        if not (0 <= self.momentum < 1):
+        if self.momentum is not None and not (0 <= self.momentum < 1):
             raise ConfigError("momentum", f"must be in [0, 1), got {self.momentum}")
-        if self.nesterov and self.momentum == 0:
+        if self.nesterov and not self.momentum:
             raise ConfigError("nesterov", "needs momentum > 0")
         if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
             raise ConfigError("weight_decay", f"must be a finite number >= 0, got {self.weight_decay}")
@@ -291,6 +321,42 @@ class TrainConfig:
         return self
 
 
+def _short(name: str) -> str:
+    """A name for a folder: MODULE:FACTORY and path/to/file.py:FACTORY give FACTORY."""
+    name = name.rpartition(":")[2] if ":" in name else name
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name) or "model"
+
+
+KV_OPTIONS = ("model_args", "dataset_args")  # K=V[,K=V...] strings from flags
+
+
+def parse_value(text: str):
+    """A K=V value: int, float, true/false (any case), else the string itself."""
+    t = text.strip()
+    if t.lower() in ("true", "false"):
+        return t.lower() == "true"
+    for tp in (int, float):
+        try:
+            return tp(t)
+        except ValueError:
+            pass
+    return t
+
+
+def parse_kv(name: str, items) -> Dict[str, Any]:
+    """``"k=v,k2=v2"`` (or a list of such strings) as a dict, values through :func:`parse_value`."""
+    out: Dict[str, Any] = {}
+    for item in [items] if isinstance(items, str) else items:
+        if not isinstance(item, str):
+            raise ConfigError(name, f"expected K=V[,K=V...], got {item!r}")
+        for part in filter(None, (p.strip() for p in item.split(","))):
+            key, eq, value = part.partition("=")
+            if not eq or not key.strip() or not key.strip().isidentifier():
+                raise ConfigError(name, f"expected K=V with K a keyword name, got {part!r}")
+            out[key.strip()] = parse_value(value)
+    return out
+
+
 def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
@@ -298,6 +364,38 @@ def under_torchrun() -> bool:
 def restart_count() -> int:
     """How many times torch's elastic agent (torchrun, or ``--workers S``) restarted this worker group."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) if under_torchrun() else 0
+
+
+def default_lr(method: str, optimizer: str) -> float:
+    """The --lr a run of ``method`` with ``optimizer`` gets when none is given: 0.05 for SGD, 1e-3
+    for AdamW, and 1e-3 for diloco (its inner optimizer is always AdamW: AdamW's step is about lr per
+    coordinate whatever the gradient's scale, so SGD's 0.05 throws a transformer's weights, of std
+    0.02, far away in one step)."""
+    return DEFAULT_LR["adamw" if method == "diloco" else optimizer]
+
+
+def _resolve_optimizer(cfg) -> None:
+    """Check --optimizer and its options; fill in the learning rate and momentum defaults (the
+    resolved values are the config's: the checkpoint and summary.json store them). Idempotent."""
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ConfigError("optimizer", f"must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}")
+    if cfg.optimizer == "adamw" and cfg.method != "diloco":
+        if cfg.momentum is not None:
+            raise ConfigError("momentum", f"--momentum {cfg.momentum} is SGD's; --optimizer adamw takes --betas B1,B2 "
+                              "(the first is its momentum)")
+        if cfg.nesterov:
+            raise ConfigError("nesterov", "Nesterov momentum is SGD's; --optimizer adamw has none")
+    if len(cfg.betas) != 2 or not all(0 <= b < 1 for b in cfg.betas):
+        raise ConfigError("betas", f"expected two numbers in [0, 1) (B1,B2), got {list(cfg.betas)}")
+    if not (cfg.eps > 0 and math.isfinite(cfg.eps)):
+        raise ConfigError("eps", f"must be a finite number > 0, got {cfg.eps}")
+    if cfg.method == "diloco" and (tuple(cfg.betas) != DEFAULT_BETAS or cfg.eps != 1e-8):
+        raise ConfigError("betas" if tuple(cfg.betas) != DEFAULT_BETAS else "eps",
+                          "diloco's inner AdamW takes --option beta1=..., beta2=..., eps=...")
+    if cfg.lr is None:
+        cfg.lr = default_lr(cfg.method, cfg.optimizer)
+    if cfg.momentum is None and cfg.optimizer == "sgd":
+        cfg.momentum = DEFAULT_MOMENTUM
 
 
 def _positive_int(cfg, name):
@@ -367,8 +465,12 @@ def _coerce(name: str, tp, value):
             value = [v for v in value.replace(",", " ").split()]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(name, f"expected a list, got {value!r}")
+        # "--betas 0.9,0.95" arrives as one string of the list
+        value = [p for v in value for p in (v.replace(",", " ").split() if isinstance(v, str) else [v])]
         return [_coerce(name, args[0], v) for v in value]
     if origin in (dict, Dict):
+        if name in KV_OPTIONS and isinstance(value, (str, list, tuple)):
+            return parse_kv(name, value)
         if not isinstance(value, Mapping):
             raise ConfigError(name, f"expected a table/mapping, got {value!r}")
         return {str(k): v for k, v in value.items()}

@@ -202,6 +202,27 @@ def _quiet_launcher():
             lg.setLevel(level)
 
 
+@contextlib.contextmanager
+def children_import_cwd():
+    """The working directory on the PYTHONPATH (appended) of the processes started meanwhile (restored
+    after), so that a worker imports ``--model`` / ``--dataset MODULE:FACTORY`` from where the
+    launcher found it (spawned workers also get the launcher's sys.path, which
+    :func:`ist_kernels.train.datasets.import_factory` extends with the working directory)."""
+    old = os.environ.get("PYTHONPATH")
+    cwd = os.getcwd()
+    if old is not None and cwd in old.split(os.pathsep):
+        yield
+        return
+    os.environ["PYTHONPATH"] = cwd if not old else old + os.pathsep + cwd
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
 def _spawn(cfgs: List[TrainConfig], s: int) -> List[Optional[Dict[str, Any]]]:
     """Run ``cfgs`` on S local worker processes through torch.distributed's elastic launcher (as
     ``torchrun --standalone --nproc-per-node S``); returns rank 0's summaries."""
@@ -216,7 +237,7 @@ def _spawn(cfgs: List[TrainConfig], s: int) -> List[Optional[Dict[str, Any]]]:
         rdzv_configs={"join_timeout": join_s}, rdzv_timeout=join_s, max_restarts=cfg.max_restarts,
         monitor_interval=0.1, start_method="spawn")
     try:
-        with _quiet_launcher():
+        with _quiet_launcher(), children_import_cwd():
             results = elastic_launch(config, _spawned)(cfgs)
     except ChildFailedError as e:
         killed = sorted(r for r, f in e.failures.items() if f.exitcode < 0)  # the cause, when one was killed

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .comm import Comm
-from .config import HyperParams
+from .config import DEFAULT_MOMENTUM, HyperParams, default_lr
 from .datasets import ShardedData, _mix
 from .errors import ConfigError
 from .models import build_model
@@ -68,7 +68,7 @@ def lr_at(cfg, rounds: int, r: int, i: int) -> float:
     """Learning rate of local step i of round r (0-based) of a run of ``rounds`` rounds."""
     tau = cfg.local_steps
     t, total = r * tau + i, rounds * tau
-    lr = cfg.lr
+    lr = cfg.lr if cfg.lr is not None else default_lr(cfg.method, cfg.optimizer)  # (a config not validated)
     if cfg.lr_schedule == "cosine":
         lr *= 0.5 * (1.0 + math.cos(math.pi * t / total))
     elif cfg.lr_schedule == "step":
@@ -163,16 +163,37 @@ class RunContext:
         never sent. ``ctx.generator(PLAN, r)`` gives round r's plan without any saved state."""
         return torch.Generator().manual_seed(_mix(self._cfg.seed, *tags))
 
+    @property
+    def param_state_tensors(self) -> int:
+        """How many tensors of its parameter's shape the optimizer keeps per parameter: AdamW 2 (its
+        moments), SGD 1 with momentum (its buffer), else 0."""
+        c = self._cfg
+        if c.optimizer == "adamw":
+            return 2
+        return int(self._momentum() > 0)
+
+    def _momentum(self) -> float:
+        m = self._cfg.momentum
+        return DEFAULT_MOMENTUM if m is None else m  # (a config not validated)
+
     def full_state_bytes(self, model: nn.Module) -> int:
-        """Parameters, buffers and (with momentum) one SGD momentum buffer per parameter of the whole
-        ``model``: what one worker training all of it holds."""
+        """Parameters, buffers and the optimizer's state of the whole ``model`` (SGD with momentum: a
+        buffer per parameter; AdamW: two moments and a 0-dim float32 step per parameter): what one
+        worker training all of it holds."""
         tensors = list(model.state_dict().values())
-        mom = [p for p in model.parameters() if p.requires_grad] if self._cfg.momentum > 0 else []
-        return sum(t.numel() * t.element_size() for t in tensors + mom)
+        params = [p for p in model.parameters() if p.requires_grad]
+        step = 4 * len(params) if self._cfg.optimizer == "adamw" else 0
+        return sum(t.numel() * t.element_size() for t in tensors + params * self.param_state_tensors) + step
 
     def make_optimizer(self, params) -> torch.optim.Optimizer:
+        """The local optimizer of ``params`` (--optimizer): torch.optim.SGD (--momentum, --nesterov,
+        --weight-decay) or torch.optim.AdamW (--betas, --eps, --weight-decay); the learning rate is
+        set before every step (:meth:`set_lr`)."""
         c = self._cfg
-        return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay,
+        lr = c.lr if c.lr is not None else default_lr(c.method, c.optimizer)
+        if c.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=self._momentum(), weight_decay=c.weight_decay,
                                nesterov=c.nesterov)
 
     def lr_at(self, r: int, i: int) -> float:
@@ -224,8 +245,35 @@ class RunContext:
         scaler.step(optimizer)
         scaler.update()
 
+    def logits(self, out) -> torch.Tensor:
+        """The logits of a model's output (:func:`logits`), checked against the data's task: [B, C]
+        with C >= the classes for classification, [B, T, V] with V >= the vocabulary for token data
+        (ConfigError("model") otherwise: a user's model built for other data)."""
+        out = logits(out)
+        d = self.dataset
+        if d is None:
+            return out
+        if d.task == "classification":
+            if out.dim() != 2 or out.shape[1] < d.num_outputs:
+                raise ConfigError("model", f"the model's output has shape {tuple(out.shape)}; classification of "
+                                  f"{d.num_outputs} classes needs logits [batch, >= {d.num_outputs}] (a user's "
+                                  f"model: e.g. --model-args num_classes={d.num_outputs})")
+        elif d.task == "language_model":
+            if out.dim() != 3 or out.shape[-1] < d.num_outputs:
+                raise ConfigError("model", f"the model's output has shape {tuple(out.shape)}; token data of "
+                                  f"vocabulary {d.num_outputs} need logits [batch, positions, >= {d.num_outputs}] "
+                                  f"(a user's model: e.g. --model-args vocab_size={d.num_outputs})")
+        return out
+
     def loss(self, out, y):
+        """The loss of a model's output ``out`` (logits, or an object with ``.logits``) on targets ``y``:
+        the data decide (cross-entropy on [B, C]; per position on [B, T, V] for token data, mean over
+        the tokens; MSE for regression), computed in fp32."""
+        out = self.logits(out)
         if self.dataset.task == "language_model":  # logits [B, T, V], targets [B, T]: mean over tokens
+            if out.shape[:2] != y.shape:
+                raise ConfigError("model", f"the model's logits {tuple(out.shape)} do not match the targets "
+                                  f"{tuple(y.shape)} (one position per input token)")
             return F.cross_entropy(out.float().flatten(0, 1), y.flatten())
         if self.dataset.task == "classification":
             return F.cross_entropy(out.float(), y)
@@ -258,8 +306,9 @@ class RunContext:
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> Dict[str, float]:
         """Scores of ``model`` on the test set: test_loss and, for classification, accuracy; for a
-        language model the mean cross-entropy per token (nats), ``bits_per_byte`` (it over ln 2) and
-        ``accuracy`` (of the next byte). A user's loop may bring its own scores (``evaluate``
+        language model the mean cross-entropy per token (nats), ``bits_per_byte`` (it over ln 2; for
+        data whose positions are not bytes, e.g. BPE ids: ``bits_per_token``) and ``accuracy`` (of the
+        next byte / token). A user's loop may bring its own scores (``evaluate``
         given to the context), or none (no data: no scores)."""
         if self._user_evaluate is not None:
             was_training = model.training
@@ -275,7 +324,7 @@ class RunContext:
         task = self.dataset.task
         for x, y in self.data.test_batches(self._cfg.eval_batch_size):
             with self.autocast():
-                out = model(x)
+                out = self.logits(model(x))
             count = y.numel() if task == "language_model" else len(y)
             loss_sum += float(self.loss(out, y)) * count
             if task != "regression":
@@ -286,8 +335,24 @@ class RunContext:
         if task != "regression":
             res["accuracy"] = correct / max(n, 1)
         if task == "language_model":
-            res["bits_per_byte"] = res["test_loss"] / math.log(2)
+            res[f"bits_per_{getattr(self.dataset, 'token_unit', 'byte')}"] = res["test_loss"] / math.log(2)
         return res
+
+
+def logits(out) -> torch.Tensor:
+    """A model's output as its logits: a tensor as it is; an object or mapping with ``logits`` (Hugging
+    Face's ModelOutput); else the first element of a tuple or list (``return_dict=False``)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict) and "logits" in out:
+        return out["logits"]
+    found = getattr(out, "logits", None)
+    if isinstance(found, torch.Tensor):
+        return found
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise ConfigError("model", f"the model returned a {type(out).__name__}; expected logits (a tensor) or an "
+                      f"object with .logits")
 
 
 def evaluate(ctx: RunContext, model: nn.Module) -> Dict[str, float]:
