@@ -39,8 +39,11 @@ exact.
 
 Momentum (option ``momentum_state``): ``"reset"`` (default; paper 000 Algorithm 1 and the ResIST
 reference code aggregate only the weights) starts every subnetwork's round with empty optimizer
-state; ``"aggregate"`` slices the SGD momentum with the weights and aggregates / exchanges it too
-(its bytes counted too).
+state; ``"aggregate"`` slices the optimizer's state tensors of their parameter's shape (SGD's
+momentum buffer, AdamW's two moments) with the weights and aggregates / exchanges them too (their
+bytes counted too). A 0-dim state (AdamW's step: the same count on every worker, each takes
+``local_steps`` steps a round) is not sent: under decentralized storage a rank gives the slices it
+receives the step of the ones it trained (the simulated run's owner mean of equal counts).
 
 Outer optimizer (``--outer-optimizer nesterov``, DiLoCo's outer step for the methods that take it):
 after a round's aggregation A, the parameters become θ_prev - lr (g + μ b) with g = θ_prev - A and
@@ -68,8 +71,87 @@ MOMENTUM_OPTION = Option("reset", str, "subnetwork momentum across rounds: reset
 
 
 def model_tensors(model: nn.Module) -> Dict[str, Tensor]:
-    """Every parameter and buffer by state-dict name (the plan's names), sharing storage."""
-    return dict(model.state_dict(keep_vars=False))
+    """Every parameter and buffer by the plan's name, detached, sharing storage: the state dict
+    with a tensor held by several modules (tied weights: GPT-2's ``lm_head.weight`` is
+    ``transformer.wte.weight``) once, under its first name in module order (as ``named_parameters()``
+    and the partition plans name it)."""
+    out: Dict[str, Tensor] = {}
+    seen = set()
+    for n, t in model.state_dict(keep_vars=True).items():
+        if isinstance(t, Tensor):
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            t = t.detach()
+        out[n] = t
+    return out
+
+
+def tied_names(model: nn.Module) -> Dict[str, str]:
+    """Tied tensors: every state-dict name of a tensor met before in module order -> its first name."""
+    first: Dict[int, str] = {}
+    out = {}
+    for n, t in model.state_dict(keep_vars=True).items():
+        if isinstance(t, Tensor):
+            owner = first.setdefault(id(t), n)
+            if owner != n:
+                out[n] = owner
+    return out
+
+
+def to_meta_(model: nn.Module) -> nn.Module:
+    """``model.to("meta")`` keeping tied tensors tied (``Module.to`` gives every module holding a
+    tensor its own new one): the structure decentralized storage keeps."""
+    new: Dict[int, Tensor] = {}
+    for m in model.modules():
+        for attrs in (m._parameters, m._buffers):
+            for k, t in attrs.items():
+                if t is None:
+                    continue
+                if id(t) not in new:
+                    meta = t.detach().to("meta")
+                    new[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
+                        else meta
+                attrs[k] = new[id(t)]
+    return model
+
+
+def assign_tensors_(model: nn.Module, tensors: Dict[str, Tensor]) -> nn.Module:
+    """``model.load_state_dict(tensors, assign=True)`` (strict) where ``tensors`` names each tensor
+    once (:func:`model_tensors`): every place that held one tensor gets the same new one, so tied
+    weights stay tied."""
+    params = dict(model.named_parameters())
+    full = {n: nn.Parameter(t, requires_grad=params[n].requires_grad) if n in params and isinstance(t, Tensor)
+            and not isinstance(t, nn.Parameter) else t for n, t in tensors.items()}
+    for alias, name in tied_names(model).items():
+        if name in full and alias not in full:
+            full[alias] = full[name]
+    model.load_state_dict(full, assign=True)
+    return model
+
+
+def param_states_of(named_params, optimizer) -> Dict[str, Dict[str, Tensor]]:
+    """state key -> name -> the optimizer's state tensor of that parameter, for every state tensor of
+    its parameter's shape (SGD's ``momentum_buffer``, AdamW's ``exp_avg`` and ``exp_avg_sq``)."""
+    out: Dict[str, Dict[str, Tensor]] = {}
+    for name, p in named_params:
+        for key, v in optimizer.state.get(p, {}).items():
+            if isinstance(v, Tensor) and v.dim() > 0 and v.shape == p.shape:
+                out.setdefault(key, {})[name] = v
+    return out
+
+
+def scalar_states_of(params, optimizer) -> Dict[str, Tensor]:
+    """state key -> the largest of the optimizer's 0-dim state tensors of ``params`` (AdamW's
+    ``step``), cloned."""
+    found: Dict[str, List[Tensor]] = {}
+    for p in params:
+        if p.dim() == 0:
+            continue
+        for key, v in optimizer.state.get(p, {}).items():
+            if isinstance(v, Tensor) and v.dim() == 0:
+                found.setdefault(key, []).append(v)
+    return {key: max(vals, key=float).detach().clone() for key, vals in found.items()}
 
 
 def momentum_of(named_params, optimizer) -> Dict[str, Tensor]:
@@ -127,9 +209,10 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def state_split(plan, spec, param_names, momentum: bool) -> Dict[str, int]:
-    """The whole model's state (parameters, buffers, an SGD momentum buffer per parameter when
-    ``momentum``) split into what every subnetwork holds whole (``shared_state_bytes``) and what the
+def state_split(plan, spec, param_names, momentum) -> Dict[str, int]:
+    """The whole model's state (parameters, buffers, and ``momentum`` optimizer state tensors of its
+    shape per parameter: ``ctx.param_state_tensors``; True counts as 1) split into what every
+    subnetwork holds whole (``shared_state_bytes``) and what the
     plan partitions (``partitioned_state_bytes``): a worker of S holds about shared + partitioned / S."""
     params = set(param_names)
     out = {"shared_state_bytes": 0, "partitioned_state_bytes": 0}
@@ -137,7 +220,7 @@ def state_split(plan, spec, param_names, momentum: bool) -> Dict[str, int]:
         shape, dtype = spec[t.name]
         n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
         key = "shared_state_bytes" if t.shared else "partitioned_state_bytes"
-        out[key] += n * (2 if momentum and t.name in params else 1)
+        out[key] += n * (1 + int(momentum) if t.name in params else 1)
     return out
 
 
@@ -232,7 +315,10 @@ class SubnetRounds:
         self.optimizer = (ctx.make_optimizer(model.parameters())
                           if self.aggregate_momentum and not self.decentral else None)
         self.part: Optional[Dict[str, Tensor]] = None  # decentralized: plan name -> this rank's tensor
-        self.momentum: Dict[str, Tensor] = {}  # decentralized, momentum aggregated: the same for SGD momentum
+        # decentralized, momentum aggregated: state key -> plan name -> this rank's slice of the optimizer
+        # state of that parameter's shape (SGD momentum, AdamW moments); 0-dim state (AdamW's step) by key
+        self.momentum: Dict[str, Dict[str, Tensor]] = {}
+        self.scalars: Dict[str, Tensor] = {}
         self.held: Optional[int] = None
         self._plans: Dict[int, object] = {}
         # decentralized: the compact module, its optimizer and tensors, kept while the shapes hold
@@ -281,7 +367,7 @@ class SubnetRounds:
         if self.decentral:
             with self.ctx.clock("plan"):
                 self.part = self.plan(r).part(self.ctx.rank)
-                self.model.to("meta")
+                to_meta_(self.model)
 
     # ---- one round
     def run(self, r: int, last: bool, phase: Optional[int] = None) -> RoundResult:
@@ -294,8 +380,9 @@ class SubnetRounds:
         with ctx.clock("metrics"):
             ps = (ctx.comm.ps_bytes(plan.slices, self.spec, download=getattr(plan, "ps_download", None),
                                     compress=self.compress) if ctx.num_workers > 1 else 0)
-            if self.aggregate_momentum and ctx.num_workers > 1:
-                ps += ctx.comm.ps_bytes(plan.slices, self.spec, names=self.param_names)
+            if self.aggregate_momentum and ctx.num_workers > 1:  # each state tensor of a parameter's shape
+                ps += ctx.comm.ps_bytes(plan.slices, self.spec, names=self.param_names) * \
+                    getattr(ctx, "param_state_tensors", 1)
             if self.outer_on and self.storage == "decentralized" and ctx.num_workers > 1:
                 ps += ctx.comm.ps_bytes(self.stored(plan), self.spec, names=self._outer_names(plan)[0])
         loss, state = self._decentral(plan, nxt, r) if self.decentral else self._global(plan, nxt, r)
@@ -329,8 +416,11 @@ class SubnetRounds:
         ctx, s = self.ctx, self.ctx.rank
         with ctx.clock("plan"):
             sub, opt, params = self._compact(plan, s)
-            for name, buf in self.momentum.items():
-                opt.state[params[name]]["momentum_buffer"] = buf
+            for key, bufs in self.momentum.items():
+                for name, buf in bufs.items():
+                    opt.state[params[name]][key] = buf
+                    for k, v in self.scalars.items():  # (AdamW's step: all of a parameter's state or none)
+                        opt.state[params[name]].setdefault(k, v.clone())
             if self.outer_on:  # the model before the round, and the momentum of every slice held
                 part_names, shared_names = self._outer_names(plan)
                 prev = {n: self.part[n].detach().clone() for n in part_names + shared_names if n in self.part}
@@ -358,9 +448,11 @@ class SubnetRounds:
                 self._outer_(self.part, prev, shared_names)
             if self.aggregate_momentum:
                 names = set(self.param_names)
-                mom = momentum_of(((n, params[n]) for n in params if n in names), opt)
-                self.momentum = ctx.comm.exchange(plan.slices, nxt.slices, self.spec, mom, names=list(mom),
-                                                  round=r + 1)
+                trained_params = [(n, params[n]) for n in params if n in names]
+                states = param_states_of(trained_params, opt)
+                self.scalars = scalar_states_of([p for _, p in trained_params], opt)
+                self.momentum = {key: ctx.comm.exchange(plan.slices, nxt.slices, self.spec, bufs, names=list(bufs),
+                                                        round=r + 1) for key, bufs in states.items()}
         return loss, {s: state}
 
     def _global(self, plan, nxt, r):
@@ -400,12 +492,12 @@ class SubnetRounds:
                     model[n].copy_(v)
             if not replicated:
                 ctx.comm.compress_held(plan.slices, self.stored(plan), model)
-        mom = momentum_of(self.model.named_parameters(), self.optimizer) if self.optimizer is not None else {}
+        states = param_states_of(self.model.named_parameters(), self.optimizer) if self.optimizer is not None else {}
         if ctx.distributed:  # replicated storage
             with ctx.clock("plan"):
                 ctx.comm.exchange(plan.slices, None, None, model, storage="replicated", round=r + 1,
                                   compress=self.compress)
-                if mom:
+                for mom in states.values():
                     ctx.comm.exchange(plan.slices, None, None, mom, names=list(mom), storage="replicated",
                                       round=r + 1)
                 plan.after_aggregate()  # e.g. ResIST's full-model residual scales (already set; cheap)
@@ -416,8 +508,8 @@ class SubnetRounds:
             with ctx.clock("plan"):
                 self._outer_(self.tensors(), prev, part_names + shared_names)
         cur = plan.slices if replicated else self.stored(plan)
-        for names, comp in [(list(model), self.compress)] + ([(list(mom), None)] if mom else []):
-            # the momentum buffers have their parameters' shapes: the model is the spec for both
+        for names, comp in [(list(model), self.compress)] + [(list(mom), None) for mom in states.values()]:
+            # the optimizer's state tensors have their parameters' shapes: the model is the spec for all
             ctx.comm.count_exchange(cur, self.stored(nxt), self.spec, storage=self.storage, names=names,
                                     compress=comp)
         if self.outer_on and self.storage == "decentralized":  # partitioned slices' momentum moves with them
@@ -426,8 +518,8 @@ class SubnetRounds:
 
     # ---- the full model
     def _assemble(self, full: Dict[str, Tensor]) -> nn.Module:
-        model = copy.deepcopy(self.model)  # the structure (meta device), then the gathered tensors
-        model.load_state_dict(full, assign=True)
+        model = copy.deepcopy(self.model)  # the structure (meta device, tied as the model), then the tensors
+        assign_tensors_(model, full)
         self.plan(self.held).after_aggregate(model)
         return model
 
@@ -444,13 +536,15 @@ class SubnetRounds:
     def drop(self) -> None:
         """Forget this rank's part (decentralized), e.g. once a pruned model replaces it."""
         self.part = self.momentum = None
+        self.scalars = {}
         self._kept = None
         self.outer = {}
 
     # ---- resume: decentralized, this rank's part; otherwise the global model
     def state_dict(self):
         if self.decentral:
-            return {"held": self.held, "part": self.part, "momentum": self.momentum, "outer": self.outer}
+            return {"held": self.held, "part": self.part, "momentum": self.momentum, "scalars": self.scalars,
+                    "outer": self.outer}
         return {"held": self.held, "model": self.model.state_dict(),
                 "optimizer": None if self.optimizer is None else self.optimizer.state_dict(), "outer": self.outer}
 
@@ -459,8 +553,11 @@ class SubnetRounds:
         self._kept = None
         self.outer = dict(state.get("outer") or {})
         if self.decentral:
-            self.part, self.momentum = state["part"], state.get("momentum") or {}
-            self.model.to("meta")
+            self.part, self.momentum = state["part"], dict(state.get("momentum") or {})
+            if any(isinstance(v, Tensor) for v in self.momentum.values()):  # a checkpoint of SGD momentum only
+                self.momentum = {"momentum_buffer": self.momentum}
+            self.scalars = dict(state.get("scalars") or {})
+            to_meta_(self.model)
             return
         self.model.load_state_dict(state["model"])
         if self.optimizer is not None:

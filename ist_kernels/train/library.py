@@ -67,7 +67,7 @@ class _Aborted(BaseException):
 class Worker:
     """One worker's turn in a round: ``model`` (its subnetwork, or the whole model for local-SGD
     methods), ``optimizer`` (over ``model``'s parameters, built by the engine from the config: SGD
-    with ``lr``, ``momentum``, ``weight_decay``), ``index`` (the worker, 0..S-1), ``round`` (r)."""
+    with ``lr``, ``momentum``, ``weight_decay``, or AdamW with ``optimizer="adamw"``), ``index`` (the worker, 0..S-1), ``round`` (r)."""
 
     def __init__(self, engine: "Engine", model: nn.Module, optimizer, index: int, r: int):
         self.model, self.optimizer, self.index, self.round = model, optimizer, index, r

@@ -10,7 +10,8 @@ worker trains its subnetwork (its units / heads, and everything shared: embeddin
 norms, output biases) for ``local_steps``, then every slice goes to its next owner and the
 shared tensors are averaged (the round engine's ``SubnetRounds``: decentralized storage by default,
 a rank holds only its subnetwork; ``--storage replicated``; simulated). Optimizer state is fresh
-every round (``momentum_state=reset``, as the MLP's ist). The full model scales the partitioned
+every round (``momentum_state=reset``, as the MLP's ist) or travels with the units (``aggregate``:
+SGD momentum, AdamW's moments). The full model scales the partitioned
 output projections' inputs by 1/S (forward pre-hooks, nothing in the state dict): each branch is
 the mean of the subnetworks' branches. ``ctx.model_spec`` (if the context has one) is the user's
 explicit structure where discovery does not fit.

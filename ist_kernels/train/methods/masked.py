@@ -51,9 +51,9 @@ from torch import nn
 from ...nn.subnet import SubnetMLP
 from ...partition import PARTITIONS
 from ...partition.plan import positions
-from ..engine import SubnetRounds
+from ..engine import MOMENTUM_OPTION, SubnetRounds
 from ..errors import ConfigError
-from ..models import language_models
+from ..models import is_external_model, language_models, probe_model
 from ..simulated import MASKS, MIN_NONEMPTY, nonempty_probability, sample_neurons, selection_probability
 from . import Method, Option, RoundResult, boolean, held_bytes, register_method
 from .ist_transformer import TransformerIST
@@ -295,21 +295,33 @@ class IST(Masked):
     options = {**{k: v for k, v in Masked.options.items() if k not in ("masks", "xi")},
                "partition": Option("ffn", str, "transformers: what each worker gets 1/S of in every block: ffn "
                                    "(FFN hidden units), heads (attention heads) or both; the mlp: ffn (its hidden "
-                                   "neurons)", check=lambda v: v in PARTITIONS, expected=", ".join(PARTITIONS))}
+                                   "neurons)", check=lambda v: v in PARTITIONS, expected=", ".join(PARTITIONS)),
+               "momentum_state": MOMENTUM_OPTION}  # transformers only: the mlp's neurons start afresh each round
     fixed_masks = "balanced"
 
     def __new__(cls, ctx=None):
-        if ctx is not None and ctx.hp.model in language_models():
+        if ctx is not None and (ctx.hp.model in language_models() or is_external_model(ctx.hp.model)):
             return TransformerIST(ctx)
         return super().__new__(cls)
 
     @classmethod
     def validate(cls, hp):
-        if hp.model in language_models():
+        """The package's mlp: its hidden neurons (masked's checks); its GPTs and a user's model
+        (``MODULE:FACTORY``): the FFN units / heads found in its structure (TransformerIST)."""
+        if hp.model in language_models() or is_external_model(hp.model):
             Method.validate.__func__(cls, hp)
-            mlp_only = {k: v.default for k, v in cls.options.items() if k != "partition"}
-            return TransformerIST.validate_transformer(hp, mlp_only)
+            mlp_only = {k: v.default for k, v in cls.options.items() if k not in ("partition", "momentum_state")}
+            if hp.model in language_models():
+                return TransformerIST.validate_transformer(hp, mlp_only)
+            for key, default in mlp_only.items():
+                if hp.options.get(key, default) != default:
+                    raise ConfigError(f"options.{key}", f"applies to ist on the mlp model, not to {hp.model!r}")
+            TransformerIST.validate_model(probe_model(hp), hp.num_workers, hp.options.get("partition", "ffn"))
+            return None
         super().validate(hp)
         if hp.options.get("partition", "ffn") != "ffn":
             raise ConfigError("options.partition", f"partition={hp.options['partition']} needs a transformer "
                               f"(gpt_tiny, gpt_small); the mlp's partition is its hidden neurons (ffn)")
+        if hp.options.get("momentum_state", "reset") != "reset":
+            raise ConfigError("options.momentum_state", "aggregate needs a transformer (gpt_tiny, gpt_small); the "
+                              "mlp's neuron subnetworks start every round with fresh optimizer state")
