@@ -119,7 +119,7 @@ def test_help_groups_defaults_and_choices(capsys):
         flags = ["--option" if n == "options" else "--" + n.replace("_", "-") for n in names]
         assert sections[title] == flags, (title, sections[title])
     flat = " ".join(text.split())  # argparse wraps the help text
-    assert "--lr LR base learning rate (default: 0.05)" in flat
+    assert "--lr LR base learning rate (default: 0.05 for sgd, 0.001 for adamw and for diloco)" in flat
     assert "(default: localsgd)" in flat and "(default: decentralized)" in flat and "(default: on)" in flat
     for name, choices in CHOICES.items():
         assert f"--{name.replace('_', '-')} {{{','.join(choices)}}}" in flat, name
