@@ -1,34 +1,34 @@
 """Pruning: filters by L2 norm (paper 000 §2, §6) and random pruning at initialisation (paper 002 §2.1)."""
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from .nn.masked import MaskedConv2d, MaskedLinear
-from .partition._resnet import filter_layers, stages
+from .partition._resnet import loft_blocks
 from .partition.loft import LoftPlan
 
 # ---- Filter pruning by L2 norm (paper 000 §2, §6) ------------------------------------------------
+
+
+def kept_filters_by_block(model: nn.Module, ratio: float) -> Dict[str, Tuple[str, Tensor]]:
+    """For every partitioned block (full module path; not the first of its stage, not strided;
+    paper 000 §6): ``(filter conv path relative to the block, sorted kept filter indices)``, the
+    highest-L2-norm ``F - floor(ratio * F)`` filters (ties: the lower index stays)."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio < 1.0:
+        raise ValueError(f"prune_filters: ratio must be a number in [0, 1), got {ratio!r}")
+    kept = {}
+    for b, (conv_name, _, _) in loft_blocks(model, "prune_filters"):
+        w = b.module.get_submodule(conv_name).weight.detach()
+        kept[b.name] = (conv_name, keep_largest(filter_norms(w), ratio))
+    return kept
 
 
 def filters_to_keep(model: nn.Module, ratio: float) -> Dict[str, Tensor]:
     """The filters :func:`prune_filters` keeps: for every partitioned block (not the first of its
     stage, not strided; paper 000 §6), ``"block.conv" -> sorted indices`` of the highest-L2-norm
     ``F - floor(ratio * F)`` filters of its filter conv (ties: the lower index stays)."""
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio < 1.0:
-        raise ValueError(f"prune_filters: ratio must be a number in [0, 1), got {ratio!r}")
-    kept = {}
-    for stage in stages(model, "prune_filters"):
-        for b in stage:
-            if not b.partitionable:
-                continue
-            conv_name = filter_layers(b, "prune_filters")[0]
-            w = b.module._modules[conv_name].weight.detach()
-            kept[f"{b.name}.{conv_name}"] = keep_largest(filter_norms(w), ratio)
-    if not kept:
-        raise ValueError("prune_filters: the model has no prunable block (every block is the first "
-                         "of its stage or strided)")
-    return kept
+    return {f"{block}.{conv}": idx for block, (conv, idx) in kept_filters_by_block(model, ratio).items()}
 
 
 def filter_norms(weight: Tensor) -> Tensor:
@@ -49,8 +49,7 @@ def prune_filters(model: nn.Module, ratio: float) -> nn.Module:
     strided; paper 000 §6), the BN channels that follow them and the next conv's matching input
     channels. It computes what ``model`` computes with those filters zeroed (filter weights, conv
     bias and the following BN's weight and bias set to 0), in train and eval mode."""
-    kept = filters_to_keep(model, ratio)
-    filters = {name.rsplit(".", 1)[0]: [idx] for name, idx in kept.items()}
+    filters = {block: [idx] for block, (_, idx) in kept_filters_by_block(model, ratio).items()}
     plan = LoftPlan(model, 1, filters=filters)
     return plan.build()[0].module
 

@@ -140,3 +140,35 @@ def test_docs_example_under_torchrun_equals_ist_train(tmp_path):
     want = torch.load(tmp_path / "cli" / "ist" / "model.pt") if (tmp_path / "cli" / "ist").exists() else \
         torch.load(tmp_path / "cli" / "model.pt")
     assert_equal_states(got, want)
+
+
+def test_engine_with_a_callable_and_no_dataset(tmp_path):
+    """A user's own model (a lambda), data and scores: the engine partitions its FFN units, counts
+    the bytes, and the scores come from the user's function."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 12), torch.randint(0, 3, (64,))
+    seen = []
+
+    def score(model):
+        seen.append(type(model).__name__)
+        return {"accuracy": float((model(x).argmax(-1) == y).float().mean())}
+
+    engine = Engine(lambda: torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.GELU(), torch.nn.Linear(40, 3)),
+                    method="ist", workers=2, rounds=2, local_steps=3, lr=0.1, evaluate=score, eval_interval=1,
+                    out_dir=str(tmp_path / "lib"), device="cpu", threads=1)
+    for rnd in engine.rounds():
+        for worker in rnd:
+            assert worker.model[0].out_features == 20  # the worker's half of the 40 hidden units
+            for i in range(3):
+                worker.optimizer.zero_grad()
+                loss = torch.nn.functional.cross_entropy(worker.model(x[i::3]), y[i::3])
+                loss.backward()
+                worker.optimizer.step()
+                worker.add_loss(loss)
+        assert rnd.record["accuracy"] is not None and rnd.record["bytes_sent"] > 0
+    full = engine.global_model()
+    assert full[0].out_features == 40
+    summary = engine.close()
+    assert seen == ["Sequential"] * 3 and summary["rounds"] == 2 and summary["bytes_per_round"] > 0
+    with pytest.raises(Exception, match="dataset"):
+        Engine("mlp", workers=2)

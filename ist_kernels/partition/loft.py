@@ -6,13 +6,17 @@ the matching input channels of the next conv, so the block's input and output ke
 and only its inner width shrinks. Not partitioned, hence shared and averaged over all subnetworks:
 the stem, the first block of every stage, every strided block, shortcut convs, the classifier,
 and within partitioned blocks everything outside the filter conv -> BN -> next conv path.
+
+Blocks, stages and the filter conv -> BN -> next conv of a block are found from the module structure
+(``_resnet``: this package's ResNets, torchvision's and Hugging Face's layouts); ``layers[block]``
+holds their paths relative to the block (``"conv1"``, ``"layer.0.convolution"``).
 """
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from ._resnet import Block, filter_layers, stages
+from ._resnet import Block, find_resnet, loft_blocks  # noqa: F401 (find_resnet: re-exported)
 from ._subnetworks import SubnetworkPlan
 
 
@@ -30,17 +34,15 @@ class LoftPlan(SubnetworkPlan):
         S = num_subnetworks
         if isinstance(S, bool) or not isinstance(S, int) or S < 1:
             raise ValueError(f"loft_plan: S (number of subnetworks) must be an int >= 1, got {S!r}")
-        blocks: List[Block] = [b for stage in stages(model, self.who) for b in stage if b.partitionable]
-        if not blocks:
-            raise ValueError("loft_plan: the model has no partitionable block (every block is the "
-                             "first of its stage or strided)")
+        found = loft_blocks(model, self.who)
+        blocks: List[Block] = [b for b, _ in found]
         self.blocks = blocks
         self.layers: Dict[str, Tuple[str, str, str]] = {}
         self.filters: Dict[str, List[Tensor]] = {}
         partitioned: Dict[str, Tuple[int, List[Tensor]]] = {}
-        for b in blocks:
-            conv_name, bn_name, next_name = layers = filter_layers(b, self.who)
-            conv, bn, nxt = (b.module._modules[n] for n in layers)
+        for b, layers in found:
+            conv_name, bn_name, next_name = layers
+            conv, bn, nxt = (b.module.get_submodule(n) for n in layers)
             num_filters = conv.out_channels
             if S > num_filters:
                 raise ValueError(f"loft_plan: S={S} subnetworks but {b.name}.{conv_name} has only "
@@ -63,12 +65,11 @@ class LoftPlan(SubnetworkPlan):
 
     def _edit(self, s: int, glob: Dict[str, nn.Module], root: nn.Module) -> None:
         for b in self.blocks:
-            block = glob[b.name]
             conv_name, bn_name, next_name = self.layers[b.name]
             width = self.filters[b.name][s].numel()
-            block._modules[conv_name].out_channels = width
-            block._modules[bn_name].num_features = width
-            block._modules[next_name].in_channels = width
+            glob[f"{b.name}.{conv_name}"].out_channels = width
+            glob[f"{b.name}.{bn_name}"].num_features = width
+            glob[f"{b.name}.{next_name}"].in_channels = width
 
 
 def loft_plan(model: nn.Module, S: int, generator: Optional[torch.Generator] = None) -> LoftPlan:

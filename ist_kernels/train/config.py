@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from . import methods
 from .checkpoint import check_resumable
-from .datasets import check_dataset
+from .datasets import check_dataset, is_external
 from .errors import ConfigError
 from .models import check_model
 
@@ -211,7 +211,7 @@ class TrainConfig:
         return self.checkpoint_dir or os.path.join(self.resolved_out_dir(), "checkpoints")
 
     # ------------------------------------------------------------------ validation
-    def validate(self) -> "TrainConfig":
+    def validate(self, data: bool = True) -> "TrainConfig":
         """Raise ConfigError naming the first invalid option; checks method/dataset/model names too."""
         if self.width is not None:
             _positive_int(self, "width")
@@ -311,8 +311,14 @@ class TrainConfig:
             raise ConfigError("stop_after", f"must be >= 1, got {self.stop_after}")
         _validate_device(self)
         # names: datasets, models and methods know their own lists
-        check_dataset(self)
-        check_model(self)
+        if data:
+            check_dataset(self)
+            check_model(self)
+        elif is_external(self.model):  # a user's loop with its own data (ist_kernels.train.Engine)
+            check_model(self)
+        else:
+            raise ConfigError("dataset", f"the built-in model {self.model!r} is shaped by its data set: give one, "
+                              f"or a model factory")
         method = methods.get_method(self.method)
         self.options = method.resolve_options(self.options)
         method.validate(HyperParams(self))

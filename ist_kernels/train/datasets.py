@@ -428,10 +428,26 @@ def _file_module(path: str, option: str):
     return module
 
 
+#: factories handed over as Python objects (``ist_kernels.train.Engine(model=callable)``), by the
+#: ``MODULE:QUALNAME`` label they run under: a lambda or a closure cannot be imported by name
+_FACTORIES: Dict[str, Callable] = {}
+
+
+def register_factory(label: str, fn: Callable) -> str:
+    """Make ``fn`` what ``label`` (``MODULE:FACTORY``) names in this process; returns the label."""
+    if not is_external(label):
+        raise ValueError(f"register_factory: expected a MODULE:FACTORY label, got {label!r}")
+    _FACTORIES[label] = fn
+    return label
+
+
 def import_factory(spec: str, option: str) -> Callable:
-    """The callable ``spec`` names: ``MODULE:FACTORY`` (MODULE importable from the working directory
-    or PYTHONPATH; FACTORY may be dotted, e.g. ``Class.create``) or ``path/to/file.py:FACTORY``.
-    ConfigError naming ``option`` when it cannot be imported or found."""
+    """The callable ``spec`` names: one registered under that label (:func:`register_factory`), or
+    ``MODULE:FACTORY`` (MODULE importable from the working directory or PYTHONPATH; FACTORY may be
+    dotted, e.g. ``Class.create``) or ``path/to/file.py:FACTORY``. ConfigError naming ``option``
+    when it cannot be imported or found."""
+    if spec in _FACTORIES:
+        return _FACTORIES[spec]
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
         raise ConfigError(option, f"expected MODULE:FACTORY or path/to/file.py:FACTORY, got {spec!r}")

@@ -50,7 +50,7 @@ from torch import nn
 
 from ..distributed import destroy_process_group, init_process_group
 from .config import TrainConfig, under_torchrun
-from .datasets import ShardedData, augment_default, load_dataset
+from .datasets import ShardedData, augment_default, load_dataset, register_factory
 from .errors import ConfigError
 from .launch import resolve_backend, resolve_device
 from .runner import Run, World
@@ -183,9 +183,9 @@ class Engine:
         else:
             S = 1 if workers is None else workers
         if isinstance(model, str):
-            name, factory = model, None
-        elif callable(model):
-            name, factory = _label(model), model
+            name = model
+        elif callable(model):  # built and probed by its label, as ist-train builds MODULE:FACTORY
+            name = register_factory(_label(model), model)
         else:
             raise ConfigError("model", f"expected a factory (a callable returning an nn.Module) or 'module:factory', "
                               f"got {type(model).__name__}")
@@ -197,7 +197,7 @@ class Engine:
         else:
             values["simulate"] = S if S > 1 else 0
         cfg.update(values, "Engine()")
-        _validate(cfg, factory, dataset)
+        cfg.validate(data=dataset is not None)
         self.config = cfg
         rank = int(os.environ["RANK"]) if distributed else 0
         local_rank = int(os.environ["LOCAL_RANK"]) if distributed else 0
@@ -220,7 +220,7 @@ class Engine:
         self._broken: Optional[BaseException] = None
         self._summary: Optional[Dict[str, Any]] = None
         self._closed = False
-        self._run = Run(cfg, self._world, data=data, model_factory=factory,
+        self._run = Run(cfg, self._world, data=data,
                         train_local=lambda *a: self._dispatch(*a), scores=evaluate)
         self._begun = False
 
@@ -309,12 +309,8 @@ class Engine:
                 destroy_process_group()
 
 
-def _validate(cfg: TrainConfig, factory: Optional[Callable], dataset: Optional[str]) -> None:
-    """The config's checks before any work (ConfigError naming the option)."""
-    cfg.validate()
-
-
 def _label(factory: Callable) -> str:
+    """``MODULE:QUALNAME`` of a factory: what summary.json and the default output folder name."""
     mod = getattr(factory, "__module__", None) or "callable"
     name = getattr(factory, "__qualname__", None) or type(factory).__name__
-    return f"{mod}:{name}"
+    return f"{mod}:{name.replace('<', '').replace('>', '')}"

@@ -138,6 +138,7 @@ class Run:
         self.end = self.rounds if cfg.stop_after is None else min(self.rounds, cfg.stop_after)
         self.cap = None if cfg.max_rank_state_mb is None else cfg.max_rank_state_mb * 1e6
         self.bar = None
+        self.scored = {rec["round"] for rec in history if "test_loss" in rec}  # rounds whose model was scored
 
     @property
     def history(self):
@@ -182,6 +183,7 @@ class Run:
             model = self.method.global_model()
             if r == self.end:  # kept for the final save (only then: it may be the whole model, on rank 0)
                 self.assembled[r] = model
+            self.scored.add(r)
             return self.method.evaluate(model) if self.rank0 else {}
 
     @staticmethod
@@ -299,7 +301,8 @@ class Run:
         final_gather = self._sum_over_ranks([0.0, final_gather], "the final save's bytes", end)[1]
         self.ctx.clock.take()
         summary = (_write_outputs(self.cfg, world, self.method, model, self.log.history, final_gather, self.rounds,
-                                  self.out_dir, self.setup_time) if self.rank0 else None)
+                                  self.out_dir, self.setup_time, scored=self.log.history[-1]["round"] in self.scored)
+                   if self.rank0 else None)
         # none tears its process group down while another still works
         _barrier(world, "the run's outputs written", end)
         return summary
@@ -314,11 +317,12 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
     return run.finish()
 
 
-def _write_outputs(cfg, world, method, model, hist, final_gather, rounds, out_dir, setup_time) -> Dict[str, Any]:
+def _write_outputs(cfg, world, method, model, hist, final_gather, rounds, out_dir, setup_time,
+                   scored: bool = False) -> Dict[str, Any]:
     """summary.json and model.pt of a finished (or stopped) run, on rank 0; returns the summary."""
     S = cfg.num_workers
     final = hist[-1]
-    if "test_loss" not in final:  # stopped between evaluations (stop_after): score the model now,
+    if not scored and "test_loss" not in final:  # stopped between evaluations (stop_after): score the model now,
         final = {**final, **method.evaluate(model)}  # outside metrics.jsonl, which resume continues
     trained = hist[1:]
     summary = {

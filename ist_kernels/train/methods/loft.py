@@ -25,8 +25,9 @@ from __future__ import annotations
 import torch
 
 from ...partition import loft_plan
+from ...partition._resnet import find_resnet
 from ...partition.loft import LoftPlan
-from ...prune import filter_norms, filters_to_keep, keep_largest, prune_filters
+from ...prune import filter_norms, keep_largest, kept_filters_by_block, prune_filters
 from ..engine import MOMENTUM_OPTION, LocalModels, SubnetRounds, count_params, phase_rounds, state_split, warn_payoff
 from . import ConfigError, Method, Option, register_method
 
@@ -63,11 +64,12 @@ class Loft(Method):
         o = ctx.options
         self.pretrain_rounds = phase_rounds(ctx.rounds, o["pretrain_fraction"])
         self.model = ctx.build_model()
+        find_resnet(self.model, "loft")  # the blocks LOFT partitions, found from structure (ValueError)
         self.full_params = count_params(self.model)
         self.full_state_bytes = ctx.full_state_bytes(self.model)
         self.rounds = SubnetRounds(ctx, self.model, o["momentum_state"], self.plan)
         self.split = state_split(self.rounds.plan(0).slices, self.rounds.spec, self.rounds.param_names,
-                                 ctx.hp.momentum > 0)
+                                 ctx.param_state_tensors)
         warn_payoff(self.split, ctx.num_workers, "loft", f" on {ctx.hp.model}")
         self.rounds.start(0)
         self.finetune = None  # localsgd.LocalModels of the pruned model, once fine-tuning started
@@ -84,7 +86,7 @@ class Loft(Method):
         if self.rounds.decentral:
             return self._prune_decentral(r, ratio)
         # the same deterministic pruning on every rank (the replicated models are bit-identical)
-        self.kept = {k.rsplit(".", 1)[0]: v for k, v in filters_to_keep(self.model, ratio).items()}
+        self.kept = {b: idx for b, (_, idx) in kept_filters_by_block(self.model, ratio).items()}
         self.finetune = LocalModels(self.ctx, {s: prune_filters(self.model, ratio) for s in self.workers},
                                     outer=True)
         if self.ctx.simulated and self.ctx.decentralized and not resumed:

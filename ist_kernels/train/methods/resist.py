@@ -25,6 +25,7 @@ import torch
 
 from ...models.gpt import gpt_shape
 from ...partition import is_transformer, resist_plan, transformer_resist_plan
+from ...partition.resist import residual_scales, set_residual_scales
 from ..engine import MOMENTUM_OPTION, LocalModels, SubnetRounds, phase_rounds, state_split, warn_payoff
 from ..models import language_models
 from . import ConfigError, Method, Option, register_method
@@ -33,7 +34,8 @@ PLAN = 0x2E51  # generator tag of the round's plan
 
 
 def _residual_scales(model):
-    return {n: m.residual_scale for n, m in model.named_modules() if isinstance(getattr(m, "residual_scale", None), float)}
+    # residual_scale attributes, and (CNNs from other libraries) the hook-held output scales
+    return residual_scales(model)
 
 
 @register_method("resist")
@@ -86,7 +88,7 @@ class ResIST(Method):
         full_model = probe(ctx.num_workers, self.min_depth)
         spec = {n: (tuple(t.shape), t.dtype) for n, t in self.model.state_dict().items()}
         warn_payoff(state_split(full_model.slices, spec, [n for n, _ in self.model.named_parameters()],
-                                ctx.hp.momentum > 0), ctx.num_workers, "resist", f" on {ctx.hp.model}")
+                                ctx.param_state_tensors), ctx.num_workers, "resist", f" on {ctx.hp.model}")
         self.rounds = None
         models = {s: (self.model if s == self.workers[0] else ctx.build_model()) for s in self.workers}
         for m in models.values():
@@ -100,7 +102,7 @@ class ResIST(Method):
         self.warmup = None  # after the warm-up's averaging every copy is self.model
         self.rounds = SubnetRounds(self.ctx, self.model, self.momentum_state, self.plan)
         self.split = state_split(self.rounds.plan(self.warmup_rounds).slices, self.rounds.spec,
-                                 self.rounds.param_names, self.ctx.hp.momentum > 0)
+                                 self.rounds.param_names, self.ctx.param_state_tensors)
 
     def run_round(self, r: int):
         if r < self.warmup_rounds:
@@ -127,5 +129,4 @@ class ResIST(Method):
             return
         self._start_resist()
         self.rounds.load_state_dict(state["rounds"])
-        for name, scale in state["residual_scale"].items():
-            self.model.get_submodule(name).residual_scale = scale
+        set_residual_scales(self.model, state["residual_scale"])
