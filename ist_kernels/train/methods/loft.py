@@ -29,6 +29,7 @@ from ...partition._resnet import find_resnet
 from ...partition.loft import LoftPlan
 from ...prune import filter_norms, keep_largest, kept_filters_by_block, prune_filters
 from ..engine import MOMENTUM_OPTION, LocalModels, SubnetRounds, count_params, phase_rounds, state_split, warn_payoff
+from ..models import is_external_model, probe_model
 from . import ConfigError, Method, Option, register_method
 
 PRETRAIN_FRACTION = 0.5
@@ -57,6 +58,11 @@ class Loft(Method):
         super().validate(hp)
         if hp.model == "mlp":
             raise ConfigError("model", "loft partitions the filters of a ResNet; use e.g. preact_resnet18")
+        if is_external_model(hp.model):  # a user's model: its ResNet blocks, found by structure
+            try:
+                find_resnet(probe_model(hp), "loft")
+            except ValueError as e:
+                raise ConfigError("model", str(e)) from None
 
     def __init__(self, ctx):
         super().__init__(ctx)

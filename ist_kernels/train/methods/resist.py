@@ -13,7 +13,8 @@
    save). Aggregation sets the full model's residual scales (the expected fraction of sub-ResNets
    owning a block, 1/S without sharing), which evaluation of the full model uses.
 
-``min_depth``: partitioned blocks per sub-ResNet (default: min(5, blocks of layer3 after its first)).
+``min_depth``: partitioned blocks per sub-ResNet (default: min(5, max(P / S rounded up, P // 2)) of the P
+blocks of layer3 after its first: the paper's 5 on ResNet-101, fewer on shallower stages).
 
 On a transformer (``gpt_tiny``, ``gpt_small``) the blocks between the first and the last are dealt
 the same way (:func:`ist_kernels.partition.transformer_resist_plan`; default ``min_depth`` 1) and
@@ -24,10 +25,11 @@ from __future__ import annotations
 import torch
 
 from ...models.gpt import gpt_shape
-from ...partition import is_transformer, resist_plan, transformer_resist_plan
+from ...partition import check_resist, is_transformer, resist_plan, transformer_resist_plan
+from ...partition._resnet import find_resnet
 from ...partition.resist import residual_scales, set_residual_scales
 from ..engine import MOMENTUM_OPTION, LocalModels, SubnetRounds, phase_rounds, state_split, warn_payoff
-from ..models import language_models
+from ..models import is_external_model, language_models, probe_model
 from . import ConfigError, Method, Option, register_method
 
 PLAN = 0x2E51  # generator tag of the round's plan
@@ -43,7 +45,7 @@ class ResIST(Method):
     options = {
         "warmup_fraction": Option(0.1, float, "fraction of the rounds of local-SGD warm-up (paper 003 §2.6)",
                                   check=lambda v: 0 <= v < 1, expected="a number in [0, 1)"),
-        "min_depth": Option(-1, int, "partitioned blocks per sub-ResNet (-1: min(5, partitionable blocks); "
+        "min_depth": Option(-1, int, "partitioned blocks per sub-ResNet (-1: min(5, max(P/S rounded up, P//2)) of the P partitionable blocks; "
                             "transformers: 1)",
                             check=lambda v: v >= -1, expected="an integer >= 0, or -1"),
         "momentum_state": MOMENTUM_OPTION,
@@ -56,6 +58,15 @@ class ResIST(Method):
         super().validate(hp)
         if hp.model == "mlp":
             raise ConfigError("model", "resist partitions the blocks of a ResNet; use e.g. preact_resnet34")
+        if is_external_model(hp.model):  # a user's model: a transformer's layers or a ResNet's blocks, by structure
+            net, min_depth = probe_model(hp), hp.options.get("min_depth", -1)
+            try:
+                if is_transformer(net):
+                    check_resist(net, hp.num_workers, max(min_depth, 1), who="resist")
+                else:
+                    find_resnet(net, "resist")
+            except ValueError as e:
+                raise ConfigError("options.min_depth" if "min_depth" in str(e) else "model", str(e)) from None
         if hp.model in language_models():
             depth = gpt_shape(hp.model, hp.width, hp.depth)[1]
             if depth < 3:
@@ -76,7 +87,10 @@ class ResIST(Method):
         # plans made here only describe the model: any permutation does, none touches the global RNG
         probe = lambda S, depth: self.make_plan(self.model, S, depth, torch.Generator().manual_seed(0))  # noqa: E731
         blocks = len(probe(1, 0).partitioned_blocks)  # checks the model (ValueError)
-        default = 1 if self.make_plan is transformer_resist_plan else min(5, blocks)
+        # the paper's 5 (ResNet-101: 22 partitioned blocks), but never more than half the blocks (or the
+        # round-robin share, if more): with 5 blocks, min_depth 5 would give every sub-ResNet all of them
+        default = 1 if self.make_plan is transformer_resist_plan else \
+            min(5, max(-(-blocks // ctx.num_workers), blocks // 2, 1))
         self.min_depth = default if o["min_depth"] == -1 else o["min_depth"]
         if self.min_depth > blocks:
             where = "blocks between its first and last" if self.make_plan is transformer_resist_plan else "layer3"
@@ -130,3 +144,6 @@ class ResIST(Method):
         self._start_resist()
         self.rounds.load_state_dict(state["rounds"])
         set_residual_scales(self.model, state["residual_scale"])
+        if self.make_plan is transformer_resist_plan:  # its scales are hooks (or GPT's attribute): S and min_depth set them
+            self.make_plan(self.model, self.ctx.num_workers, self.min_depth,
+                           torch.Generator().manual_seed(0)).scale_residuals(self.model)
