@@ -50,7 +50,8 @@ LOOKED_FOR_ATTENTION = ("attention: a module with a readable head count or head 
 LOOKED_FOR_LAYERS = ("residual layers: an nn.ModuleList / nn.Sequential of at least 2 layers of one class, "
                      "each with submodules and parameters")
 SPEC_HINT = ("pass spec= (ist_kernels.partition.Structure or a dict with keys ffns=[(in_projs, out_proj)], "
-             "attentions=[{q, k, v, o, num_heads, head_dim}], layers='<container name>')")
+             "attentions=[{q, k, v, o, num_heads, head_dim}], layers='<container name>'; ist-train: --model-spec "
+             "with that dict as JSON)")
 
 
 @dataclass(frozen=True)

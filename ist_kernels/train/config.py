@@ -18,7 +18,7 @@ from . import methods
 from .checkpoint import check_resumable
 from .datasets import check_dataset, is_external
 from .errors import ConfigError
-from .models import check_model
+from .models import check_model, load_model_spec
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "cosine", "step")
@@ -39,7 +39,7 @@ CHOICES = {"precision": PRECISIONS, "lr_schedule": LR_SCHEDULES, "backend": BACK
 # --help's sections: every option of TrainConfig in exactly one
 GROUPS = {
     "data": ("dataset", "data_path", "dataset_args", "augment", "dataset_size", "context"),
-    "model": ("model", "model_args", "width", "depth"),
+    "model": ("model", "model_args", "model_spec", "width", "depth"),
     "method": ("method", "prune_ratio", "options", "storage", "shared", "compress", "outer_optimizer",
                "outer_lr", "outer_momentum", "baseline"),
     "training": ("local_steps", "rounds", "epochs", "batch_size", "eval_batch_size", "optimizer", "lr",
@@ -73,6 +73,10 @@ class TrainConfig:
     model_args: Dict[str, Any] = _opt({}, "--model MODULE:FACTORY: keyword arguments of the factory, "
                                       "K=V[,K=V...] (values read as int, float, true/false, else string; "
                                       "repeatable), e.g. num_classes=10")
+    model_spec: Optional[str] = _opt(None, "what ist / resist partition in a model whose structure is not found: "
+                                     "JSON (inline or a .json file) or MODULE:OBJECT giving a dict with keys "
+                                     "ffns=[[[in_proj, ...], out_proj]], attentions=[{q, k, v, o, num_heads}], "
+                                     "layers='<container>' (module paths)")
     width: Optional[int] = _opt(None, "mlp: hidden width (default 128); ResNets: first-stage channels (default 64); "
                                 "gpt_tiny / gpt_small: model width (default 128 / 256; heads of 32)")
     depth: Optional[int] = _opt(None, "mlp: hidden layers (default 1); gpt_tiny / gpt_small: transformer blocks "
@@ -319,6 +323,10 @@ class TrainConfig:
         else:
             raise ConfigError("dataset", f"the built-in model {self.model!r} is shaped by its data set: give one, "
                               f"or a model factory")
+        if self.model_spec is not None:
+            if not is_external(self.model):
+                raise ConfigError("model_spec", f"applies to --model MODULE:FACTORY, not to the built-in {self.model!r}")
+            load_model_spec(self.model_spec)
         method = methods.get_method(self.method)
         self.options = method.resolve_options(self.options)
         method.validate(HyperParams(self))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import math
 import os
 from typing import Callable, Dict
@@ -197,3 +198,30 @@ def build_model(cfg, dataset) -> nn.Module:
         if cfg.width is not None and "width" in inspect.signature(fn).parameters:
             kw["width"] = cfg.width
         return fn(**kw)
+
+
+def load_model_spec(value):
+    """``--model-spec``: None, or the spec dict (:func:`ist_kernels.partition.find_structure`'s
+    ``spec``) it gives: JSON text, a ``.json`` file, or ``MODULE:OBJECT`` (a dict, a Structure, or a
+    callable returning one). ConfigError("model_spec") when it cannot be read."""
+    if value is None or isinstance(value, dict):
+        return value
+    text = str(value).strip()
+    try:
+        if text.startswith("{"):
+            spec = json.loads(text)
+        elif text.endswith(".json"):
+            with open(text) as f:
+                spec = json.load(f)
+        elif is_external_model(text):
+            obj = import_factory(text, "model_spec")
+            spec = obj() if callable(obj) and not isinstance(obj, type) else obj
+        else:
+            raise ValueError("expected JSON, a .json file or MODULE:OBJECT")
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as e:
+        raise ConfigError("model_spec", f"cannot read {text[:80]!r}: {e}") from None
+    if not isinstance(spec, dict) and type(spec).__name__ != "Structure":
+        raise ConfigError("model_spec", f"expected a dict (ffns, attentions, layers), got {type(spec).__name__}")
+    return spec

@@ -34,7 +34,7 @@ from .comm import Comm
 from .config import DEFAULT_MOMENTUM, HyperParams, default_lr
 from .datasets import ShardedData, _mix
 from .errors import ConfigError
-from .models import build_model
+from .models import build_model, load_model_spec
 from .timing import Clock
 
 #: --precision -> the autocast dtype of the forward (fp32: no autocast)
@@ -96,6 +96,8 @@ class RunContext:
         self.data = data
         self.dataset = data.dataset if data is not None else None
         self._model_factory = model_factory
+        #: --model-spec: what the partitions take where a model's structure is not found (None: find it)
+        self.model_spec = load_model_spec(cfg.model_spec)
         self._user_train_local = train_local
         self._user_evaluate = evaluate
         self.rounds = rounds

@@ -53,7 +53,7 @@ from ...partition import PARTITIONS
 from ...partition.plan import positions
 from ..engine import MOMENTUM_OPTION, SubnetRounds
 from ..errors import ConfigError
-from ..models import is_external_model, language_models, probe_model
+from ..models import is_external_model, language_models, load_model_spec, probe_model
 from ..simulated import MASKS, MIN_NONEMPTY, nonempty_probability, sample_neurons, selection_probability
 from . import Method, Option, RoundResult, boolean, held_bytes, register_method
 from .ist_transformer import TransformerIST
@@ -316,7 +316,8 @@ class IST(Masked):
             for key, default in mlp_only.items():
                 if hp.options.get(key, default) != default:
                     raise ConfigError(f"options.{key}", f"applies to ist on the mlp model, not to {hp.model!r}")
-            TransformerIST.validate_model(probe_model(hp), hp.num_workers, hp.options.get("partition", "ffn"))
+            TransformerIST.validate_model(probe_model(hp), hp.num_workers, hp.options.get("partition", "ffn"),
+                                          load_model_spec(hp.model_spec))
             return None
         super().validate(hp)
         if hp.options.get("partition", "ffn") != "ffn":

@@ -22,6 +22,8 @@ a partitioned block's two branches carry the full model's ``residual_scale``.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...models.gpt import gpt_shape
@@ -29,7 +31,7 @@ from ...partition import check_resist, is_transformer, resist_plan, transformer_
 from ...partition._resnet import find_resnet
 from ...partition.resist import residual_scales, set_residual_scales
 from ..engine import MOMENTUM_OPTION, LocalModels, SubnetRounds, phase_rounds, state_split, warn_payoff
-from ..models import is_external_model, language_models, probe_model
+from ..models import is_external_model, language_models, load_model_spec, probe_model
 from . import ConfigError, Method, Option, register_method
 
 PLAN = 0x2E51  # generator tag of the round's plan
@@ -59,10 +61,10 @@ class ResIST(Method):
         if hp.model == "mlp":
             raise ConfigError("model", "resist partitions the blocks of a ResNet; use e.g. preact_resnet34")
         if is_external_model(hp.model):  # a user's model: a transformer's layers or a ResNet's blocks, by structure
-            net, min_depth = probe_model(hp), hp.options.get("min_depth", -1)
+            net, min_depth, spec = probe_model(hp), hp.options.get("min_depth", -1), load_model_spec(hp.model_spec)
             try:
-                if is_transformer(net):
-                    check_resist(net, hp.num_workers, max(min_depth, 1), who="resist")
+                if spec is not None or is_transformer(net):
+                    check_resist(net, hp.num_workers, max(min_depth, 1), spec, who="resist")
                 else:
                     find_resnet(net, "resist")
             except ValueError as e:
@@ -83,17 +85,21 @@ class ResIST(Method):
         self.warmup_rounds = phase_rounds(ctx.rounds, o["warmup_fraction"])
         self.momentum_state = o["momentum_state"]
         self.model = ctx.build_model()
-        self.make_plan = transformer_resist_plan if is_transformer(self.model) else resist_plan
+        spec = ctx.model_spec
+        if spec is not None or is_transformer(self.model):
+            self.make_plan = functools.partial(transformer_resist_plan, spec=spec)
+        else:
+            self.make_plan = resist_plan
         # plans made here only describe the model: any permutation does, none touches the global RNG
         probe = lambda S, depth: self.make_plan(self.model, S, depth, torch.Generator().manual_seed(0))  # noqa: E731
         blocks = len(probe(1, 0).partitioned_blocks)  # checks the model (ValueError)
         # the paper's 5 (ResNet-101: 22 partitioned blocks), but never more than half the blocks (or the
         # round-robin share, if more): with 5 blocks, min_depth 5 would give every sub-ResNet all of them
-        default = 1 if self.make_plan is transformer_resist_plan else \
+        default = 1 if self.make_plan is not resist_plan else \
             min(5, max(-(-blocks // ctx.num_workers), blocks // 2, 1))
         self.min_depth = default if o["min_depth"] == -1 else o["min_depth"]
         if self.min_depth > blocks:
-            where = "blocks between its first and last" if self.make_plan is transformer_resist_plan else "layer3"
+            where = "blocks between its first and last" if self.make_plan is not resist_plan else "layer3"
             raise ConfigError("options.min_depth", f"{self.min_depth} is more than the {blocks} partitionable "
                               f"blocks of {ctx.hp.model}'s {where}")
         self.full_state_bytes = ctx.full_state_bytes(self.model)
@@ -144,6 +150,6 @@ class ResIST(Method):
         self._start_resist()
         self.rounds.load_state_dict(state["rounds"])
         set_residual_scales(self.model, state["residual_scale"])
-        if self.make_plan is transformer_resist_plan:  # its scales are hooks (or GPT's attribute): S and min_depth set them
+        if self.make_plan is not resist_plan:  # its scales are hooks (or GPT's attribute): S and min_depth set them
             self.make_plan(self.model, self.ctx.num_workers, self.min_depth,
                            torch.Generator().manual_seed(0)).scale_residuals(self.model)
