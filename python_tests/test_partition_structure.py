@@ -236,12 +236,8 @@ def test_ist_subnetworks_equal_the_full_model_with_the_others_removed(name, part
         torch.testing.assert_close(a["fwd"](sub2.module, x), a["fwd"](sub.module, x), rtol=0, atol=0)
 
 
-TIED = pytest.mark.xfail(strict=True, raises=ValueError, reason="SubnetworkPlan holds tied parameters (GPT-2's "
-                         "lm_head.weight is transformer.wte.weight) as two tensors: the scatter refuses aliased targets")
-
-
 @pytest.mark.parametrize("name, partition", [("mlp", "ffn"), ("llama", "both"), ("gpt2_untied", "both"),
-                                             pytest.param("gpt2", "both", marks=TIED)])
+                                             ("gpt2", "both")])
 def test_ist_aggregation_round_trip(name, partition):
     S = 2
     model = BUILD[name]()

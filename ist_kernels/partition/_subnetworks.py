@@ -6,9 +6,17 @@ scatter (mean over owners; unowned slices keep their value).
 of the global model (state_dict key), the dim it is partitioned along and per subnetwork the
 indices it owns (empty: the subnetwork does not hold the tensor), or ``dim=None`` for a tensor
 shared whole by all. A 0-dim tensor (``num_batches_tracked`` of a ResIST block) is partitioned
-along dim 0 with owners ``[0]`` or empty. Optimizer state follows its parameter: a state tensor of
-the parameter's shape (SGD momentum, Adam moments) is sliced like it, a 0-dim one (Adam step) is
-held whole by the parameter's owners. The distributed exchange derives pack/unpack from this.
+along dim 0 with owners ``[0]`` or empty.
+
+Tied tensors (one tensor held by several modules: GPT-2's ``lm_head.weight`` is
+``transformer.wte.weight``) are one plan tensor, named by the first place in module order (as
+``named_parameters()`` names it; ``plan.aliases`` maps the other names to it): it is shared unless
+that first name is partitioned, every subnetwork attaches one tensor object to all the places that
+held it (the clone stays tied: its optimizer sees one parameter) and aggregation writes it once.
+
+Optimizer state follows its parameter: a state tensor of the parameter's shape (SGD momentum, Adam
+moments) is sliced like it, a 0-dim one (Adam step) is held whole by the parameter's owners. The
+distributed exchange derives pack/unpack from this.
 """
 import copy
 from dataclasses import dataclass, field
@@ -110,13 +118,28 @@ class SubnetworkPlan:
         self.model = model
         self.num_subnetworks = S = num_subnetworks
         self._tree = tree = _Tree(model)
-        # Where each global tensor lives: (module position, attribute, is parameter).
+        # Where each global tensor lives: (module position, attribute, is parameter), by its first
+        # name in module order; a tensor met again (tied weights) is that one tensor: its other
+        # names are aliases of the first.
         where: Dict[str, Tuple[int, str, bool]] = {}
+        first: Dict[int, str] = {}  # id(tensor) -> its plan name
+        aliases: Dict[str, str] = {}
         for i, (m, mname) in enumerate(zip(tree.modules, tree.names)):
             for attrs, is_param in ((m._parameters, True), (m._buffers, False)):
                 for attr, v in attrs.items():
-                    if v is not None:
-                        where.setdefault(f"{mname}.{attr}" if mname else attr, (i, attr, is_param))
+                    if v is None:
+                        continue
+                    name = f"{mname}.{attr}" if mname else attr
+                    if name in where or name in aliases:
+                        continue
+                    owner = first.setdefault(id(v), name)
+                    if owner == name:
+                        where[name] = (i, attr, is_param)
+                    else:
+                        aliases[name] = owner
+        #: tied tensors: every other name of a tensor -> its plan name (the first in module order)
+        self.aliases: Dict[str, str] = aliases
+        self._check_tied(partitioned)
         tensors = {n: getattr(tree.modules[i], "_parameters" if p else "_buffers")[a]
                    for n, (i, a, p) in where.items()}
         device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
@@ -127,19 +150,30 @@ class SubnetworkPlan:
         # Each subnetwork's structure names the tensors it holds; the first build() uses it.
         skeletons = [self._skeleton(s) for s in range(S)]
         self._unused_skeletons = skeletons
-        slot_lists = []  # per subnetwork: (local name, global name, module position, attr, is_param)
+        # per subnetwork: (local name, plan name, module position, attr, is_param), one per tensor
+        # (its first place in the clone), and the other places of tied tensors: (slot, local name,
+        # module position, attr, is_param), where build / attach put the same tensor object
+        slot_lists, tie_lists = [], []
         for s, clones in enumerate(skeletons):
             back = {id(c): i for i, c in enumerate(clones)}
-            slots = []
+            slots, ties, slot_of = [], [], {}
             for local_prefix, c in clones[0].named_modules():
                 i = back[id(c)]
                 gname = tree.names[i]
                 for attrs, is_param in ((tree.modules[i]._parameters, True), (tree.modules[i]._buffers, False)):
                     for attr, v in attrs.items():
-                        if v is not None:
-                            slots.append((f"{local_prefix}.{attr}" if local_prefix else attr,
-                                          f"{gname}.{attr}" if gname else attr, i, attr, is_param))
+                        if v is None:
+                            continue
+                        local_name = f"{local_prefix}.{attr}" if local_prefix else attr
+                        full = f"{gname}.{attr}" if gname else attr
+                        pname = aliases.get(full, full)
+                        if pname in slot_of:
+                            ties.append((slot_of[pname], local_name, i, attr, is_param))
+                        else:
+                            slot_of[pname] = len(slots)
+                            slots.append((local_name, pname, i, attr, is_param))
             slot_lists.append(slots)
+            tie_lists.append(ties)
         local: Dict[str, List[Optional[str]]] = {n: [None] * S for n in tensors}
         for s, slots in enumerate(slot_lists):
             for local_name, gname, _, _, _ in slots:
@@ -157,6 +191,11 @@ class SubnetworkPlan:
                 shared = True
             for s in range(S):
                 if (owned[s] is None) != (local[name][s] is None):
+                    tied = sorted(a for a, n in aliases.items() if n == name)
+                    if tied:
+                        raise ValueError(f"{self.who}: {name} is tied to {', '.join(tied)} (one tensor): subnetwork "
+                                         f"{s} {'holds' if owned[s] is None else 'lacks'} a module holding it "
+                                         f"but {'does not own' if owned[s] is None else 'owns'} it")
                     raise RuntimeError(f"{self.who}: internal error: subnetwork {s} structure and "
                                        f"ownership of {name} disagree")
             specs.append(_Spec(name, dim, owned, tuple(local[name]), shared))
@@ -175,12 +214,35 @@ class SubnetworkPlan:
         # _slots[s][k] = (spec index, module position in the clone, attr, is_param)
         self._slots = [[(self._spec_of[g], i, attr, is_param) for _, g, i, attr, is_param in slots]
                        for slots in slot_lists]
+        # _ties[s] = (slot k in _slots[s], local name, module position, attr, is_param): another place
+        # of that slot's tensor in subnetwork s's clone (tied weights)
+        self._ties = tie_lists
         self._source_ids = [k for s in range(S) for (k, _, _, _) in self._slots[s]]
         self._indices = [specs[k].owned[s] for s in range(S) for (k, _, _, _) in self._slots[s]]
         # Flat gather buffers kept across build() calls (one per dtype, two while the previous
         # build's subnetworks are still alive): a buffer is reused only once no tensor of an earlier
         # build views it, so live subnetworks are never overwritten. release_buffers() drops them.
         self._buffers = F.GatherBuffers(capacity=2)
+
+    def _check_tied(self, partitioned: Dict[str, Tuple[int, List[Optional[Tensor]]]]) -> None:
+        """A tied tensor is partitioned by its plan name (the first); another name of it may be
+        given only with the same division."""
+        for alias, name in self.aliases.items():
+            if alias not in partitioned:
+                continue
+            if name not in partitioned:
+                raise ValueError(f"{self.who}: {alias} is tied to {name} (one tensor): it is partitioned by its "
+                                 f"first name {name}, which is not partitioned")
+            (da, oa), (dn, on) = partitioned[alias], partitioned[name]
+            if da != dn or len(oa) != len(on) or any(
+                    (a is None) != (b is None) or (a is not None and not torch.equal(a.cpu(), b.cpu()))
+                    for a, b in zip(oa, on)):
+                raise ValueError(f"{self.who}: {alias} is tied to {name} (one tensor) but partitioned differently")
+
+    def _tie(self, s: int, clones: List[nn.Module], held: Sequence[Tensor]) -> None:
+        """Put subnetwork ``s``'s tensor of slot k (``held[k]``) at the other places that held it."""
+        for k, _, pos, attr, is_param in self._ties[s]:
+            (clones[pos]._parameters if is_param else clones[pos]._buffers)[attr] = held[k]
 
     def release_buffers(self) -> None:
         """Drop the gather buffers this plan keeps for its next build() (memory of about two
@@ -289,6 +351,7 @@ class SubnetworkPlan:
                 else:
                     clones[pos]._buffers[attr] = seg
                 held.append(seg)
+            self._tie(s, clones, held)
             attached.append(held)
             subnetworks.append(Subnetwork(s, clones[0], None, self, clones))
 
@@ -334,6 +397,7 @@ class SubnetworkPlan:
         if sk is not None:
             sk[s] = None
         requires_grad = self._requires_grad()
+        held = []
         for (i, pos, attr, is_param) in self._slots[s]:
             spec = self._specs[i]
             t = tensors.get(spec.name)
@@ -348,6 +412,8 @@ class SubnetworkPlan:
                 clones[pos]._parameters[attr] = t
             else:
                 clones[pos]._buffers[attr] = t
+            held.append(t)
+        self._tie(s, clones, held)
         return Subnetwork(s, clones[0], None, self, clones)
 
     def tensors_of(self, sub: Subnetwork, detach: bool = True) -> Dict[str, Tensor]:
@@ -390,6 +456,13 @@ class SubnetworkPlan:
             if sub.index in seen:
                 raise ValueError(f"{self.who}.aggregate: subnetwork {sub.index} given twice")
             seen.add(sub.index)
+            for k, local_name, pos, attr, is_param in self._ties[sub.index]:
+                i, p0, a0, ip0 = self._slots[sub.index][k]
+                t0 = (sub.parts[p0]._parameters if ip0 else sub.parts[p0]._buffers).get(a0)
+                t1 = (sub.parts[pos]._parameters if is_param else sub.parts[pos]._buffers).get(attr)
+                if t1 is not t0:
+                    raise ValueError(f"{self.who}.aggregate: subnetwork {sub.index}'s {local_name} is no longer "
+                                     f"{self._specs[i].local_names[sub.index]} (tied in the model: one tensor)")
         # Owners reduced in ascending subnetwork order, as the distributed exchange does.
         subnetworks = sorted(subnetworks, key=lambda sub: sub.index)
         targets = self._global()
