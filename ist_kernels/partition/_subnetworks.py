@@ -98,7 +98,9 @@ class _Tree:
             for k in keys:
                 d[k] = d[k].copy()
             d["_parameters"] = dict.fromkeys(m._parameters)
-            d["_buffers"] = dict.fromkeys(m._buffers)
+            # non-persistent buffers (e.g. rotary embeddings' inv_freq: not in the state dict, never
+            # exchanged) are constants of the structure: every clone shares the global model's
+            d["_buffers"] = {k: (v if k in m._non_persistent_buffers_set else None) for k, v in m._buffers.items()}
             new.__dict__ = d
             clones.append(new)
         for new, kids in zip(clones, self.children):
@@ -127,8 +129,8 @@ class SubnetworkPlan:
         for i, (m, mname) in enumerate(zip(tree.modules, tree.names)):
             for attrs, is_param in ((m._parameters, True), (m._buffers, False)):
                 for attr, v in attrs.items():
-                    if v is None:
-                        continue
+                    if v is None or (not is_param and attr in m._non_persistent_buffers_set):
+                        continue  # a non-persistent buffer (a constant of the structure): shared by reference
                     name = f"{mname}.{attr}" if mname else attr
                     if name in where or name in aliases:
                         continue
@@ -160,9 +162,10 @@ class SubnetworkPlan:
             for local_prefix, c in clones[0].named_modules():
                 i = back[id(c)]
                 gname = tree.names[i]
-                for attrs, is_param in ((tree.modules[i]._parameters, True), (tree.modules[i]._buffers, False)):
+                gm = tree.modules[i]
+                for attrs, is_param in ((gm._parameters, True), (gm._buffers, False)):
                     for attr, v in attrs.items():
-                        if v is None:
+                        if v is None or (not is_param and attr in gm._non_persistent_buffers_set):
                             continue
                         local_name = f"{local_prefix}.{attr}" if local_prefix else attr
                         full = f"{gname}.{attr}" if gname else attr

@@ -101,13 +101,15 @@ def tied_names(model: nn.Module) -> Dict[str, str]:
 
 def to_meta_(model: nn.Module) -> nn.Module:
     """``model.to("meta")`` keeping tied tensors tied (``Module.to`` gives every module holding a
-    tensor its own new one): the structure decentralized storage keeps."""
+    tensor its own new one) and non-persistent buffers real (constants of the structure, such as
+    rotary embeddings' ``inv_freq``, which subnetworks share): the structure decentralized storage
+    keeps."""
     new: Dict[int, Tensor] = {}
     for m in model.modules():
         for attrs in (m._parameters, m._buffers):
             for k, t in attrs.items():
-                if t is None:
-                    continue
+                if t is None or (attrs is m._buffers and k in m._non_persistent_buffers_set):
+                    continue  # non-persistent buffers (constants, not in the state dict) stay real: clones use them
                 if id(t) not in new:
                     meta = t.detach().to("meta")
                     new[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
