@@ -434,6 +434,12 @@ def test_a_meta_model_partitions_like_the_real_one(name, method):
     with torch.device("meta"):
         meta = BUILD[name]()
     assert all(p.is_meta for p in meta.parameters())
+    # non-persistent buffers (Llama's rotary inv_freq) are constants of the structure that clones share
+    # by reference: a structure-only model keeps them real (as the engine's to_meta_ does)
+    real_mods = dict(real.named_modules())
+    for name_, m in meta.named_modules():
+        for b in m._non_persistent_buffers_set:
+            m._buffers[b] = real_mods[name_]._buffers[b]
 
     def make(m):
         g = torch.Generator().manual_seed(7)
