@@ -202,6 +202,8 @@ class Engine:
         rank = int(os.environ["RANK"]) if distributed else 0
         local_rank = int(os.environ["LOCAL_RANK"]) if distributed else 0
         device = resolve_device(cfg, local_rank, S if distributed else 1)
+        if cfg.threads is not None:  # as ist-train: --threads fixes the CPU threads (and so the float sums)
+            torch.set_num_threads(cfg.threads)
         self._own_group = False
         if distributed:
             if device.type == "cuda":
