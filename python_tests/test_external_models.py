@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ist_kernels.train import cli
+
 from train_helpers import assert_equal_states, outputs, untimed
 
 transformers = pytest.importorskip("transformers")
