@@ -45,6 +45,10 @@ def tiny_gpt2():
     return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=4, n_head=4))
 
 
+def mlp_of(width=512):
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))
+
+
 def no_structure():
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
 
@@ -174,3 +178,13 @@ def test_model_spec_where_the_structure_is_not_found(user_models, capsys):
     assert _summary(out, "ist")["bytes_ratio"] < 1
     assert cli.main([*base, "--model-spec", '{"ffns": [[["a"], "nosuch"]]}', "--overwrite"]) == 2
     assert "nosuch" in capsys.readouterr().err
+
+
+def test_resume_checks_the_factory_arguments(user_models, capsys):
+    out = user_models / "args"
+    base = [*COMMON, "--model", "user_models:mlp_of", "--method", "ist", "--dataset", "digits", "--simulate", "2",
+            "--out-dir", str(out)]
+    assert cli.main([*base, "--model-args", "width=32", "--stop-after", "1"]) == 0
+    assert cli.main([*base, "--model-args", "width=64", "--resume"]) == 2
+    assert "model_args" in capsys.readouterr().err
+    assert cli.main([*base, "--model-args", "width=32", "--resume"]) == 0

@@ -46,10 +46,11 @@ class CheckpointError(RuntimeError):
 # Options that must not change between a checkpoint and its resumption.
 RESUME_MUST_MATCH = ("method", "model", "width", "depth", "dataset", "data_path", "seed", "batch_size",
                      "local_steps", "options", "precision", "augment", "dataset_size", "context", "storage",
-                     "shared", "outer_optimizer", "outer_lr", "outer_momentum", "compress", "optimizer")
+                     "shared", "outer_optimizer", "outer_lr", "outer_momentum", "compress", "optimizer",
+                     "model_args", "dataset_args", "model_spec")
 #: options added after checkpoints were first written: a checkpoint without them had their defaults
 _ADDED_DEFAULTS = {"outer_optimizer": "none", "outer_lr": 0.7, "outer_momentum": 0.9, "compress": "none",
-                   "optimizer": "sgd"}
+                   "optimizer": "sgd", "model_args": {}, "dataset_args": {}, "model_spec": None}
 
 
 def _atomic_write(path: str, write) -> None:

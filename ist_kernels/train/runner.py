@@ -333,7 +333,7 @@ def _write_outputs(cfg, world, method, model, hist, final_gather, rounds, out_di
         "optimizer": "adamw" if cfg.method == "diloco" else cfg.optimizer, "lr": cfg.lr,
         "rounds": final["round"], "finished": final["round"] == rounds,
         "accuracy": final.get("accuracy"), "test_loss": final.get("test_loss"),
-        **({"bits_per_byte": final["bits_per_byte"]} if "bits_per_byte" in final else {}),
+        **{k: final[k] for k in ("bits_per_byte", "bits_per_token") if k in final},
         "train_loss": final.get("train_loss"), "train_time": final["train_time"],
         "total_bytes": final["total_bytes"], "total_ps_bytes": final["total_ps_bytes"],
         "bytes_per_round": final["total_bytes"] / max(len(trained), 1),
