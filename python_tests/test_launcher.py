@@ -17,6 +17,7 @@ import pytest
 
 from ist_kernels.train import cli
 from ist_kernels.train.config import CHOICES, GROUPS, ConfigError, TrainConfig
+from ist_kernels.train.runs import after_restart
 
 from train_helpers import TINY_MLP, assert_equal_states, outputs, run as _run, untimed
 
@@ -76,7 +77,7 @@ def test_restart_never_takes_a_folder_its_job_did_not_claim(tmp_path, monkeypatc
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    runs = cli._after_restart([TrainConfig(out_dir=str(out))], str(out))
+    runs = after_restart([TrainConfig(out_dir=str(out))], str(out))
     assert not runs[0].resume and not runs[0].overwrite
     with pytest.raises(ConfigError, match="is not empty"):
         cli._validate_and_run([*LOCALSGD, "--out-dir", str(out)])

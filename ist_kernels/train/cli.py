@@ -19,7 +19,6 @@ import sys
 import typing
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .checkpoint import atomic_json
 from .config import (
     CHOICES,
     GROUPS,
@@ -27,23 +26,14 @@ from .config import (
     TrainConfig,
     demo_preset,
     load_config_file,
-    restart_count,
     under_torchrun,
 )
 from .datasets import available_datasets
-from .launch import exit_worker, failure_status, launch, report_failure, resume_if_checkpointed
-from .methods import available_methods, get_method
+from .launch import exit_worker, failure_status, launch, report_failure
+from .methods import available_methods
 from .models import available_models
-from .output import (
-    add_baseline_ratios,
-    claim_outputs,
-    claimed_by,
-    job_id,
-    read_metrics,
-    summary_table,
-    terminal_table,
-    write_plots,
-)
+from .output import claim_outputs, write_comparison
+from .runs import plan_runs
 
 
 def _show(value) -> str:
@@ -145,53 +135,12 @@ def build_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
     return cfg
 
 
-def _baseline_config(cfg: TrainConfig) -> TrainConfig:
-    """Local SGD with the same budget: workers, rounds, local steps, batch size, schedule; run as
-    the method's paper compares (``Method.baseline_options``: for loft, pre-train, prune, fine-tune).
-    It holds the whole model on every worker by definition, so --max-rank-state-mb does not apply,
-    and it is the papers' plain local SGD (no --outer-optimizer)."""
-    out = cfg.resolved_out_dir()
-    options = get_method(cfg.method).baseline_options(cfg.options)
-    return dataclasses.replace(
-        cfg, method="localsgd", options=options, baseline=False, outer_optimizer="none", resume=False, stop_after=None,
-        max_rank_state_mb=None,
-        out_dir=os.path.join(out, "localsgd"),
-        checkpoint_dir=os.path.join(cfg.checkpoint_dir, "localsgd") if cfg.checkpoint_dir else None)
-
-
-def _run_configs(cfg: TrainConfig) -> List[TrainConfig]:
-    if not cfg.baseline or cfg.method == "localsgd":
-        return [cfg]
-    out = cfg.resolved_out_dir()
-    main = dataclasses.replace(cfg, out_dir=os.path.join(out, cfg.method),
-                               checkpoint_dir=os.path.join(cfg.checkpoint_dir, cfg.method) if cfg.checkpoint_dir else None)
-    return [main, _baseline_config(cfg)]
-
-
-def _after_restart(runs: List[TrainConfig], root: str) -> List[TrainConfig]:
-    """torchrun restarted the workers (rank 0 decides; :func:`ist_kernels.train.launch.resume_after_restart`
-    tells the other ranks). When an earlier attempt of this job claimed the output folder, each run
-    continues from its latest checkpoint, or starts again replacing that attempt's outputs; a folder
-    this job never claimed is checked as on a first start (never resumed or replaced by surprise)."""
-    if claimed_by(root) != job_id():
-        return runs
-    out = []
-    for c in runs:
-        c2 = resume_if_checkpointed(c)
-        out.append(c2 if c2.resume else dataclasses.replace(c, overwrite=True))
-    return out
-
-
 def _validate_and_run(argv) -> Tuple[TrainConfig, Optional[List[Dict[str, Any]]]]:
-    """Validate (ConfigError), lock and check the output folder, run, write the comparison table;
-    returns the config and the summaries (None on a rank > 0 under torchrun)."""
+    """argv -> the config -> the validated runs (:func:`.runs.plan_runs`) -> launch under the output
+    folder's lock -> the comparison of the runs (:func:`.output.write_comparison`); returns the
+    config and the summaries (None on a rank > 0 under torchrun)."""
     cfg = build_config(argv)
-    runs = _run_configs(cfg)
-    if under_torchrun() and int(os.environ["RANK"]) == 0 and restart_count() > 0:
-        runs = _after_restart(runs, cfg.resolved_out_dir())
-    for c in runs:
-        c.validate()
-
+    runs = plan_runs(cfg)
     # the launcher (rank 0 under torchrun) holds the lock; the other ranks only write their
     # checkpoint files, and never get past rank 0's first collective when rank 0 stops
     if under_torchrun() and int(os.environ["RANK"]) != 0:
@@ -199,27 +148,8 @@ def _validate_and_run(argv) -> Tuple[TrainConfig, Optional[List[Dict[str, Any]]]
         return cfg, None
     with claim_outputs(runs, cfg.resolved_out_dir()):
         summaries = launch(runs)
-        if add_baseline_ratios(summaries) is not None:  # bytes_ratio, ps_bytes_ratio into summary.json
-            for s in summaries:
-                atomic_json(s, os.path.join(s["out_dir"], "summary.json"))
-        _write_table(cfg, summaries)
+        write_comparison(cfg, summaries)
     return cfg, summaries
-
-
-def _write_table(cfg: TrainConfig, summaries: List[Dict[str, Any]]) -> None:
-    out_dir = cfg.resolved_out_dir()
-    table = summary_table(summaries)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "summary.md"), "w") as f:
-        f.write(table + "\n")
-    plots = []
-    if cfg.plots:
-        plots = write_plots({f"{s['method']} S={s['workers']}": read_metrics(os.path.join(s["out_dir"], "metrics.jsonl"))
-                             for s in summaries}, out_dir)
-    print(terminal_table(summaries))  # a few columns; summary.md has them all
-    print(f"\noutputs in {os.path.abspath(out_dir)}:\n  summary.md (the full table)"
-          + "".join(f", {os.path.basename(p)}" for p in plots)
-          + "; per run: metrics.jsonl, summary.json, model.pt, checkpoints/")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

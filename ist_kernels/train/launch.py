@@ -37,10 +37,11 @@ import torch
 
 from ..distributed import CollectiveError, destroy_process_group, init_process_group
 from ..distributed.group import collective_timeout, wait_collective
-from .checkpoint import CheckpointError, latest_round, read_latest
+from .checkpoint import CheckpointError, latest_round
 from .config import ConfigError, TrainConfig, restart_count, under_torchrun
 from .output import OutputLockError
 from .runner import RankStateError, World, train
+from .runs import resume_if_checkpointed
 
 
 def resolve_device(cfg: TrainConfig, local_rank: int, processes: int, spawned: bool = False) -> torch.device:
@@ -68,14 +69,6 @@ def _set_threads(cfg: TrainConfig, processes: int, spawned: bool = False) -> Non
         torch.set_num_threads(cfg.threads)
     elif processes > 1 and (spawned or not under_torchrun()):  # S local processes share this machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
-
-
-def resume_if_checkpointed(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` continuing from the latest checkpoint in its folder when there is one (a restarted
-    worker group), else ``cfg`` starting at round 0."""
-    if cfg.resume or read_latest(cfg.resolved_checkpoint_dir()) is None:
-        return cfg
-    return dataclasses.replace(cfg, resume=True, overwrite=False)
 
 
 def resume_after_restart(cfgs: List[TrainConfig], rank: int, device: torch.device,

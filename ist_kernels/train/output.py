@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .checkpoint import is_checkpoint_file
+from .checkpoint import atomic_json, is_checkpoint_file
 from .config import ConfigError, under_torchrun
 from .timing import TRAIN_PARTS
 
@@ -404,3 +404,25 @@ def write_plots(runs: Dict[str, List[Dict[str, Any]]], out_dir: str) -> List[str
             plt.close(fig)
         paths.append(path)
     return paths
+
+
+def write_comparison(cfg, summaries: List[Dict[str, Any]]) -> None:
+    """The comparison of a command's runs, after they ran (the last stage of a run's way): local
+    SGD's ratios into each summary.json (``bytes_ratio``, ...), summary.md (the full table), the
+    terminal table (a few columns), accuracy.png / loss.png."""
+    if add_baseline_ratios(summaries) is not None:
+        for s in summaries:
+            atomic_json(s, os.path.join(s["out_dir"], "summary.json"))
+    out_dir = cfg.resolved_out_dir()
+    table = summary_table(summaries)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(table + "\n")
+    plots = []
+    if cfg.plots:
+        plots = write_plots({f"{s['method']} S={s['workers']}": read_metrics(os.path.join(s["out_dir"], "metrics.jsonl"))
+                             for s in summaries}, out_dir)
+    print(terminal_table(summaries))  # a few columns; summary.md has them all
+    print(f"\noutputs in {os.path.abspath(out_dir)}:\n  summary.md (the full table)"
+          + "".join(f", {os.path.basename(p)}" for p in plots)
+          + "; per run: metrics.jsonl, summary.json, model.pt, checkpoints/")
