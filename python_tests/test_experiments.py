@@ -361,6 +361,18 @@ def test_speed_quick(tmp_path):
         assert r["target_accuracy"] == pytest.approx(0.98 * base["final_accuracy"], rel=1e-4)  # JSON: 6 digits
         if r["time_to_target_s"] is not None:
             assert 0 < r["time_to_target_s"] <= sum(r["curve"]["round_s"]) * (1 + 1e-4)  # JSON: 6 digits
+    # --quick tunes nothing: one (workload, method, S) entry each, a one-point grid at the workload's lr,
+    # not run, its pick the lr every run of that method used
+    tuning = doc["tuning"]
+    keys = {(r["config"], r["method"], str(r["workers"])) for r in runs}
+    assert {(c, m, S) for c, by_m in tuning.items() for m, by_s in by_m.items() for S in by_s} == keys
+    for config, method, S in keys:
+        e = tuning[config][method][S]
+        w = speed.workload(speed.parse(["--quick"]), config)
+        assert e["grid"] == [e["pick"]] == [speed.base_lr(w, method)] and e["scores"] == [None]
+        assert not e["ran"] and not e["fallback"] and e["multipliers"] == [1.0] and e["holdout"] == 0.2
+        assert all(r["lr"] == e["pick"] for r in runs if (r["config"], r["method"], str(r["workers"])) ==
+                   (config, method, S))
     # a subnetwork method sends less per round than local SGD on the same workload and link
     for r in runs:
         if r["method"] in ("loft", "resist"):
@@ -462,3 +474,71 @@ def test_transformer_best_within():
     assert best_within(cv, "bytes", 19.9) == 6.0
     assert best_within(cv, "bytes", 0) == 8.0  # the untrained model always qualifies
     assert best_within(cv, "time_s", 3.0) == 4.0
+
+
+def test_speed_pick_rule():
+    """The tuning rule: the best held-out score, ties to the smaller lr, unscored points never win."""
+    from ist_kernels.experiments.speed import pick_lr, tune_score
+
+    assert pick_lr([0.01, 0.03, 0.1, 0.3], [0.5, 0.9, 0.9, None]) == 0.03  # a tie: the smaller lr
+    assert pick_lr([0.3, 0.1, 0.03], [0.9, 0.9, 0.2]) == 0.1  # the grid's order does not matter
+    assert pick_lr([0.1, 1.0], [0.7, 0.95]) == 1.0
+    assert pick_lr([0.1, 1.0], [float("nan"), 0.2]) == 1.0  # a non-finite score never wins
+    assert pick_lr([0.1, 1.0], [None, None]) is None
+    assert pick_lr([0.1, 0.3, 1.0], [2.1, 1.9, 1.9], higher_is_better=False) == 0.3  # bits per byte: lowest
+    rows = [{"round": 0, "train_loss": None, "test_loss": 2.3, "accuracy": 0.1},
+            {"round": 1, "train_loss": 1.0, "test_loss": 1.0, "accuracy": 0.8},
+            {"round": 2, "train_loss": 0.5, "test_loss": 0.9, "accuracy": 0.7},
+            {"round": 3, "train_loss": 0.4, "test_loss": 0.5, "accuracy": 0.95}]
+    assert tune_score(rows, 2) == ("accuracy", 0.8, True)  # the best of rounds 1..2, not round 0's
+    assert tune_score(rows, 3) == ("accuracy", 0.95, True)
+    lm = [{"round": 1, "train_loss": 3.0, "test_loss": 2.0, "bits_per_byte": 2.9, "accuracy": 0.3},
+          {"round": 2, "train_loss": 2.0, "test_loss": 1.5, "bits_per_byte": 2.2, "accuracy": 0.4}]
+    assert tune_score(lm, 2) == ("bits_per_byte", 2.2, False)
+    diverged = rows[:2] + [{"round": 2, "train_loss": float("nan"), "test_loss": float("nan"), "accuracy": 0.1}]
+    assert tune_score(diverged, 2) == ("accuracy", None, True)
+
+
+def test_speed_tunes_each_method_on_the_holdout_and_runs_it_at_its_pick(tmp_path, monkeypatch):
+    """The tuning's plumbing without processes: every grid point runs with --holdout and --stop-after,
+    is scored by the rule, and the comparison runs get the pick's --lr."""
+    from ist_kernels.experiments import speed
+
+    launched = []
+
+    def fake_launch(flags, S, seed, out_dir, link):
+        lr = float(flags[flags.index("--lr") + 1])
+        launched.append((flags, S, seed))
+        rounds = int(flags[flags.index("--stop-after") + 1]) if "--stop-after" in flags else 3
+        held = "--holdout" in flags
+        acc = {0.05: 0.5, 0.15: 0.9, 0.5: 0.9}.get(lr, 0.4) if held else 0.8  # 0.15 and 0.5 tie
+        if held and lr == 0.15 and flags[flags.index("--method") + 1] == "localsgd":
+            acc = float("nan")  # localsgd diverges at 0.15: 0.5 wins
+        metrics = [{"round": r, "train_loss": 1.0 if r else None, "test_loss": 1.0, "accuracy": acc,
+                    "scored_on": "holdout" if held else "test", "train_time": 0.1 * r, "bytes_sent": 10,
+                    "time": {"comm": 0.0}} for r in range(rounds + 1)]
+        return {"summary": {"lr": lr}, "metrics": metrics}
+
+    monkeypatch.setattr(speed, "launch", fake_launch)
+    args = speed.parse(["--configs", "cnn", "--methods", "localsgd,resist", "--workers", "2", "--links", "loopback",
+                        "--compress", "none", "--lr-grid", "1,3,10", "--tune-rounds", "2", "--seeds", "0,1"])
+    todo, _ = speed.cells(args)
+    tuning, picks, errors = speed.tune(args, todo, str(tmp_path))
+    assert errors == []
+    tuned = [f for f, _, _ in launched]
+    assert len(tuned) == 6 and all("--holdout" in f and f[f.index("--holdout") + 1] == "0.2" for f in tuned)
+    assert all(f[f.index("--stop-after") + 1] == "2" and f[f.index("--rounds") + 1] == "16" for f in tuned)
+    assert {seed for _, _, seed in launched} == {0}  # the first seed
+    e = tuning["cnn"]["resist"]["2"]
+    assert e["grid"] == [0.05, 0.15, 0.5] and e["scores"] == [0.5, 0.9, 0.9] and e["pick"] == 0.15
+    assert e["metric"] == "accuracy" and e["ran"] and e["rounds"] == 2 and e["pick_multiplier"] == pytest.approx(3)
+    e = tuning["cnn"]["localsgd"]["2"]
+    assert e["scores"] == [0.5, None, 0.9] and e["pick"] == 0.5
+    assert picks == {("cnn", "resist", 2): 0.15, ("cnn", "localsgd", 2): 0.5}
+    launched.clear()
+    results = speed.run_all(args, todo, str(tmp_path), picks)
+    assert len(results) == 4 and all("--holdout" not in f and "--stop-after" not in f for f, _, _ in launched)
+    for f, _, _ in launched:
+        assert float(f[f.index("--lr") + 1]) == picks[("cnn", f[f.index("--method") + 1], 2)]
+    runs, _ = speed.analyse(args, results)
+    assert {(r["method"], r["lr"]) for r in runs} == {("resist", 0.15), ("localsgd", 0.5)}

@@ -14,6 +14,18 @@ one torch thread each), once per link:
   needs root or CAP_NET_ADMIN, checked with a timed transfer before use; without them the line
   says why and only loopback runs, with the model's prediction for the other links).
 
+Each method runs at its own learning rate, tuned on a validation split (never the test split): for
+every (workload, method, S) a grid of ``--lr-grid`` multiples of the workload's lr (diloco: of its
+inner AdamW's), each point one run of the comparison run's schedule stopped after
+``--tune-rounds`` rounds, over loopback, uncompressed, on the first seed, with the trainer's
+``--holdout`` (``--tune-holdout`` of the training set held out, left out of every shard, and scored
+after every round in place of the test split). A point's score is its best held-out score in those
+rounds (highest accuracy; language models: lowest bits per byte); the pick is the best score, ties
+to the smaller lr (:func:`pick_lr`); a point that failed or whose loss went non-finite has no score;
+with no score at all the workload's lr stays. A one-point grid (``--quick``) is not run: its point
+is the pick. The grid, every score and the pick are in the JSON's ``tuning``; the comparison runs
+(every link and compression mode) then run each method at its pick.
+
 Each run evaluates after every round. Reported per method x workers x link: the training time (the
 rounds' own wall time: local steps, plans, packing, communication; evaluation left out) until the
 test accuracy first reaches the target (``--target``, or ``--target-fraction`` of local SGD's
@@ -38,6 +50,7 @@ what a subnetwork of a few units per worker does to accuracy is not modelled).
 import argparse
 import copy
 import json
+import math
 import os
 import shutil
 import signal
@@ -82,6 +95,29 @@ QUICK_COMPRESSED = ("resist",)
 
 RUN_TIMEOUT_S = 1200  # one run's processes (bounded; a stuck run is killed and reported)
 
+#: --lr-grid's default: multiples of the workload's learning rate tried for every (workload, method, S)
+LR_GRID = (1 / 3, 1.0, 3.0, 10.0)
+TUNE_HOLDOUT = 0.2  # --tune-holdout's default: the fraction of the training set the tuning runs score
+#: the tuning score, by the first key the scored rounds have: (metric, higher is better)
+TUNE_METRICS = (("bits_per_byte", False), ("bits_per_token", False), ("accuracy", True), ("test_loss", False))
+TUNE_RULE = ("each grid point: the comparison run's schedule stopped after the tuning rounds, over loopback, "
+             "uncompressed, first seed, with --holdout F (scored after every round on the held-out part of the "
+             "training set, never the test split); score: the best held-out score in those rounds (highest accuracy; "
+             "language models: lowest bits per byte); pick: the best score, ties to the smaller lr; a failed or "
+             "non-finite run has no score; no score at all: the workload's lr; a one-point grid is not run")
+
+
+def _fraction(v: str) -> float:
+    """A number or a fraction a/b (argparse: --lr-grid 1/3,1,3,10)."""
+    num, _, den = v.strip().partition("/")
+    x = float(num) / float(den) if den else float(num)
+    if not (x > 0 and x < float("inf")):
+        raise ValueError(v)
+    return x
+
+
+lr_multipliers = C._number_list(_fraction, "number > 0 (or fraction a/b)")
+
 
 def _links(s: str) -> List[str]:
     out = [v.strip().lower() for v in s.split(",") if v.strip()]
@@ -115,6 +151,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compress", type=C.names, default=None,
                    help="the trainer's --compress modes to run the subnetwork methods and local SGD with (default: "
                         f"{','.join(COMPRESS)}; --quick: none,int8, int8 for {', '.join(QUICK_COMPRESSED)} only)")
+    p.add_argument("--lr-grid", type=lr_multipliers, default=None, metavar="M[,M...]",
+                   help="learning rates tried per workload, method and S, as multiples of the workload's (a/b "
+                        "allowed; default 1/3,1,3,10; --quick: 1, which is not run)")
+    p.add_argument("--tune-rounds", type=int, default=None,
+                   help="rounds of each tuning run (default: half the workload's rounds; --quick: all of them)")
+    p.add_argument("--tune-holdout", type=float, default=TUNE_HOLDOUT,
+                   help="fraction of the training set the tuning runs hold out and score (default %(default)s)")
     p.add_argument("--no-scale", action="store_true", help="skip the 1,024-worker table")
     p.add_argument("--device-tflops", type=float, default=10.0,
                    help="sustained FLOP rate of a worker in the scale table, TFLOP/s (default 10: a V100, "
@@ -139,6 +182,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     for name in ("rounds", "local_steps"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.lr_grid is None:
+        args.lr_grid = [1.0] if args.quick else list(LR_GRID)
+    if args.tune_rounds is not None and args.tune_rounds < 1:
+        p.error(f"--tune-rounds must be >= 1, got {args.tune_rounds}")
+    if not 0 < args.tune_holdout < 1:
+        p.error(f"--tune-holdout must be in (0, 1), got {args.tune_holdout}")
     if args.target is not None and not 0 < args.target <= 1:
         p.error(f"--target must be in (0, 1], got {args.target}")
     if not 0 < args.target_fraction <= 1:
@@ -175,15 +224,46 @@ def workload(args, name: str) -> Dict[str, Any]:
     return w
 
 
-def method_flags(w: Dict[str, Any], method: str, compress: str) -> List[str]:
+def _without_lr(flags: Sequence[str]) -> List[str]:
+    out, skip = [], False
+    for f in flags:
+        if skip:
+            skip = False
+        elif f == "--lr":
+            skip = True
+        else:
+            out.append(f)
+    return out
+
+
+def base_lr(w: Dict[str, Any], method: str) -> float:
+    """The workload's learning rate for ``method``: its own ``--lr`` flag (diloco's inner AdamW) or the
+    workload's; the tuning grid multiplies it."""
+    extra = list(w["flags"].get(method, []))
+    for i, f in enumerate(extra[:-1]):
+        if f == "--lr":
+            return float(extra[i + 1])
+    return float(w["lr"])
+
+
+def lr_grid(w: Dict[str, Any], method: str, multipliers: Sequence[float]) -> List[float]:
+    """The learning rates tuned for ``method`` on ``w``: ``base_lr`` times each multiplier (6
+    significant digits), increasing, without repeats."""
+    base = base_lr(w, method)
+    return sorted({float(f"{base * m:.6g}") for m in multipliers})
+
+
+def method_flags(w: Dict[str, Any], method: str, compress: str, lr: Optional[float] = None) -> List[str]:
+    """The trainer's flags of ``method`` on workload ``w``; ``lr``: in place of :func:`base_lr`."""
+    lr = base_lr(w, method) if lr is None else lr
     flags = ["--method", method, "--model", w["model"], "--width", str(w["width"]), "--dataset", w["dataset"],
              "--rounds", str(w["rounds"]), "--local-steps", str(w["local_steps"]), "--batch-size",
-             str(w["batch_size"]), "--lr", str(w["lr"]), "--eval-interval", "1"]
+             str(w["batch_size"]), "--lr", f"{lr:.6g}", "--eval-interval", "1"]
     if "depth" in w:
         flags += ["--depth", str(w["depth"])]
     for o in w["options"].get(method, []):
         flags += ["--option", o]
-    flags += w["flags"].get(method, [])
+    flags += _without_lr(w["flags"].get(method, []))
     if compress != "none":
         flags += ["--compress", compress]
     return flags
@@ -326,15 +406,117 @@ def run_over_links(todo: Sequence[Tuple], link_and_workers, run_one, desc: str, 
     return results
 
 
-def run_all(args, todo: List[Tuple], work: str) -> Dict[Tuple, Dict[str, Any]]:
-    """Run every (config, S, link, method, compress, seed) cell."""
+def run_all(args, todo: List[Tuple], work: str, picks: Optional[Dict[Tuple, float]] = None
+            ) -> Dict[Tuple, Dict[str, Any]]:
+    """Run every (config, S, link, method, compress, seed) cell, each method at its pick
+    (``picks[(config, method, S)]``; default: the workload's lr)."""
+    picks = picks or {}
+
     def one(c, em):
         config, S, _, method, comp, seed = c
-        run = launch(method_flags(workload(args, config), method, comp), S, seed,
+        run = launch(method_flags(workload(args, config), method, comp, picks.get((config, method, S))), S, seed,
                      os.path.join(work, "-".join(map(str, c))), em)
         return {"curve": curve(run), "summary": run["summary"]}
 
     return run_over_links(todo, lambda c: (c[2], c[1]), one, "speed", args.latency_s)
+
+
+# ---------------------------------------------------------------- tuning
+
+def tune_rounds(args, w: Dict[str, Any]) -> int:
+    """Rounds of a tuning run: --tune-rounds (at most the workload's), else half the workload's
+    (all of them with --quick)."""
+    if args.tune_rounds is not None:
+        return min(args.tune_rounds, w["rounds"])
+    return w["rounds"] if args.quick else max(1, w["rounds"] // 2)
+
+
+def tune_score(metrics: Sequence[Dict[str, Any]], rounds: int) -> Tuple[Optional[str], Optional[float], bool]:
+    """(metric, score, higher is better) of a tuning run's metrics.jsonl rows: the best held-out score
+    of rounds 1..``rounds`` in the first metric of :data:`TUNE_METRICS` they have. The score is None
+    when a training loss or a score in those rounds is not finite (diverged) or nothing was scored."""
+    rows = [m for m in metrics if 1 <= m.get("round", 0) <= rounds]
+    scored = [m for m in rows if "test_loss" in m]
+    metric, higher = next(((k, h) for k, h in TUNE_METRICS if any(k in m for m in scored)), (None, True))
+    if metric is None:
+        return None, None, True
+    values = [m.get(metric) for m in scored]
+    losses = [m.get("train_loss") for m in rows]
+    if any(v is None or not math.isfinite(v) for v in values + losses):
+        return metric, None, higher
+    return metric, (max(values) if higher else min(values)), higher
+
+
+def pick_lr(lrs: Sequence[float], scores: Sequence[Optional[float]], higher_is_better: bool = True
+            ) -> Optional[float]:
+    """The tuning rule: the lr of the best score (highest, or lowest with ``higher_is_better``
+    False), ties to the smaller lr; points without a score (None, non-finite) never win; None when
+    no point has one."""
+    best = None
+    for lr, sc in sorted(zip(lrs, scores), key=lambda t: t[0]):
+        if sc is None or not math.isfinite(sc):
+            continue
+        if best is None or (sc > best[1] if higher_is_better else sc < best[1]):
+            best = (lr, sc)
+    return None if best is None else best[0]
+
+
+def tuning_keys(todo: Sequence[Tuple]) -> List[Tuple[str, str, int]]:
+    """The (config, method, S) of the comparison cells, each once."""
+    return sorted({(c[0], c[3], c[1]) for c in todo})
+
+
+def tune(args, todo: Sequence[Tuple], work: str) -> Tuple[Dict[str, Any], Dict[Tuple, float], List[str]]:
+    """Tune the lr of every (config, method, S) of ``todo`` (see the module docstring and
+    :data:`TUNE_RULE`). Returns the JSON's ``tuning`` ({config: {method: {S: entry}}}), the picks
+    {(config, method, S): lr} and the errors of failed tuning runs."""
+    seed = args.seeds[0]
+    grids = {k: lr_grid(workload(args, k[0]), k[1], args.lr_grid) for k in tuning_keys(todo)}
+    cells_ = [(config, S, "loopback", method, lr, seed) for (config, method, S), g in grids.items() if len(g) > 1
+              for lr in g]
+
+    def one(c, em):
+        config, S, _, method, lr, sd = c
+        w = workload(args, config)
+        flags = method_flags(w, method, "none", lr) + ["--stop-after", str(tune_rounds(args, w)),
+                                                      "--holdout", f"{args.tune_holdout:g}"]
+        run = launch(flags, S, sd, os.path.join(work, "tune-" + "-".join(map(str, c))), em)
+        split = {m.get("scored_on") for m in run["metrics"] if "test_loss" in m}
+        if split != {"holdout"}:
+            raise RuntimeError(f"a tuning run scored {sorted(map(str, split))}, not the held-out split")
+        return {"metrics": run["metrics"], "summary": run["summary"]}
+
+    results = run_over_links(cells_, lambda c: ("loopback", c[1]), one, "speed: tuning") if cells_ else {}
+    tuning: Dict[str, Any] = {}
+    picks: Dict[Tuple, float] = {}
+    errors: List[str] = []
+    for (config, method, S), grid in grids.items():
+        w = workload(args, config)
+        rounds = tune_rounds(args, w)
+        scores, metric, higher, errs = [], None, True, []
+        for lr in grid:
+            r = results.get((config, S, "loopback", method, lr, seed))
+            if r is None:  # a one-point grid: not run
+                scores.append(None)
+                continue
+            if "error" in r:
+                errs.append(f"lr {lr:g}: {r['error'].splitlines()[-1] if r['error'] else ''}")
+                scores.append(None)
+                continue
+            metric, sc, higher = tune_score(r["metrics"], rounds)
+            scores.append(sc)
+        pick = grid[0] if len(grid) == 1 else pick_lr(grid, scores, higher)
+        fallback = pick is None
+        if fallback:
+            pick = base_lr(w, method)
+        picks[(config, method, S)] = pick
+        errors += [f"tuning {config}/{method}/S={S}: {e}" for e in errs]
+        tuning.setdefault(config, {}).setdefault(method, {})[str(S)] = {
+            "base_lr": base_lr(w, method), "multipliers": list(args.lr_grid), "grid": grid, "scores": scores,
+            "metric": metric, "higher_is_better": higher, "pick": pick, "pick_multiplier": pick / base_lr(w, method),
+            "ran": len(grid) > 1, "fallback": fallback, "rounds": rounds, "holdout": args.tune_holdout,
+            "seed": seed, "rule": TUNE_RULE, "errors": errs}
+    return tuning, picks, errors
 
 
 # ---------------------------------------------------------------- analysis
@@ -412,7 +594,7 @@ def analyse(args, results: Dict[Tuple, Dict[str, Any]]) -> Tuple[List[Dict[str, 
         parts = {p: sum(x.get(p, 0.0) for x in cv["parts"]) for p in ("local", "plan", "pack", "comm", "unpack")}
         runs.append({
             "config": config, "model": w["model"], "dataset": w["dataset"], "method": method, "compress": comp,
-            "seed": seed, "workers": S, "link": link_name, "bandwidth_bps": bw,
+            "lr": r["summary"].get("lr"), "seed": seed, "workers": S, "link": link_name, "bandwidth_bps": bw,
             "latency_s": args.latency_s if emulated else 0.0, "emulated": emulated,
             "target_accuracy": target, "time_to_target_s": ttt, "rounds_to_target": k,
             "predicted_time_to_target_s": sum(pred[:k]) if pred and k else None,
@@ -551,7 +733,24 @@ def _f(v, spec=".3g", none="—"):
     return none if v is None else f"{v:{spec}}"
 
 
-def markdown(args, runs, scale, skipped, errors, link_note) -> str:
+def tuning_lines(tuning: Dict[str, Any]) -> List[str]:
+    """The markdown table of the tuning: per workload, method and S, every lr with its score, and the pick."""
+    if not tuning:
+        return []
+    out = ["## Learning rates, tuned on a held-out part of the training set", "",
+           "Rule: " + TUNE_RULE + ".", "",
+           "| workload | method | S | rounds | lr: held-out score | pick |", "|---|---|---|---|---|---|"]
+    for config, by_method in sorted(tuning.items()):
+        for method, by_s in sorted(by_method.items()):
+            for S, e in sorted(by_s.items(), key=lambda kv: int(kv[0])):
+                pts = ", ".join(f"{lr:.3g}: {'not run' if not e['ran'] else _f(sc, '.4g', 'failed')}"
+                                for lr, sc in zip(e["grid"], e["scores"]))
+                note = " (no score: the workload's lr)" if e["fallback"] else ""
+                out.append(f"| {config} | {method} | {S} | {e['rounds']} | {pts} | **{e['pick']:.3g}**{note} |")
+    return out + [""]
+
+
+def markdown(args, runs, scale, skipped, errors, link_note, tuning=None) -> str:
     L_ = ["# Time to accuracy: measured on real processes, beside the cost model", ""]
     if link_note:
         L_ += [f"Emulated links: {link_note}", ""]
@@ -559,13 +758,15 @@ def markdown(args, runs, scale, skipped, errors, link_note) -> str:
            f"({'%.4g' % args.target if args.target else f'{args.target_fraction:g} x local SGD final accuracy'}); "
            "`vs local SGD` is time to target / local SGD's on the same link; `pred. err` is the cost model's "
            "predicted mean round time against the measured one.", ""]
-    hdr = ("| workload | S | link | method | compress | time to target (s) | vs local SGD | rounds | final acc | "
+    L_ += tuning_lines(tuning or {})
+    hdr = ("| workload | S | link | method | lr | compress | time to target (s) | vs local SGD | rounds | final acc | "
            "MB / round | s / round | pred. s / round | pred. err | local / plan / pack / comm / unpack (s) |")
     L_ += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
     for r in sorted(runs, key=lambda r: (r["config"], r["workers"], r["bandwidth_bps"] or 0, r["method"],
                                          r["compress"], r["seed"])):
         tp = r["time_by_part"]
-        L_.append(f"| {r['config']} ({r['model']}) | {r['workers']} | {r['link']} | {r['method']} | {r['compress']} | "
+        L_.append(f"| {r['config']} ({r['model']}) | {r['workers']} | {r['link']} | {r['method']} | "
+                  f"{_f(r.get('lr'), '.3g')} | {r['compress']} | "
                   f"{_f(r['time_to_target_s'], '.2f', 'not reached')} | {_f(r['time_vs_localsgd'], '.2f')} | "
                   f"{_f(r['rounds_to_target'], 'd')} | {_f(r['final_accuracy'], '.4f')} | "
                   f"{r['bytes_per_round'] / 1e6:.3g} | {r['round_time_s']:.3f} | {_f(r['predicted_round_time_s'], '.3f')} | "
@@ -633,15 +834,17 @@ def main(argv: Sequence[str] = ()) -> int:
     todo, skipped = cells(args)
     work = tempfile.mkdtemp(prefix="ist-speed-")
     try:
-        results = run_all(args, todo, work)
+        tuning, picks, tune_errors = tune(args, todo, work)
+        results = run_all(args, todo, work, picks)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     runs, errors = analyse(args, results)
+    errors = tune_errors + errors
     scale = [] if args.no_scale else scale_table(args, scale_models(args))
     fig = plot(runs, args.links, args.workers)
-    C.write_outputs(args, "speed", {"runs": runs, "scale": scale, "skipped": skipped, "errors": errors,
-                                    "workloads": {c: workload(args, c) for c in args.configs}},
-                    markdown(args, runs, scale, skipped, errors, link_note), fig, started)
+    C.write_outputs(args, "speed", {"runs": runs, "tuning": tuning, "scale": scale, "skipped": skipped,
+                                    "errors": errors, "workloads": {c: workload(args, c) for c in args.configs}},
+                    markdown(args, runs, scale, skipped, errors, link_note, tuning), fig, started)
     return 1 if errors else 0
 
 

@@ -47,10 +47,11 @@ class CheckpointError(RuntimeError):
 RESUME_MUST_MATCH = ("method", "model", "width", "depth", "dataset", "data_path", "seed", "batch_size",
                      "local_steps", "options", "precision", "augment", "dataset_size", "context", "storage",
                      "shared", "outer_optimizer", "outer_lr", "outer_momentum", "compress", "optimizer",
-                     "model_args", "dataset_args", "model_spec")
+                     "model_args", "dataset_args", "model_spec", "holdout")
 #: options added after checkpoints were first written: a checkpoint without them had their defaults
 _ADDED_DEFAULTS = {"outer_optimizer": "none", "outer_lr": 0.7, "outer_momentum": 0.9, "compress": "none",
-                   "optimizer": "sgd", "model_args": {}, "dataset_args": {}, "model_spec": None}
+                   "optimizer": "sgd", "model_args": {}, "dataset_args": {}, "model_spec": None,
+                   "holdout": 0.0}
 
 
 def _atomic_write(path: str, write) -> None:

@@ -38,7 +38,7 @@ CHOICES = {"precision": PRECISIONS, "lr_schedule": LR_SCHEDULES, "backend": BACK
            "shared": SHARED, "outer_optimizer": OUTER_OPTIMIZERS, "compress": COMPRESS, "optimizer": OPTIMIZERS}
 # --help's sections: every option of TrainConfig in exactly one
 GROUPS = {
-    "data": ("dataset", "data_path", "dataset_args", "augment", "dataset_size", "context"),
+    "data": ("dataset", "data_path", "dataset_args", "augment", "dataset_size", "context", "holdout"),
     "model": ("model", "model_args", "model_spec", "width", "depth"),
     "method": ("method", "prune_ratio", "options", "storage", "shared", "compress", "outer_optimizer",
                "outer_lr", "outer_momentum", "baseline"),
@@ -100,6 +100,9 @@ class TrainConfig:
                                        "generated data sets (synthetic_cifar10/100): training samples "
                                        "(default 50000, CIFAR's; the test set has a fifth as many)")
     context: int = _opt(128, "pycode, tokens: ids per sequence (the language model's context)")
+    holdout: float = _opt(0.0, "hold out this fraction of the training set (0 < F < 1; 0: off) and score every "
+                          "evaluation on it instead of the test split (a validation split for tuning): a seeded "
+                          "random subset (language models: the last sequences), left out of every shard")
     # workers
     workers: Optional[int] = _opt(None, "number of workers S (processes); default: WORLD_SIZE under torchrun, else 2")
     simulate: int = _opt(0, "train S workers/subnetworks one after another in one process (0: off)")
@@ -229,6 +232,10 @@ class TrainConfig:
             _positive_int(self, "threads")
         if self.dataset_size is not None:
             _positive_int(self, "dataset_size")
+        if isinstance(self.holdout, bool) or not isinstance(self.holdout, (int, float)) or not (
+                self.holdout == 0 or 0 < self.holdout < 1):  # also rejects nan
+            raise ConfigError("holdout", f"must be a fraction in (0, 1) of the training set, or 0 (off), "
+                              f"got {self.holdout!r}")
         if self.simulate < 0:
             raise ConfigError("simulate", f"must be >= 0 (0: off), got {self.simulate}")
         if self.workers is not None and self.workers < 1:

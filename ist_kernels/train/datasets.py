@@ -45,6 +45,14 @@
   shards, batches and resumption work as for every other data set; this is meant for data that fits
   in memory. Every process calls the factory itself: it must return the same data every time.
 
+``--holdout F`` (0 < F < 1) carves a validation split out of the training set
+(:func:`hold_out`): round(F x n) of its n samples (at least one), a seeded random subset for
+classification and regression data (seed: the run's ``seed``), the last ones for a language model
+(contiguous text, so no held-out sequence sits between two trained ones); the shards are cut from
+the rest, and every evaluation scores the held-out samples instead of the test split
+(``scored_on``: ``"holdout"``; the test split is not read). Settings tuned on it never see the test
+split.
+
 Each worker s of S sees its own shard: a seed-determined permutation of the training set cut into S
 disjoint near-equal parts. Batches are a pure function of (seed, worker, step): the worker's stream
 is its shard reshuffled every epoch, cut into full batches. So the simulated and the distributed
@@ -87,16 +95,33 @@ class Dataset:
     # language models: what one position is, for the test metric ``bits_per_<token_unit>`` (pycode
     # and raw-byte token files: "byte"; BPE ids and the like: "token")
     token_unit: str = "byte"
+    # --holdout: the validation split carved from the training set (:func:`hold_out`), scored in place
+    # of the test split; ``train_index`` / ``holdout_index``: where the training and held-out samples
+    # were in the training set as loaded (None: no holdout)
+    holdout_x: Optional[Tensor] = None
+    holdout_y: Optional[Tensor] = None
+    train_index: Optional[Tensor] = None
+    holdout_index: Optional[Tensor] = None
 
     @property
     def input_shape(self) -> Tuple[int, ...]:
         return tuple(self.train_x.shape[1:])
 
+    @property
+    def scored_on(self) -> str:
+        """The split evaluations score: ``"holdout"`` (--holdout) or ``"test"``."""
+        return "test" if self.holdout_y is None else "holdout"
+
+    def eval_split(self) -> Tuple[Tensor, Tensor]:
+        """(inputs, targets) of the split evaluations score (:attr:`scored_on`)."""
+        return (self.test_x, self.test_y) if self.holdout_y is None else (self.holdout_x, self.holdout_y)
+
     def to(self, device) -> "Dataset":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Dataset(self.name, self.task, move(self.train_x), move(self.train_y), move(self.test_x),
                        move(self.test_y), self.num_outputs, move(self.mean), move(self.std), self.image,
-                       self.token_unit)
+                       self.token_unit, move(self.holdout_x), move(self.holdout_y), self.train_index,
+                       self.holdout_index)
 
     def prepare(self, x: Tensor) -> Tensor:
         """A batch for the model: uint8 images scaled and normalised to floats, token ids (uint8,
@@ -895,20 +920,51 @@ def _load_key(cfg) -> tuple:
 
 
 def load_dataset(cfg) -> Dataset:
-    """The data set ``cfg`` names (``cfg`` may be a TrainConfig or HyperParams)."""
+    """The data set ``cfg`` names (``cfg`` may be a TrainConfig or HyperParams), its ``holdout``
+    fraction of the training set held out (:func:`hold_out`) when that is > 0."""
     spec = dataset_spec(cfg.dataset)
     if not spec.cache:
         check_dataset(cfg)
-        return spec.loader(cfg)
-    key = _load_key(cfg)
-    if key not in _LOADED:
-        if spec is not EXTERNAL:
-            check_dataset(cfg)
         ds = spec.loader(cfg)
-        while len(_LOADED) >= 2:
-            _LOADED.pop(next(iter(_LOADED)))
-        _LOADED[key] = ds
-    return _LOADED[key]
+    else:
+        key = _load_key(cfg)
+        if key not in _LOADED:
+            if spec is not EXTERNAL:
+                check_dataset(cfg)
+            ds = spec.loader(cfg)
+            while len(_LOADED) >= 2:
+                _LOADED.pop(next(iter(_LOADED)))
+            _LOADED[key] = ds
+        ds = _LOADED[key]
+    fraction = getattr(cfg, "holdout", 0) or 0
+    return hold_out(ds, fraction, cfg.seed) if fraction else ds
+
+
+def holdout_indices(n: int, fraction: float, seed: int, task: str) -> Tuple[Tensor, Tensor]:
+    """(kept, held out): indices into a training set of ``n`` samples, each sorted; round(fraction x n)
+    held out (at least 1, at most n - 1). Classification and regression: a random subset drawn from
+    ``seed`` (its own stream, apart from the shards'); a language model: the last ones (its
+    sequences are consecutive text)."""
+    if not (0 < fraction < 1):
+        raise ConfigError("holdout", f"must be in (0, 1) (a fraction of the training set; 0: off), got {fraction!r}")
+    k = max(1, int(round(fraction * n)))
+    if k >= n:
+        raise ConfigError("holdout", f"{fraction:g} of {n} training samples leaves none to train on")
+    if task == "language_model":
+        return torch.arange(n - k), torch.arange(n - k, n)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(_mix(seed, 0x4A1D)))
+    return perm[k:].sort().values, perm[:k].sort().values
+
+
+def hold_out(ds: Dataset, fraction: float, seed: int) -> Dataset:
+    """``ds`` with ``fraction`` of its training set moved to a validation split (``holdout_x``,
+    ``holdout_y``; :func:`holdout_indices` says which), scored in place of the test split; the
+    training set (and so every shard) is the rest."""
+    if ds.holdout_y is not None:
+        raise ConfigError("holdout", "the data set already has a held-out split")
+    keep, held = holdout_indices(len(ds.train_y), fraction, seed, ds.task)
+    return Dataset(ds.name, ds.task, ds.train_x[keep], ds.train_y[keep], ds.test_x, ds.test_y, ds.num_outputs,
+                   ds.mean, ds.std, ds.image, ds.token_unit, ds.train_x[held], ds.train_y[held], keep, held)
 
 
 def dataset_kind(cfg) -> Tuple[str, bool]:
@@ -1002,10 +1058,22 @@ class ShardedData:
             x = _augment(x, _mix(self.seed, worker, step, 0xA06))
         return x, self.dataset.train_y[idx]
 
+    @property
+    def scored_on(self) -> str:
+        """The split :meth:`eval_batches` reads: ``"holdout"`` (--holdout) or ``"test"``."""
+        return self.dataset.scored_on
+
     def test_batches(self, batch_size: int):
         d = self.dataset
         for i in range(0, len(d.test_y), batch_size):
             yield d.prepare(d.test_x[i:i + batch_size]), d.test_y[i:i + batch_size]
+
+    def eval_batches(self, batch_size: int):
+        """Batches of the split evaluations score: the held-out one with --holdout, else the test split."""
+        d = self.dataset
+        x, y = d.eval_split()
+        for i in range(0, len(y), batch_size):
+            yield d.prepare(x[i:i + batch_size]), y[i:i + batch_size]
 
 
 def _augment(x: Tensor, seed: int) -> Tensor:

@@ -184,7 +184,11 @@ class Run:
             if r == self.end:  # kept for the final save (only then: it may be the whole model, on rank 0)
                 self.assembled[r] = model
             self.scored.add(r)
-            return self.method.evaluate(model) if self.rank0 else {}
+            if not self.rank0:
+                return {}
+            scores = self.method.evaluate(model)
+            split = self.ctx.scored_on  # which split those scores read (--holdout: "holdout")
+            return {**scores, "scored_on": split} if split is not None and scores else scores
 
     @staticmethod
     def _timed(parts: Dict[str, float], wall: float) -> Dict[str, float]:
@@ -301,7 +305,8 @@ class Run:
         final_gather = self._sum_over_ranks([0.0, final_gather], "the final save's bytes", end)[1]
         self.ctx.clock.take()
         summary = (_write_outputs(self.cfg, world, self.method, model, self.log.history, final_gather, self.rounds,
-                                  self.out_dir, self.setup_time, scored=self.log.history[-1]["round"] in self.scored)
+                                  self.out_dir, self.setup_time, scored=self.log.history[-1]["round"] in self.scored,
+                                  scored_on=self.ctx.scored_on)
                    if self.rank0 else None)
         # none tears its process group down while another still works
         _barrier(world, "the run's outputs written", end)
@@ -318,7 +323,7 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
 
 
 def _write_outputs(cfg, world, method, model, hist, final_gather, rounds, out_dir, setup_time,
-                   scored: bool = False) -> Dict[str, Any]:
+                   scored: bool = False, scored_on: Optional[str] = None) -> Dict[str, Any]:
     """summary.json and model.pt of a finished (or stopped) run, on rank 0; returns the summary."""
     S = cfg.num_workers
     final = hist[-1]
@@ -333,6 +338,8 @@ def _write_outputs(cfg, world, method, model, hist, final_gather, rounds, out_di
         "optimizer": "adamw" if cfg.method == "diloco" else cfg.optimizer, "lr": cfg.lr,
         "rounds": final["round"], "finished": final["round"] == rounds,
         "accuracy": final.get("accuracy"), "test_loss": final.get("test_loss"),
+        # the split those scores read: "test", or "holdout" (--holdout: a part of the training set)
+        "scored_on": scored_on, "holdout": getattr(cfg, "holdout", 0.0),
         **{k: final[k] for k in ("bits_per_byte", "bits_per_token") if k in final},
         "train_loss": final.get("train_loss"), "train_time": final["train_time"],
         "total_bytes": final["total_bytes"], "total_ps_bytes": final["total_ps_bytes"],

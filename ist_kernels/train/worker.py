@@ -305,9 +305,18 @@ class RunContext:
                 total += loss.detach()
             return float(total)
 
+    @property
+    def scored_on(self) -> Optional[str]:
+        """The split the built-in scores read: ``"holdout"`` (--holdout) or ``"test"``; None when a
+        user's loop brings its own scores (or no data)."""
+        if self._user_evaluate is not None or self.data is None:
+            return None
+        return self.data.scored_on
+
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> Dict[str, float]:
-        """Scores of ``model`` on the test set: test_loss and, for classification, accuracy; for a
+        """Scores of ``model`` on the test set (with --holdout: on the held-out part of the training
+        set instead, :attr:`scored_on`; the keys stay the same): test_loss and, for classification, accuracy; for a
         language model the mean cross-entropy per token (nats), ``bits_per_byte`` (it over ln 2; for
         data whose positions are not bytes, e.g. BPE ids: ``bits_per_token``) and ``accuracy`` (of the
         next byte / token). A user's loop may bring its own scores (``evaluate``
@@ -324,7 +333,7 @@ class RunContext:
         model.eval()
         loss_sum, correct, n = 0.0, 0, 0
         task = self.dataset.task
-        for x, y in self.data.test_batches(self._cfg.eval_batch_size):
+        for x, y in self.data.eval_batches(self._cfg.eval_batch_size):
             with self.autocast():
                 out = self.logits(model(x))
             count = y.numel() if task == "language_model" else len(y)
