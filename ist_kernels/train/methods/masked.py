@@ -37,6 +37,9 @@ a replicated exchange owner-averages the slices across the ranks. Simulated: the
 ``SubnetMLP.aggregate_`` over the S subnetworks; bytes counted from the plans as the distributed
 run would move them.
 
+``repartition_every=k`` (an ablation, default 1): round r reuses round r - r % k's plan, so the
+subnetworks are drawn anew only every k rounds (the optimizers still start afresh every round).
+
 The full model is scored as paper 001 §4 does: each hidden neuron's output scaled by the
 selection probability ξ (a subnetwork's output is about ξ times the full model's).
 """
@@ -199,6 +202,9 @@ class Masked(Method):
         "bias": Option(True, boolean, "hidden and output biases (paper 001 has none)"),
         "kappa": Option(1.0, float, "std of the first layer's initial weights (paper 001: κ)",
                         check=lambda v: v > 0, expected="a positive number"),
+        "repartition_every": Option(1, int, "draw new subnetworks every this many rounds (round r trains round "
+                                    "r - r % k's plan; 1: every round, as IST and paper 001 do; >= rounds: never)",
+                                    check=lambda v: v >= 1, expected="an integer >= 1"),
     }
     fixed_masks = None  # ist: "balanced"
     outer_optimizer = True
@@ -248,6 +254,8 @@ class Masked(Method):
             setattr(self.net, name, b)
 
     def plan(self, r: int):
+        """Round r's neurons per worker: drawn from round r - r % repartition_every's generator."""
+        r -= r % self.ctx.options.get("repartition_every", 1)
         return sample_neurons(self.net, self.ctx.num_workers, self.masks, self.xi, self.ctx.generator(PLAN, r))
 
     def round_plan(self, r: int) -> "NeuronPlan":
