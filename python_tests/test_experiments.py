@@ -337,15 +337,18 @@ def test_speed_quick(tmp_path):
     where namespaces can be made), the model's prediction beside each, and the scale table."""
     from ist_kernels.experiments import link, speed
 
-    assert main(["speed", "--quick", "--out", str(tmp_path)]) == 0
+    assert main(["speed", "--quick", "--configs", "cnn,mlp", "--out", str(tmp_path)]) == 0  # lm: its own test
     doc = _load_json(tmp_path / "speed.json")
     assert doc["experiment"] == "speed" and doc["errors"] == []
     runs = doc["runs"]
     assert {r["method"] for r in runs} == set(speed.QUICK_METHODS)
+    assert doc["baselines"] is None  # no language model among the workloads
     emulated = link.unavailable_reason() is None
     assert {r["link"] for r in runs} == ({"loopback", "100mbit"} if emulated else {"loopback"})
     for r in runs:
         assert RUN_KEYS <= set(r), RUN_KEYS - set(r)
+        assert r["workload"] == r["config"] and r["metric"] == "accuracy" and r["higher_is_better"]
+        assert r["final_metric"] == r["final_accuracy"] and r["target"] == r["target_accuracy"]
         assert r["workers"] == 2 and r["emulated"] == (r["link"] != "loopback")
         assert r["bandwidth_bps"] == (1e8 if r["emulated"] else None)
         assert r["round_time_s"] > 0 and r["bytes_per_round"] > 0 and 0 <= r["final_accuracy"] <= 1
@@ -384,6 +387,110 @@ def test_speed_quick(tmp_path):
     for r in scale:
         assert SCALE_KEYS <= set(r)
     _check_claims(tmp_path, "speed")
+
+
+def test_byte_entropies_of_known_strings():
+    """The lm's byte-frequency baselines: the entropy of one byte and of a byte given the one before."""
+    e = C.byte_entropies(b"ab" * 50)
+    assert e == {"unigram_bits": pytest.approx(1.0, abs=1e-12), "bigram_bits": pytest.approx(0.0, abs=1e-12),
+                 "bytes": 100}
+    e = C.byte_entropies(b"abcd" * 25)  # four equally frequent bytes, each fixing the next
+    assert e["unigram_bits"] == pytest.approx(2.0, abs=1e-12) and e["bigram_bits"] == pytest.approx(0.0, abs=1e-12)
+    # b"aaab": p(a) = 3/4; pairs aa, aa, ab: after an a, a with 2/3 and b with 1/3
+    h = lambda *p: -sum(x * math.log2(x) for x in p)  # noqa: E731
+    e = C.byte_entropies(b"aaab")
+    assert e["unigram_bits"] == pytest.approx(h(0.75, 0.25), rel=1e-12)
+    assert e["bigram_bits"] == pytest.approx(h(2 / 3, 1 / 3), rel=1e-12)
+    # a byte that follows two different bytes: H(B | A) = sum_a p(a) H(B | A = a)
+    e = C.byte_entropies(b"abacab")  # pairs ab, ba, ac, ca, ab: a -> b, c, b; b -> a; c -> a
+    assert e["bigram_bits"] == pytest.approx(3 / 5 * h(2 / 3, 1 / 3), rel=1e-12)
+    with pytest.raises(ValueError):
+        C.byte_entropies(b"a")
+
+
+def test_speed_time_to_target_lower_is_better_for_bits_per_byte():
+    """Accuracy reaches a target at or above it; bits per byte at or below it; unevaluated rounds
+    (None) never reach it."""
+    from ist_kernels.experiments import speed
+
+    secs = [1.0, 2.0, 3.0, 4.0]
+    bpb = [5.0, None, 3.3, 3.1]
+    assert speed.time_to_target(secs, bpb, 3.3, higher_is_better=False) == (6.0, 3)  # at the target counts
+    assert speed.time_to_target(secs, bpb, 3.2, higher_is_better=False) == (10.0, 4)
+    assert speed.time_to_target(secs, bpb, 3.0, higher_is_better=False) == (None, None)
+    assert speed.time_to_target(secs, bpb, 6.0, higher_is_better=False) == (1.0, 1)
+    acc = [0.5, None, 0.9, 0.8]
+    assert speed.time_to_target(secs, acc, 0.9) == (6.0, 3)
+    assert speed.time_to_target(secs, acc, 0.95) == (None, None)
+    assert speed.time_to_target(secs, acc, None) == (None, None)
+    # the targets: local SGD's final accuracy x --target-fraction; its final bits per byte + --lm-margin
+    args = speed.parse(["--lm-margin", "0.1"])
+    lm, cnn = speed.workload(args, "lm"), speed.workload(args, "cnn")
+    assert speed.target_of(args, lm, 3.2) == pytest.approx(3.3) and speed.target_of(args, lm, None) is None
+    assert speed.target_of(args, cnn, 0.9) == pytest.approx(0.98 * 0.9)
+    assert speed.parse([]).lm_margin == speed.LM_MARGIN == 0.05
+
+
+def test_speed_lm_workload_runs_every_method_with_adamw():
+    """The lm workload's cells and flags (no processes): its six methods, both IST variants by name,
+    AdamW, the context and the cosine schedule for every one; --methods ist picks both variants."""
+    from ist_kernels.experiments import speed
+
+    args = speed.parse(["--configs", "lm", "--workers", "2", "--links", "loopback", "--compress", "none"])
+    todo, skipped = speed.cells(args)
+    assert skipped == []
+    assert {c[3] for c in todo} == {"localsgd", "ddp", "diloco", "ist-ffn", "ist-heads", "resist"}
+    w = speed.workload(args, "lm")
+    assert w["metric"] == "bits_per_byte" and not speed.higher_is_better(w) and w["lr"] == 1e-3
+    for m in {c[3] for c in todo}:
+        f = speed.method_flags(w, m, "none")
+        val = lambda k: f[f.index(k) + 1]  # noqa: E731
+        assert val("--optimizer") == "adamw" and val("--context") == "128" and val("--model") == "gpt_tiny"
+        assert val("--lr-schedule") == "cosine" and val("--dataset") == "pycode"
+        assert float(val("--lr")) == 1e-3
+        assert val("--method") == speed.trainer_method(w, m)[0]
+    f = speed.method_flags(w, "ist-heads", "none")
+    assert f[f.index("--method") + 1] == "ist" and f[f.index("--option") + 1] == "partition=heads"
+    f = speed.method_flags(w, "ist-ffn", "none")
+    assert f[f.index("--option") + 1] == "partition=ffn"
+    args = speed.parse(["--configs", "lm", "--methods", "ist,loft", "--workers", "2", "--links", "loopback"])
+    todo, skipped = speed.cells(args)
+    assert {c[3] for c in todo} == {"ist-ffn", "ist-heads"} and len(skipped) == 1 and skipped[0].startswith("loft")
+
+
+def test_speed_quick_lm(tmp_path):
+    """The lm workload in --quick (a tiny transformer, seconds a run): bits per byte after every round,
+    lower is better, the target local SGD's final + the margin, the byte baselines in the JSON."""
+    # three methods (each run is mostly its processes' start-up): local SGD and both IST variants
+    assert main(["speed", "--quick", "--configs", "lm", "--methods", "localsgd,ist", "--links", "loopback",
+                 "--compress", "none", "--no-scale", "--out", str(tmp_path)]) == 0
+    doc = _load_json(tmp_path / "speed.json")
+    assert doc["errors"] == [] and doc["skipped"] == []
+    runs = doc["runs"]
+    assert {r["method"] for r in runs} == {"localsgd", "ist-ffn", "ist-heads"}
+    base = next(r for r in runs if r["method"] == "localsgd")
+    for r in runs:
+        assert {"workload", "model", "seed", "lr", "metric", "final_metric"} <= set(r)
+        assert r["workload"] == "lm" and r["model"] == "gpt_tiny" and r["seed"] == 0 and r["lr"] == 1e-3
+        assert r["metric"] == "bits_per_byte" and not r["higher_is_better"]
+        cv = r["curve"]["bits_per_byte"]
+        assert len(cv) == len(r["curve"]["round_s"]) == 3 and r["final_metric"] == cv[-1]
+        assert 4 < r["final_metric"] < 8.5  # an untrained byte model: about log2(256) = 8
+        assert r["target"] == pytest.approx(base["final_metric"] + 0.05, rel=1e-4) and r["target_accuracy"] is None
+        k = r["rounds_to_target"]
+        reached = [i + 1 for i, v in enumerate(cv) if v <= r["target"]]
+        assert k == (reached[0] if reached else None)
+        if k is not None:
+            assert r["time_to_target_s"] == pytest.approx(sum(r["curve"]["round_s"][:k]), rel=1e-4)
+    assert base["rounds_to_target"] is not None  # its own final value is under its target
+    assert {r["trainer_method"] for r in runs if r["method"].startswith("ist-")} == {"ist"}
+    assert next(r for r in runs if r["method"] == "ist-heads")["options"] == ["partition=heads"]
+    b = doc["baselines"]
+    assert b["dataset"] == "pycode" and b["split"] == "test" and b["bytes"] > 10_000
+    assert 0 < b["bigram_bits"] < b["unigram_bits"] < 8
+    assert doc["workloads"]["lm"]["metric"] == "bits_per_byte"
+    md = (tmp_path / "speed.md").read_text()
+    assert "bpb" in md and "bigram" in md
 
 
 def test_speed_predict_adds_the_wait_for_the_slowest_rank_and_the_busiest_links_wire_time():

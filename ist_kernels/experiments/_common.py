@@ -231,6 +231,43 @@ def jsonable(obj, digits: int = 0):
     return obj
 
 
+def byte_entropies(data: bytes) -> Dict[str, float]:
+    """The byte-frequency baselines of a language model on ``data`` (bits per byte, plug-in estimates
+    from its own counts): ``unigram_bits``, the entropy of one byte, -sum p(a) log2 p(a); ``bigram_bits``,
+    the conditional entropy of a byte given the one before it, -sum p(a, b) log2 p(b | a) over the
+    len - 1 adjacent pairs; and ``bytes``. b"abab..." gives 1 and 0 bits."""
+    import torch
+
+    if len(data) < 2:
+        raise ValueError(f"byte_entropies: need at least 2 bytes, got {len(data)}")
+    a = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+    def h(counts):  # -sum c/n log2(c/n) over the nonzero counts
+        c = counts[counts > 0].double()
+        p = c / c.sum()
+        return float(-(p * p.log2()).sum())
+
+    pairs = torch.bincount(a[:-1] * 256 + a[1:], minlength=256 * 256)
+    # H(B | A) = H(A, B) - H(A), A over the pairs' first bytes
+    bigram = h(pairs) - h(pairs.view(256, 256).sum(1))
+    return {"unigram_bits": h(torch.bincount(a, minlength=256)), "bigram_bits": max(0.0, bigram),
+            "bytes": len(data)}
+
+
+def pycode_baselines() -> Dict[str, Any]:
+    """:func:`byte_entropies` of the whole test split of ``--dataset pycode`` (every test file of the
+    standard library, concatenated in the data set's order; the trainer scores its first 8 KiB)."""
+    from ..train.datasets import pycode_files
+
+    _, test = pycode_files()
+    parts = []
+    for path in test:
+        with open(path, "rb") as f:
+            parts.append(f.read())
+    data = b"".join(parts)
+    return {**byte_entropies(data), "dataset": "pycode", "split": "test", "files": len(test)}
+
+
 def figure(cols: int = 1, rows: int = 1, size=(5.0, 3.6)):
     """A matplotlib Figure on the Agg canvas (no display, no global pyplot state) and its axes."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg

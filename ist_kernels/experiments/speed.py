@@ -1,11 +1,18 @@
-"""Time to accuracy of every method on S real processes, over loopback and emulated limited links, beside a cost model's prediction, and the model extrapolated to 1,024 workers.
+"""Time to target (test accuracy; the language model's bits per byte) of every method on S real processes, over loopback and emulated limited links, beside a cost model's prediction, and the model extrapolated to 1,024 workers.
 
-    python -m ist_kernels.experiments speed [--workers 2,4] [--links loopback,100mbit,1gbit] [--configs cnn,mlp]
+    python -m ist_kernels.experiments speed [--workers 2,4] [--links loopback,100mbit,1gbit] [--configs lm,cnn,mlp]
 
-Every method of the trainer's registry that can train a workload (``--configs``; ``grelu`` left
+The workloads (``--configs``): ``lm``, the main one, ``gpt_tiny`` learning the bytes of the Python
+standard library (``--dataset pycode``, context 128, batch 16, 40 rounds of 25 local steps, AdamW
+for every method at a base lr of 1e-3, cosine after a 2-round warm-up), trained by ``localsgd``,
+``ddp``, ``diloco``, ``ist-ffn`` and ``ist-heads`` (``ist`` with ``partition=ffn`` / ``heads``) and
+``resist``, scored in test bits per byte (lower is better) beside the byte-frequency baselines of
+pycode's test split (:func:`ist_kernels.experiments._common.pycode_baselines`: the entropy of one
+byte and of a byte given the previous one); ``cnn`` and ``mlp`` on digits, scored in test accuracy.
+On those every method of the trainer's registry that can train the workload (``grelu`` left
 out: it trains a fixed-gate network with local SGD's communication; ``loft`` runs paper 000's
 pipeline: LOFT pre-training for half the rounds, 50% filter pruning, local-SGD fine-tuning of the
-pruned model) runs the same data, seeds and rounds with S real processes (gloo over TCP; one ``python -m ist_kernels.train`` process per rank,
+pruned model) runs. Each runs the same data, seeds and rounds with S real processes (gloo over TCP; one ``python -m ist_kernels.train`` process per rank,
 one torch thread each), once per link:
 
 - ``loopback``: the processes talk over the loopback interface;
@@ -28,8 +35,9 @@ is the pick. The grid, every score and the pick are in the JSON's ``tuning``; th
 
 Each run evaluates after every round. Reported per method x workers x link: the training time (the
 rounds' own wall time: local steps, plans, packing, communication; evaluation left out) until the
-test accuracy first reaches the target (``--target``, or ``--target-fraction`` of local SGD's
-final accuracy in the same workload, S and seed), the final accuracy, bytes per round, the measured
+test metric first reaches the target (accuracy: at or above ``--target``, or ``--target-fraction``
+of local SGD's final accuracy in the same workload, S and seed; bits per byte: at or below local
+SGD's final plus ``--lm-margin``), the final metric, bytes per round, the measured
 round time and its parts, and the cost model's prediction (``ist_kernels.distributed.cost``): the
 run's own time outside its collectives (compute, plans, packing; measured) and its wait for the
 slowest rank to enter them (measured) plus the model's communication: max(the collectives' own
@@ -76,16 +84,36 @@ from . import _common as C, link as L
 #: methods the experiment leaves out by default (see the docstring)
 EXCLUDED = ("grelu",)
 
-#: the workloads: a CNN deep enough that ResIST partitions most of it (LOFT, ResIST) and an MLP (IST,
-#: masked); every method that validates for one runs it (diloco's inner AdamW at its own learning rate)
+#: the workloads: the language model (``lm``, the main one: gpt_tiny on pycode, AdamW for every method, its
+#: own list of methods, two of them IST variants), a CNN deep enough that ResIST partitions most of it (LOFT,
+#: ResIST) and an MLP (IST, masked); on cnn and mlp every method that validates runs (diloco's inner AdamW at
+#: its own learning rate). Keys: ``metric`` (default accuracy; ``bits_per_byte``: lower is better),
+#: ``train`` (more trainer settings, each a flag and a TrainConfig field), ``methods`` (the workload's
+#: methods; default: the registry's), ``variants`` (name -> (trainer method, its --option values)).
 CONFIGS: Dict[str, Dict[str, Any]] = {
+    # 40 rounds of 25 local steps: 1,000 AdamW steps of 16 x 128 bytes per worker, cosine after a 2-round
+    # warm-up (docs/experiments.md: why, and the estimate that local SGD ends under 3.3 bits per byte)
+    "lm": dict(dataset="pycode", model="gpt_tiny", width=128, depth=4, lr=1e-3, batch_size=16, local_steps=25,
+               rounds=40, metric="bits_per_byte",
+               train=dict(context=128, optimizer="adamw", lr_schedule="cosine", lr_warmup_rounds=2),
+               methods=("localsgd", "ddp", "diloco", "ist-ffn", "ist-heads", "resist"),
+               variants={"ist-ffn": ("ist", ["partition=ffn"]), "ist-heads": ("ist", ["partition=heads"])},
+               options={}, flags={}),
     "cnn": dict(dataset="digits", model="preact_resnet101_basic", width=16, lr=0.05, batch_size=32, local_steps=8,
                 rounds=16, options={"resist": ["warmup_fraction=0.1"], "loft": ["pretrain_fraction=0.5"]},
                 flags={"loft": ["--prune-ratio", "0.5"], "diloco": ["--lr", "0.001"]}),
     "mlp": dict(dataset="digits", model="mlp", width=8192, depth=1, lr=0.1, batch_size=64, local_steps=8, rounds=40,
                 options={}, flags={"diloco": ["--lr", "0.001"]}),
 }
-QUICK = dict(width={"cnn": 4, "mlp": 256}, rounds=3, local_steps=2)
+#: --quick: every workload's rounds and local steps, and per workload what else shrinks (the lm: seconds a run)
+QUICK = dict(rounds=3, local_steps=2, overrides={
+    "cnn": dict(width=4), "mlp": dict(width=256),
+    "lm": dict(width=64, depth=3, batch_size=4, train=dict(context=16, optimizer="adamw", lr_schedule="cosine",
+                                                           lr_warmup_rounds=0, dataset_size=100_000))})
+#: --lm-margin's default: the lm's target is local SGD's final bits per byte plus this
+LM_MARGIN = 0.05
+#: the metrics a workload can have: higher is better?
+METRICS = {"accuracy": True, "bits_per_byte": False}
 #: --quick runs these methods (one of each kind) unless --methods says otherwise
 QUICK_METHODS = ("localsgd", "loft", "resist", "ist")
 #: --compress's default: every method that compresses runs uncompressed and with these
@@ -137,17 +165,22 @@ def parser() -> argparse.ArgumentParser:
                  f"methods {', '.join(QUICK_METHODS)}")
     p.add_argument("--configs", type=C.names, default=list(CONFIGS), help=f"workloads, of {', '.join(CONFIGS)}")
     p.add_argument("--methods", type=C.names, default=None,
-                   help="methods (default: every registered method that trains the workload, but "
-                        f"{', '.join(EXCLUDED)})")
+                   help="methods (default: the workload's: on lm " + ", ".join(CONFIGS["lm"]["methods"]) +
+                        f"; else every registered method that trains it, but {', '.join(EXCLUDED)}); a trainer "
+                        "method names each of its variants (ist: ist-ffn and ist-heads on lm)")
     p.add_argument("--workers", type=C.ints, default=[2, 4], help="S, processes per run (default 2,4)")
     p.add_argument("--links", type=_links, default=["loopback", "100mbit", "1gbit"],
                    help="loopback and emulated link rates, e.g. 100mbit,1gbit (default %(default)s)")
     p.add_argument("--latency", default="0", help="one-way latency added to each emulated link, e.g. 5ms (needs netem)")
     p.add_argument("--rounds", type=int, default=None, help="rounds per run (default: the workload's)")
     p.add_argument("--local-steps", type=int, default=None, help="local steps per round (default: the workload's)")
-    p.add_argument("--target", type=float, default=None, help="target test accuracy (default: --target-fraction)")
+    p.add_argument("--target", type=float, default=None,
+                   help="target test accuracy of the accuracy workloads (default: --target-fraction)")
     p.add_argument("--target-fraction", type=float, default=0.98,
                    help="target = this fraction of local SGD's final accuracy (same workload, S, seed)")
+    p.add_argument("--lm-margin", type=float, default=LM_MARGIN,
+                   help="the lm's target: local SGD's final test bits per byte (same S, seed) plus this; reached "
+                        "at or below it (default %(default)s)")
     p.add_argument("--compress", type=C.names, default=None,
                    help="the trainer's --compress modes to run the subnetwork methods and local SGD with (default: "
                         f"{','.join(COMPRESS)}; --quick: none,int8, int8 for {', '.join(QUICK_COMPRESSED)} only)")
@@ -192,6 +225,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"--target must be in (0, 1], got {args.target}")
     if not 0 < args.target_fraction <= 1:
         p.error(f"--target-fraction must be in (0, 1], got {args.target_fraction}")
+    if not (args.lm_margin >= 0 and math.isfinite(args.lm_margin)):
+        p.error(f"--lm-margin must be a finite number >= 0, got {args.lm_margin}")
     if not args.device_tflops > 0 or not args.step_overhead_ms >= 0:
         p.error("--device-tflops must be > 0 and --step-overhead-ms >= 0")
     try:
@@ -205,9 +240,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"--compress: each of {', '.join(COMPRESS)}, none among them (the uncompressed runs are the "
                 f"baseline), got {','.join(args.compress)}")
     if args.methods is not None:
-        unknown = [m for m in args.methods if m not in METHODS]
+        variants = sorted({v for w in CONFIGS.values() for v in w.get("variants", {})})
+        unknown = [m for m in args.methods if m not in METHODS and m not in variants]
         if unknown:
-            p.error(f"--methods: unknown {unknown}; registered: {', '.join(sorted(METHODS))}")
+            p.error(f"--methods: unknown {unknown}; registered: {', '.join(sorted(METHODS))}; variants: "
+                    f"{', '.join(variants)}")
     return args
 
 
@@ -215,8 +252,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def workload(args, name: str) -> Dict[str, Any]:
     w = dict(CONFIGS[name])
+    w.setdefault("metric", "accuracy")
     if args.quick:
-        w.update(width=QUICK["width"][name], rounds=QUICK["rounds"], local_steps=QUICK["local_steps"])
+        w.update(QUICK["overrides"].get(name, {}), rounds=QUICK["rounds"], local_steps=QUICK["local_steps"])
     if args.rounds is not None:
         w["rounds"] = args.rounds
     if args.local_steps is not None:
@@ -236,10 +274,27 @@ def _without_lr(flags: Sequence[str]) -> List[str]:
     return out
 
 
+def trainer_method(w: Dict[str, Any], name: str) -> Tuple[str, List[str]]:
+    """(the trainer's --method, its --option values) of ``name`` on workload ``w``: a variant of the
+    workload's (lm's ist-ffn: ist with partition=ffn) or a trainer method itself."""
+    method, options = w.get("variants", {}).get(name, (name, []))
+    return method, list(options)
+
+
+def _per_method(w: Dict[str, Any], key: str, name: str) -> List[str]:
+    """``w[key]``'s list for the method ``name``: its own entry, else its trainer method's."""
+    table = w.get(key, {})
+    return list(table[name] if name in table else table.get(trainer_method(w, name)[0], []))
+
+
+def higher_is_better(w: Dict[str, Any]) -> bool:
+    return METRICS[w.get("metric", "accuracy")]
+
+
 def base_lr(w: Dict[str, Any], method: str) -> float:
     """The workload's learning rate for ``method``: its own ``--lr`` flag (diloco's inner AdamW) or the
     workload's; the tuning grid multiplies it."""
-    extra = list(w["flags"].get(method, []))
+    extra = _per_method(w, "flags", method)
     for i, f in enumerate(extra[:-1]):
         if f == "--lr":
             return float(extra[i + 1])
@@ -256,14 +311,17 @@ def lr_grid(w: Dict[str, Any], method: str, multipliers: Sequence[float]) -> Lis
 def method_flags(w: Dict[str, Any], method: str, compress: str, lr: Optional[float] = None) -> List[str]:
     """The trainer's flags of ``method`` on workload ``w``; ``lr``: in place of :func:`base_lr`."""
     lr = base_lr(w, method) if lr is None else lr
-    flags = ["--method", method, "--model", w["model"], "--width", str(w["width"]), "--dataset", w["dataset"],
+    tm, variant_options = trainer_method(w, method)
+    flags = ["--method", tm, "--model", w["model"], "--width", str(w["width"]), "--dataset", w["dataset"],
              "--rounds", str(w["rounds"]), "--local-steps", str(w["local_steps"]), "--batch-size",
              str(w["batch_size"]), "--lr", f"{lr:.6g}", "--eval-interval", "1"]
     if "depth" in w:
         flags += ["--depth", str(w["depth"])]
-    for o in w["options"].get(method, []):
+    for k, v in w.get("train", {}).items():
+        flags += [f"--{k.replace('_', '-')}", str(v)]
+    for o in variant_options + _per_method(w, "options", method):
         flags += ["--option", o]
-    flags += _without_lr(w["flags"].get(method, []))
+    flags += _without_lr(_per_method(w, "flags", method))
     if compress != "none":
         flags += ["--compress", compress]
     return flags
@@ -271,10 +329,16 @@ def method_flags(w: Dict[str, Any], method: str, compress: str, lr: Optional[flo
 
 def trains(w: Dict[str, Any], method: str, S: int) -> Optional[str]:
     """None when ``method`` can train workload ``w`` with S workers, else why not."""
-    opts = dict(o.split("=", 1) for o in w["options"].get(method, []))
+    universe = w.get("methods")
+    if universe is not None and method not in universe:
+        return f"not one of the workload's methods ({', '.join(universe)})"
+    tm, variant_options = trainer_method(w, method)
+    if tm not in METHODS:
+        return f"the trainer has no method {tm!r}"
+    opts = dict(o.split("=", 1) for o in variant_options + _per_method(w, "options", method))
     kw = {k: w[k] for k in ("dataset", "model", "width", "depth", "lr", "batch_size", "local_steps", "rounds") if k in w}
     try:
-        TrainConfig(method=method, workers=S, options=opts, **kw).validate()
+        TrainConfig(method=tm, workers=S, options=opts, **kw, **w.get("train", {})).validate()
     except (ConfigError, ValueError) as e:
         return str(e)
     return None
@@ -284,14 +348,27 @@ def compresses(method: str) -> bool:
     return method != "ddp"  # torch's DistributedDataParallel sends its own gradient buckets
 
 
+def method_names(args, w: Dict[str, Any]) -> List[str]:
+    """The methods run on workload ``w``: ``--methods`` (a trainer method stands for each of its
+    variants), else the workload's list or the registry's (--quick: those whose trainer method is in
+    QUICK_METHODS; else without EXCLUDED)."""
+    universe = list(w["methods"]) if "methods" in w else sorted(METHODS)
+    tm = {n: trainer_method(w, n)[0] for n in universe}
+    if args.methods is not None:
+        out = [n for n in universe if n in args.methods or tm[n] in args.methods]
+        # a requested method the workload does not list: trains() says why it is skipped
+        return out + [m for m in args.methods if m not in out and not any(tm[n] == m for n in out)]
+    if args.quick:
+        return [n for n in universe if tm[n] in QUICK_METHODS]
+    return [n for n in universe if tm[n] not in EXCLUDED]
+
+
 def cells(args) -> Tuple[List[Tuple], List[str]]:
     """(config, S, link, method, compress, seed) of every run, and the skipped methods with why."""
     out, skipped = [], []
     for c in args.configs:
         w = workload(args, c)
-        names = args.methods or ([m for m in QUICK_METHODS if m in METHODS] if args.quick else
-                                 [m for m in sorted(METHODS) if m not in EXCLUDED])
-        for m in names:
+        for m in method_names(args, w):
             why = trains(w, m, max(args.workers))
             if why is not None:
                 skipped.append(f"{m} on {c} ({w['model']}): {why}")
@@ -299,7 +376,8 @@ def cells(args) -> Tuple[List[Tuple], List[str]]:
             for S in args.workers:
                 for link in args.links:
                     for comp in args.compress:
-                        if comp != "none" and (not compresses(m) or args.quick and m not in QUICK_COMPRESSED
+                        tm = trainer_method(w, m)[0]
+                        if comp != "none" and (not compresses(tm) or args.quick and tm not in QUICK_COMPRESSED
                                                and args.methods is None):
                             continue
                         for seed in args.seeds:
@@ -360,14 +438,16 @@ def launch(flags: List[str], S: int, seed: int, out_dir: str, link: Optional["L.
 
 
 def curve(run: Dict[str, Any]) -> Dict[str, List]:
-    """Per trained round: its training seconds, accuracy, bytes (all ranks), time parts, the
-    busiest link's bytes and rank 0's wait for the last rank in its collectives (``wait``)."""
+    """Per trained round: its training seconds, accuracy (language models: also bits per byte),
+    bytes (all ranks), time parts, the busiest link's bytes and rank 0's wait for the last rank in
+    its collectives (``wait``)."""
     rows = [m for m in run["metrics"] if m["round"] > 0]
     train, prev = [], 0.0
     for m in rows:
         train.append(m["train_time"] - prev)
         prev = m["train_time"]
-    return {"round_s": train, "accuracy": [m.get("accuracy") for m in rows],
+    out = {"bits_per_byte": [m.get("bits_per_byte") for m in rows]} if any("bits_per_byte" in m for m in rows) else {}
+    return {**out, "round_s": train, "accuracy": [m.get("accuracy") for m in rows],
             "bytes": [m["bytes_sent"] for m in rows], "parts": [m["time"] for m in rows],
             "busiest": [m.get("max_worker_link_bytes", m.get("max_worker_bytes_sent")) for m in rows],
             "wait": [m.get("peer_wait_s") for m in rows], "phase": [m.get("phase") for m in rows]}
@@ -564,6 +644,28 @@ def predict(run: Dict[str, Any], loop: Dict[str, Any], link: cost.Link, S: int, 
     return with_compute, from_loop
 
 
+def time_to_target(round_s: Sequence[float], values: Sequence[Optional[float]], target: Optional[float],
+                   higher_is_better: bool = True) -> Tuple[Optional[float], Optional[int]]:
+    """(training seconds, rounds) until the first evaluated round whose value reaches ``target``: at
+    or above it (accuracy), or at or below it with ``higher_is_better`` False (bits per byte); (None,
+    None) when none does or there is no target."""
+    if target is None:
+        return None, None
+    sign = 1.0 if higher_is_better else -1.0
+    v = [None if x is None else sign * x for x in values]
+    return cost.time_to_target(round_s, v, sign * target), cost.rounds_to_target(v, sign * target)
+
+
+def target_of(args, w: Dict[str, Any], base_final: Optional[float]) -> Optional[float]:
+    """The target of workload ``w`` from local SGD's final value (same workload, S, seed): accuracy:
+    ``--target``, else ``--target-fraction`` x it; bits per byte: it + ``--lm-margin``."""
+    if higher_is_better(w):
+        if args.target is not None:
+            return args.target
+        return None if base_final is None else args.target_fraction * base_final
+    return None if base_final is None else base_final + args.lm_margin
+
+
 def analyse(args, results: Dict[Tuple, Dict[str, Any]]) -> Tuple[List[Dict[str, Any]], List[str]]:
     runs, errors = [], []
     for c, r in results.items():
@@ -574,35 +676,37 @@ def analyse(args, results: Dict[Tuple, Dict[str, Any]]) -> Tuple[List[Dict[str, 
             continue
         config, S, link_name, method, comp, seed = c
         w = workload(args, config)
+        metric, higher = w["metric"], higher_is_better(w)
         base = results.get((config, S, link_name, "localsgd", "none", seed)) or \
             results.get((config, S, "loopback", "localsgd", "none", seed))
-        if args.target is not None:
-            target = args.target
-        elif base and "curve" in base and base["curve"]["accuracy"][-1] is not None:
-            target = args.target_fraction * base["curve"]["accuracy"][-1]
-        else:
-            target = None
+        base_final = base["curve"][metric][-1] if base and "curve" in base and base["curve"].get(metric) else None
+        target = target_of(args, w, base_final)
         cv = r["curve"]
+        values = cv.get(metric) or [None] * len(cv["round_s"])
         emulated = link_name != "loopback"
         bw = L.parse_rate(link_name) if emulated else None
         lk = cost.Link(bw, args.latency_s if emulated else 0.0)
         loop = results.get((config, S, "loopback", method, comp, seed))
         pred, pred_loop = predict(r, loop, lk, S, method, w["local_steps"]) if loop and "curve" in loop \
             else (None, None)
-        ttt = cost.time_to_target(cv["round_s"], cv["accuracy"], target) if target is not None else None
-        k = cost.rounds_to_target(cv["accuracy"], target) if target is not None else None
+        ttt, k = time_to_target(cv["round_s"], values, target, higher)
         parts = {p: sum(x.get(p, 0.0) for x in cv["parts"]) for p in ("local", "plan", "pack", "comm", "unpack")}
+        tm, options = trainer_method(w, method)
         runs.append({
-            "config": config, "model": w["model"], "dataset": w["dataset"], "method": method, "compress": comp,
+            "workload": config, "config": config, "model": w["model"], "dataset": w["dataset"], "method": method,
+            "trainer_method": tm, "options": options, "compress": comp,
             "lr": r["summary"].get("lr"), "seed": seed, "workers": S, "link": link_name, "bandwidth_bps": bw,
             "latency_s": args.latency_s if emulated else 0.0, "emulated": emulated,
-            "target_accuracy": target, "time_to_target_s": ttt, "rounds_to_target": k,
+            "metric": metric, "higher_is_better": higher, "final_metric": values[-1] if values else None,
+            "target": target, "target_accuracy": target if metric == "accuracy" else None,
+            "time_to_target_s": ttt, "rounds_to_target": k,
             "predicted_time_to_target_s": sum(pred[:k]) if pred and k else None,
             "final_accuracy": cv["accuracy"][-1], "rounds": len(cv["round_s"]),
             "round_time_s": _mean(cv["round_s"]), "predicted_round_time_s": _mean(pred) if pred else None,
             "predicted_round_time_from_loopback_s": _mean(pred_loop) if pred_loop else None,
             "bytes_per_round": _mean(cv["bytes"]), "time_by_part": parts,
             "train_time_s": sum(cv["round_s"]), "curve": {"round_s": cv["round_s"], "accuracy": cv["accuracy"],
+                                                    **({metric: values} if metric != "accuracy" else {}),
                                                     "parts": cv["parts"], "busiest": cv["busiest"],
                                                     "wait": cv["wait"]},
         })
@@ -733,6 +837,11 @@ def _f(v, spec=".3g", none="—"):
     return none if v is None else f"{v:{spec}}"
 
 
+def _final(r: Dict[str, Any]) -> str:
+    v = r.get("final_metric", r.get("final_accuracy"))
+    return "—" if v is None else (f"{v:.4f}" if r.get("metric", "accuracy") == "accuracy" else f"{v:.3f} bpb")
+
+
 def tuning_lines(tuning: Dict[str, Any]) -> List[str]:
     """The markdown table of the tuning: per workload, method and S, every lr with its score, and the pick."""
     if not tuning:
@@ -750,16 +859,27 @@ def tuning_lines(tuning: Dict[str, Any]) -> List[str]:
     return out + [""]
 
 
-def markdown(args, runs, scale, skipped, errors, link_note, tuning=None) -> str:
-    L_ = ["# Time to accuracy: measured on real processes, beside the cost model", ""]
+def baseline_lines(baselines: Optional[Dict[str, Any]]) -> List[str]:
+    if not baselines:
+        return []
+    return [f"Byte-frequency baselines on {baselines['dataset']}'s {baselines['split']} split "
+            f"({baselines['bytes']:,} bytes, {baselines['files']} files): one byte alone (unigram entropy) "
+            f"{baselines['unigram_bits']:.3f} bits, a byte given the previous one (bigram conditional entropy) "
+            f"{baselines['bigram_bits']:.3f} bits.", ""]
+
+
+def markdown(args, runs, scale, skipped, errors, link_note, tuning=None, baselines=None) -> str:
+    L_ = ["# Time to target: measured on real processes, beside the cost model", ""]
     if link_note:
         L_ += [f"Emulated links: {link_note}", ""]
-    L_ += ["Training time (rounds' wall time, evaluation excluded) until the test accuracy first reaches the target "
-           f"({'%.4g' % args.target if args.target else f'{args.target_fraction:g} x local SGD final accuracy'}); "
-           "`vs local SGD` is time to target / local SGD's on the same link; `pred. err` is the cost model's "
-           "predicted mean round time against the measured one.", ""]
+    acc_target = '%.4g' % args.target if args.target else f'{args.target_fraction:g} x local SGD final accuracy'
+    L_ += ["Training time (rounds' wall time, evaluation excluded) until the test metric first reaches the target "
+           f"(accuracy: at or above {acc_target}; bits per byte (bpb): at or below local SGD's final + "
+           f"{args.lm_margin:g}); `vs local SGD` is time to target / local SGD's on the same link; `pred. err` is the "
+           "cost model's predicted mean round time against the measured one.", ""]
+    L_ += baseline_lines(baselines)
     L_ += tuning_lines(tuning or {})
-    hdr = ("| workload | S | link | method | lr | compress | time to target (s) | vs local SGD | rounds | final acc | "
+    hdr = ("| workload | S | link | method | lr | compress | time to target (s) | vs local SGD | rounds | final | "
            "MB / round | s / round | pred. s / round | pred. err | local / plan / pack / comm / unpack (s) |")
     L_ += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
     for r in sorted(runs, key=lambda r: (r["config"], r["workers"], r["bandwidth_bps"] or 0, r["method"],
@@ -768,7 +888,7 @@ def markdown(args, runs, scale, skipped, errors, link_note, tuning=None) -> str:
         L_.append(f"| {r['config']} ({r['model']}) | {r['workers']} | {r['link']} | {r['method']} | "
                   f"{_f(r.get('lr'), '.3g')} | {r['compress']} | "
                   f"{_f(r['time_to_target_s'], '.2f', 'not reached')} | {_f(r['time_vs_localsgd'], '.2f')} | "
-                  f"{_f(r['rounds_to_target'], 'd')} | {_f(r['final_accuracy'], '.4f')} | "
+                  f"{_f(r['rounds_to_target'], 'd')} | {_final(r)} | "
                   f"{r['bytes_per_round'] / 1e6:.3g} | {r['round_time_s']:.3f} | {_f(r['predicted_round_time_s'], '.3f')} | "
                   f"{_f(None if r['prediction_error'] is None else 100 * r['prediction_error'], '+.1f')}"
                   f"{'%' if r['prediction_error'] is not None else ''} | "
@@ -797,23 +917,32 @@ def markdown(args, runs, scale, skipped, errors, link_note, tuning=None) -> str:
     return "\n".join(L_)
 
 
-def plot(runs, links: Sequence[str], workers: Sequence[int]):
-    fig, axes = C.figure(cols=len(links), rows=len(workers))
-    for i, S in enumerate(workers):
+def plot(runs, links: Sequence[str], workers: Sequence[int], baselines: Optional[Dict[str, Any]] = None):
+    """One panel per S x link x metric (test accuracy of the accuracy workloads; the lm's test bits per
+    byte, its byte-frequency baselines as horizontal lines) against training time."""
+    metrics = [m for m in METRICS if any(r.get("metric", "accuracy") == m for r in runs)] or ["accuracy"]
+    fig, axes = C.figure(cols=len(links), rows=len(workers) * len(metrics))
+    seed = runs[0]["seed"] if runs else None
+    for i, (S, metric) in enumerate((S, m) for S in workers for m in metrics):
         for j, link_name in enumerate(links):
             ax = axes[i * len(links) + j]
             for r in runs:
-                if r["workers"] != S or r["link"] != link_name or r["seed"] != runs[0]["seed"]:
+                if r["workers"] != S or r["link"] != link_name or r["seed"] != seed or \
+                        r.get("metric", "accuracy") != metric:
                     continue
-                t, acc = 0.0, []
-                xs = []
-                for s, a in zip(r["curve"]["round_s"], r["curve"]["accuracy"]):
+                xs, t = [], 0.0
+                for s in r["curve"]["round_s"]:
                     t += s
                     xs.append(t)
-                    acc.append(a)
                 label = f"{r['method']}" + ("" if r["compress"] == "none" else f" {r['compress']}") + f" ({r['config']})"
-                ax.plot(xs, acc, marker=".", label=label, linestyle="-" if r["config"] == "cnn" else "--")
-            C.style_axis(ax, f"S={S}, {link_name}", "training time (s)", "test accuracy", legend=i == j == 0)
+                ax.plot(xs, r["curve"][metric], marker=".", label=label,
+                        linestyle="-" if r["config"] in ("cnn", "lm") else "--")
+            if metric == "bits_per_byte" and baselines:
+                for key, name, style in (("unigram_bits", "unigram", ":"), ("bigram_bits", "bigram", "-.")):
+                    ax.axhline(baselines[key], color="gray", linestyle=style, linewidth=1,
+                               label=f"{name} entropy {baselines[key]:.2f}")
+            C.style_axis(ax, f"S={S}, {link_name}", "training time (s)",
+                         "test accuracy" if metric == "accuracy" else "test bits per byte", legend=j == 0)
     return fig
 
 
@@ -841,10 +970,12 @@ def main(argv: Sequence[str] = ()) -> int:
     runs, errors = analyse(args, results)
     errors = tune_errors + errors
     scale = [] if args.no_scale else scale_table(args, scale_models(args))
-    fig = plot(runs, args.links, args.workers)
+    baselines = C.pycode_baselines() if any(workload(args, c)["dataset"] == "pycode" for c in args.configs) else None
+    fig = plot(runs, args.links, args.workers, baselines)
     C.write_outputs(args, "speed", {"runs": runs, "tuning": tuning, "scale": scale, "skipped": skipped,
-                                    "errors": errors, "workloads": {c: workload(args, c) for c in args.configs}},
-                    markdown(args, runs, scale, skipped, errors, link_note, tuning), fig, started)
+                                    "errors": errors, "workloads": {c: workload(args, c) for c in args.configs},
+                                    "baselines": baselines},
+                    markdown(args, runs, scale, skipped, errors, link_note, tuning, baselines), fig, started)
     return 1 if errors else 0
 
 
