@@ -64,7 +64,8 @@ def resolve_backend(cfg: TrainConfig, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _set_threads(cfg: TrainConfig, processes: int, spawned: bool = False) -> None:
+def set_threads(cfg: TrainConfig, processes: int, spawned: bool = False) -> None:
+    """--threads, or this machine's cores shared among S local processes (spawned or --workers)."""
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     elif processes > 1 and (spawned or not under_torchrun()):  # S local processes share this machine's cores
@@ -102,7 +103,7 @@ def _run_rank(cfgs: List[TrainConfig], rank: int, world_size: int, local_rank: i
     device = resolve_device(cfg, local_rank, world_size, spawned)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    _set_threads(cfg, world_size, spawned)
+    set_threads(cfg, world_size, spawned)
     # The package's process group: created once, cfg.timeout_s for every collective of
     # ist_kernels.distributed and of the trainer (a dead or stalled rank raises CollectiveError).
     init_process_group(resolve_backend(cfg, device), timeout=cfg.timeout_s)  # env://
@@ -254,7 +255,7 @@ def launch(cfgs: Sequence[TrainConfig]) -> List[Optional[Dict[str, Any]]]:
     if under_torchrun():
         return _run_rank(cfgs, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]))
     if cfg.simulate or cfg.num_workers == 1:
-        _set_threads(cfg, 1)
+        set_threads(cfg, 1)
         world = World(simulated=bool(cfg.simulate), device=resolve_device(cfg, 0, 1))
         return [train(c, world) for c in cfgs]
     return _spawn(cfgs, cfg.num_workers)

@@ -52,7 +52,7 @@ from ..distributed import destroy_process_group, init_process_group
 from .config import TrainConfig, under_torchrun
 from .datasets import ShardedData, augment_default, load_dataset, register_factory
 from .errors import ConfigError
-from .launch import resolve_backend, resolve_device
+from .launch import resolve_backend, resolve_device, set_threads
 from .runner import Run, World
 
 _DONE = object()  # the round finished (engine -> loop)
@@ -202,8 +202,7 @@ class Engine:
         rank = int(os.environ["RANK"]) if distributed else 0
         local_rank = int(os.environ["LOCAL_RANK"]) if distributed else 0
         device = resolve_device(cfg, local_rank, S if distributed else 1)
-        if cfg.threads is not None:  # as ist-train: --threads fixes the CPU threads (and so the float sums)
-            torch.set_num_threads(cfg.threads)
+        set_threads(cfg, S if distributed else 1)  # as ist-train (--threads fixes the float sums)
         self._own_group = False
         if distributed:
             if device.type == "cuda":

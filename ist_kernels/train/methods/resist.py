@@ -29,17 +29,11 @@ import torch
 from ...models.gpt import gpt_shape
 from ...partition import check_resist, is_transformer, resist_plan, transformer_resist_plan
 from ...partition._resnet import find_resnet
-from ...partition.resist import residual_scales, set_residual_scales
 from ..engine import MOMENTUM_OPTION, LocalModels, SubnetRounds, phase_rounds, state_split, warn_payoff
 from ..models import is_external_model, language_models, load_model_spec, probe_model
 from . import ConfigError, Method, Option, register_method
 
 PLAN = 0x2E51  # generator tag of the round's plan
-
-
-def _residual_scales(model):
-    # residual_scale attributes, and (CNNs from other libraries) the hook-held output scales
-    return residual_scales(model)
 
 
 @register_method("resist")
@@ -103,17 +97,21 @@ class ResIST(Method):
             raise ConfigError("options.min_depth", f"{self.min_depth} is more than the {blocks} partitionable "
                               f"blocks of {ctx.hp.model}'s {where}")
         self.full_state_bytes = ctx.full_state_bytes(self.model)
-        # the scale every ResIST round's aggregation sets (it depends on S and min_depth, not on
-        # the round's permutation); the warm-up trains with it already
-        full_model = probe(ctx.num_workers, self.min_depth)
+        full_model = self._full_model_scales()
         spec = {n: (tuple(t.shape), t.dtype) for n, t in self.model.state_dict().items()}
         warn_payoff(state_split(full_model.slices, spec, [n for n, _ in self.model.named_parameters()],
                                 ctx.param_state_tensors), ctx.num_workers, "resist", f" on {ctx.hp.model}")
         self.rounds = None
         models = {s: (self.model if s == self.workers[0] else ctx.build_model()) for s in self.workers}
-        for m in models.values():
+        for m in models.values():  # the warm-up trains with the ResIST rounds' scales already
             full_model.scale_residuals(m)
         self.warmup = LocalModels(ctx, models, outer=True)
+
+    def _full_model_scales(self):
+        """A plan whose ``scale_residuals(model)`` sets the scale every ResIST round's aggregation
+        sets: it depends on S and min_depth, not on the round's permutation (any generator does,
+        none touches the global RNG)."""
+        return self.make_plan(self.model, self.ctx.num_workers, self.min_depth, torch.Generator().manual_seed(0))
 
     def plan(self, r: int):
         return self.make_plan(self.model, self.ctx.num_workers, self.min_depth, self.ctx.generator(PLAN, r))
@@ -141,7 +139,7 @@ class ResIST(Method):
     def state_dict(self):
         if self.rounds is None:
             return {"phase": "warmup", **self.warmup.state_dict()}
-        return {"phase": "resist", "rounds": self.rounds.state_dict(), "residual_scale": _residual_scales(self.model)}
+        return {"phase": "resist", "rounds": self.rounds.state_dict()}  # the scales follow from S and min_depth
 
     def load_state_dict(self, state):
         if state["phase"] == "warmup":
@@ -149,7 +147,4 @@ class ResIST(Method):
             return
         self._start_resist()
         self.rounds.load_state_dict(state["rounds"])
-        set_residual_scales(self.model, state["residual_scale"])
-        if self.make_plan is not resist_plan:  # its scales are hooks (or GPT's attribute): S and min_depth set them
-            self.make_plan(self.model, self.ctx.num_workers, self.min_depth,
-                           torch.Generator().manual_seed(0)).scale_residuals(self.model)
+        self._full_model_scales().scale_residuals(self.model)  # attributes or hooks, as aggregation sets them
