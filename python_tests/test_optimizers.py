@@ -15,7 +15,7 @@ from ist_kernels.train import cli
 from ist_kernels.train.config import TrainConfig
 from ist_kernels.train.errors import ConfigError
 
-from train_helpers import assert_equal_states, run as _run, untimed
+from train_helpers import assert_equal_states, resumed_distributed_equals_simulated, run as _run, untimed
 
 GPT = ["--dataset", "pycode", "--model", "gpt_tiny", "--width", "32", "--depth", "2", "--context", "32",
        "--dataset-size", "20000", "--batch-size", "8", "--local-steps", "4", "--no-progress", "--no-plots",
@@ -133,13 +133,7 @@ def test_decentralized_adamw_state_equals_simulated_and_resumes_exactly(tmp_path
     exact; the default all_reduce equals it to a few ulps)."""
     args = ["--method", "ist", "--optimizer", "adamw", "--option", "momentum_state=aggregate", "--rounds", 3,
             "--shared", "exact", "--eval-interval", 3]
-    s_sum, s_model, s_hist = run(tmp_path / "sim", *args, "--simulate", 2)
-    part, _, _ = run(tmp_path / "dist", *args, "--workers", 2, "--stop-after", 2)
-    assert part["rounds"] == 2 and not part["finished"]
-    d_sum, d_model, d_hist = run(tmp_path / "dist", *args, "--workers", 2, "--resume")
-    assert d_sum["finished"] and (d_sum["mode"], d_sum["storage"]) == ("distributed", "decentralized")
-    assert_equal_states(s_model, d_model)
-    assert untimed(s_hist) == untimed(d_hist)
+    d_sum, d_hist = resumed_distributed_equals_simulated(run, tmp_path, *args)
     assert d_hist[-1]["test_loss"] < d_hist[0]["test_loss"]
     assert d_sum["rank_state_bytes"] < d_sum["full_state_bytes"]
 

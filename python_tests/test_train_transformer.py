@@ -10,7 +10,7 @@ import pytest
 
 from ist_kernels.train import cli
 
-from train_helpers import assert_equal_states, outputs, run as _run, untimed
+from train_helpers import assert_equal_states, outputs, resumed_distributed_equals_simulated, run as _run, untimed
 
 TINY = ["--dataset", "pycode", "--model", "gpt_tiny", "--width", "64", "--depth", "4", "--context", "16",
         "--dataset-size", "4096", "--batch-size", "4", "--local-steps", "2", "--no-progress", "--no-plots",
@@ -61,13 +61,7 @@ def test_resist_distributed_resumed_equals_simulated(tmp_path):
     """ResIST on 2 gloo ranks stopped in its ResIST phase (per-rank checkpoints: each rank's blocks)
     and resumed: bit for bit the uninterrupted simulated run."""
     args = [*PARTITIONS["resist"], "--rounds", 3, "--shared", "exact", "--eval-interval", 3]
-    s_sum, s_model, s_hist = run(tmp_path / "sim", *args, "--simulate", 2)
-    part, _, _ = run(tmp_path / "dist", *args, "--workers", 2, "--stop-after", 2)
-    assert part["rounds"] == 2 and not part["finished"]
-    d_sum, d_model, d_hist = run(tmp_path / "dist", *args, "--workers", 2, "--resume")
-    assert d_sum["finished"] and (d_sum["mode"], d_sum["storage"]) == ("distributed", "decentralized")
-    assert_equal_states(s_model, d_model)
-    assert untimed(s_hist) == untimed(d_hist)
+    d_sum, d_hist = resumed_distributed_equals_simulated(run, tmp_path, *args)
     resist_rounds = [r for r in d_hist if r.get("phase") == 1]
     assert len(resist_rounds) == 2 and all(r["rank_state_bytes"] < d_sum["full_state_bytes"] for r in resist_rounds)
 

@@ -39,3 +39,18 @@ def assert_equal_states(a, b):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), (k, (a[k].double() - b[k].double()).abs().max())
+
+
+def resumed_distributed_equals_simulated(run, tmp_path, *args):
+    """``args`` with ``--simulate 2``, then on 2 gloo ranks stopped after round 2 and resumed from
+    the per-rank checkpoints: the same model and metrics (bar the clocks), the distributed run
+    decentralized and finished. ``run(out, *args)``: a test file's runner. Returns (summary,
+    metrics) of the distributed run."""
+    _, s_model, s_hist = run(tmp_path / "sim", *args, "--simulate", 2)
+    part, _, _ = run(tmp_path / "dist", *args, "--workers", 2, "--stop-after", 2)
+    assert part["rounds"] == 2 and not part["finished"]
+    d_sum, d_model, d_hist = run(tmp_path / "dist", *args, "--workers", 2, "--resume")
+    assert d_sum["finished"] and (d_sum["mode"], d_sum["storage"]) == ("distributed", "decentralized")
+    assert_equal_states(s_model, d_model)
+    assert untimed(s_hist) == untimed(d_hist)
+    return d_sum, d_hist
