@@ -16,6 +16,8 @@ import warnings
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
+from ..train.datasets import pycode_files
+
 DEFAULT_DPI = 80
 # a loss this many times its initial value (or non-finite) counts as diverged
 BLOW_UP = 1e6
@@ -257,7 +259,6 @@ def byte_entropies(data: bytes) -> Dict[str, float]:
 def pycode_baselines() -> Dict[str, Any]:
     """:func:`byte_entropies` of the whole test split of ``--dataset pycode`` (every test file of the
     standard library, concatenated in the data set's order; the trainer scores its first 8 KiB)."""
-    from ..train.datasets import pycode_files
 
     _, test = pycode_files()
     parts = []

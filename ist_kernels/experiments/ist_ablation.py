@@ -37,6 +37,9 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..nn.subnet import SubnetMLP
+from ..train import cli
+from ..train.methods import masked as M
 from . import _common as C
 
 FACTORS = ("lr", "steps", "scale", "repartition", "width", "momentum", "model")
@@ -129,7 +132,6 @@ def settings(args) -> Dict[str, List[Tuple]]:
 def score_unscaled():
     """Inside: IST's and masked's evaluate also scores the aggregated model with keep = 1 (no 1/S
     scale of the hidden outputs) as ``accuracy_unscaled`` / ``test_loss_unscaled``; restored after."""
-    from ..train.methods import masked as M
 
     had = "evaluate" in M.Masked.__dict__
     original = M.Masked.evaluate
@@ -180,7 +182,6 @@ def subnet_mlp(width: int = 8192, in_features: int = 64, classes: int = 10):
     (standard parametrisation): the two take different learning rates."""
     from torch import nn
 
-    from ..nn.subnet import SubnetMLP
 
     class Flat(nn.Module):
         def __init__(self):
@@ -198,7 +199,6 @@ def run_cell(args, cell) -> Dict[str, Any]:
     target, final accuracy and final test loss."""
     import io
 
-    from ..train import cli
 
     key, seed = cell[:-1], cell[-1]
     out_dir = tempfile.mkdtemp(prefix="ist_ablation_")

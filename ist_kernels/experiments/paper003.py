@@ -35,6 +35,7 @@ from ..distributed import cost
 from ..models import preact_resnet101_basic
 from ..partition import resist_plan
 from . import _common as C
+from .speed import _split_flops
 
 # ---------------------------------------------------------------- the paper's setting (003_*.txt lines)
 
@@ -92,7 +93,6 @@ def model_counts(S: int, min_depth: int = MIN_DEPTH, batch: int = BATCH, seed: i
     ``owners`` (mean sub-ResNets per partitioned block), ``state_bytes`` (what local SGD
     averages), ``partitioned_bytes``, ``shared_bytes``, ``third_section_bytes`` (the partitioned
     blocks: what the paper's local SGD reduces and broadcasts), ``param_count``."""
-    from .speed import _split_flops
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
