@@ -649,3 +649,47 @@ def test_speed_tunes_each_method_on_the_holdout_and_runs_it_at_its_pick(tmp_path
         assert float(f[f.index("--lr") + 1]) == picks[("cnn", f[f.index("--method") + 1], 2)]
     runs, _ = speed.analyse(args, results)
     assert {(r["method"], r["lr"]) for r in runs} == {("resist", 0.15), ("localsgd", 0.5)}
+
+
+def test_speed_runs_dir_keeps_and_reuses_runs(tmp_path, monkeypatch):
+    """--runs-dir: every tuning and comparison run is kept as one JSON file; a second call with the
+    same arguments launches nothing and gives the same runs, tuning and picks; a call with another
+    lr grid runs only what differs; a kept run made with other flags (or a damaged file) is run again."""
+    from ist_kernels.experiments import speed
+
+    runs_dir = tmp_path / "runs"
+    argv = ["speed", "--quick", "--configs", "lm", "--methods", "localsgd", "--links", "loopback", "--compress",
+            "none", "--no-scale", "--lr-grid", "1,3", "--runs-dir", str(runs_dir)]
+    assert main(argv + ["--out", str(tmp_path / "a")]) == 0
+    kept = sorted(p.name for p in runs_dir.iterdir())
+    a = _load_json(tmp_path / "a" / "speed.json")
+    assert a["errors"] == [] and a["tuning"]["lm"]["localsgd"]["2"]["ran"]
+    pick = a["tuning"]["lm"]["localsgd"]["2"]["pick"]
+    assert kept == [f"lm-2-loopback-localsgd-none-0-lr{pick:g}.json", "tune-lm-2-loopback-localsgd-0.001-0.json",
+                    "tune-lm-2-loopback-localsgd-0.003-0.json"]
+    launched = []
+    real_wait = speed._wait
+    monkeypatch.setattr(speed, "_wait", lambda procs, timeout: launched.append(len(procs)) or real_wait(procs, timeout))
+    assert main(argv + ["--out", str(tmp_path / "b")]) == 0
+    b = _load_json(tmp_path / "b" / "speed.json")
+    assert launched == []  # nothing ran again
+    assert b["tuning"] == a["tuning"]
+    for ra, rb in zip(a["runs"], b["runs"]):
+        assert ra["curve"] == rb["curve"] and ra["lr"] == rb["lr"] and rb["measured_at"] == ra["measured_at"]
+        assert rb["measured_at"] is not None
+    # one more grid point: only its tuning run is launched (and the comparison, if the pick moved)
+    assert main(argv[:-4] + ["--lr-grid", "1,3,10", "--runs-dir", str(runs_dir), "--out", str(tmp_path / "c")]) == 0
+    c = _load_json(tmp_path / "c" / "speed.json")
+    moved = c["tuning"]["lm"]["localsgd"]["2"]["pick"] != a["tuning"]["lm"]["localsgd"]["2"]["pick"]
+    assert len(launched) == 1 + moved
+    assert c["tuning"]["lm"]["localsgd"]["2"]["scores"][:2] == a["tuning"]["lm"]["localsgd"]["2"]["scores"]
+    # a damaged file and a file of another run are run again and overwritten
+    (runs_dir / "tune-lm-2-loopback-localsgd-0.001-0.json").write_text("{not json")
+    other = runs_dir / "tune-lm-2-loopback-localsgd-0.003-0.json"
+    doc = json.loads(other.read_text())
+    doc["key"]["flags"] = doc["key"]["flags"] + ["--something-else"]
+    other.write_text(json.dumps(doc))
+    launched.clear()
+    assert main(argv + ["--out", str(tmp_path / "d")]) == 0
+    assert len(launched) == 2  # the comparison at this grid's pick is still kept under its own lr
+    assert json.loads(other.read_text())["key"]["flags"][-1] != "--something-else"

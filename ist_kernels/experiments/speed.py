@@ -191,6 +191,11 @@ def parser() -> argparse.ArgumentParser:
                    help="rounds of each tuning run (default: half the workload's rounds; --quick: all of them)")
     p.add_argument("--tune-holdout", type=float, default=TUNE_HOLDOUT,
                    help="fraction of the training set the tuning runs hold out and score (default %(default)s)")
+    p.add_argument("--runs-dir", default=None, metavar="DIR",
+                   help="keep every run (tuning and comparison) as DIR/<run>.json and reuse a stored run whose "
+                        "command, S, seed and link are the same instead of running it again: an interrupted "
+                        "experiment resumes, and parts run separately (a link, an S, seeds) merge into one output "
+                        "when a last call names them all (default: nothing kept)")
     p.add_argument("--no-scale", action="store_true", help="skip the 1,024-worker table")
     p.add_argument("--device-tflops", type=float, default=10.0,
                    help="sustained FLOP rate of a worker in the scale table, TFLOP/s (default 10: a V100, "
@@ -410,9 +415,53 @@ def _port(seed: int, S: int) -> int:
     return 29400 + (os.getpid() * 7 + seed * 13 + S) % 2000
 
 
-def launch(flags: List[str], S: int, seed: int, out_dir: str, link: Optional["L.EmulatedLink"]) -> Dict[str, Any]:
+#: what makes a stored run the same run (--runs-dir): the trainer's arguments and where it ran
+STORE_VERSION = 1
+
+
+def _store_key(flags: Sequence[str], S: int, seed: int, link: Optional["L.EmulatedLink"]) -> Dict[str, Any]:
+    return {"version": STORE_VERSION, "flags": list(_base_cmd()[1:]) + list(flags), "workers": S, "seed": seed,
+            "link": None if link is None else {"bps": link.bandwidth_bps, "latency_s": link.latency_s}}
+
+
+def stored(store: Optional[str], key: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The run kept at ``store`` when it was made with ``key`` (else None: a missing, unreadable or
+    different run is run again and overwritten)."""
+    if store is None or not os.path.exists(store):
+        return None
+    try:
+        with open(store) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if doc.get("key") != key or not isinstance(doc.get("metrics"), list) or "summary" not in doc:
+        return None
+    return {"summary": doc["summary"], "metrics": doc["metrics"], "stored_at": doc.get("stored_at")}
+
+
+def keep(store: str, key: Dict[str, Any], run: Dict[str, Any]) -> str:
+    """Write ``run`` to ``store`` atomically (a run interrupted while writing leaves no half file);
+    returns the time it was stored (UTC, ISO 8601)."""
+    os.makedirs(os.path.dirname(os.path.abspath(store)), exist_ok=True)
+    tmp, at = store + f".tmp{os.getpid()}", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    with open(tmp, "w") as f:
+        json.dump({"key": key, "stored_at": at,
+                   "host_cpus": os.cpu_count(), "summary": run["summary"], "metrics": run["metrics"]}, f,
+                  separators=(",", ":"))
+    os.replace(tmp, store)
+    return at
+
+
+def launch(flags: List[str], S: int, seed: int, out_dir: str, link: Optional["L.EmulatedLink"],
+           store: Optional[str] = None) -> Dict[str, Any]:
     """One run: S ranks over loopback (the trainer's own --workers S) or inside ``link``'s namespaces
-    (one process per rank, the torchrun environment set by hand). Returns its summary and metrics."""
+    (one process per rank, the torchrun environment set by hand). Returns its summary and metrics.
+    With ``store`` (a path), a run kept there with the same command, S, seed and link is returned
+    instead (``stored_at`` set), and a new run is kept there."""
+    key = _store_key(flags, S, seed, link)
+    old = stored(store, key)
+    if old is not None:
+        return old
     cmd = _base_cmd() + flags + ["--seed", str(seed), "--out-dir", out_dir]
     logs = [open(os.path.join(os.path.dirname(out_dir), f"{os.path.basename(out_dir)}.rank{r}.log"), "w")
             for r in range(S if link else 1)]
@@ -434,7 +483,11 @@ def launch(flags: List[str], S: int, seed: int, out_dir: str, link: Optional["L.
         summary = json.load(f)
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f if line.strip()]
-    return {"summary": summary, "metrics": metrics}
+    run = {"summary": summary, "metrics": metrics}
+    if store is not None:
+        run["stored_at"] = keep(store, key, run)
+    shutil.rmtree(out_dir, ignore_errors=True)  # checkpoints: megabytes a run
+    return run
 
 
 def curve(run: Dict[str, Any]) -> Dict[str, List]:
@@ -486,6 +539,11 @@ def run_over_links(todo: Sequence[Tuple], link_and_workers, run_one, desc: str, 
     return results
 
 
+def _store(args, name: str) -> Optional[str]:
+    """Where --runs-dir keeps the run called ``name`` (None without --runs-dir)."""
+    return None if args.runs_dir is None else os.path.join(args.runs_dir, name + ".json")
+
+
 def run_all(args, todo: List[Tuple], work: str, picks: Optional[Dict[Tuple, float]] = None
             ) -> Dict[Tuple, Dict[str, Any]]:
     """Run every (config, S, link, method, compress, seed) cell, each method at its pick
@@ -494,9 +552,11 @@ def run_all(args, todo: List[Tuple], work: str, picks: Optional[Dict[Tuple, floa
 
     def one(c, em):
         config, S, _, method, comp, seed = c
-        run = launch(method_flags(workload(args, config), method, comp, picks.get((config, method, S))), S, seed,
-                     os.path.join(work, "-".join(map(str, c))), em)
-        return {"curve": curve(run), "summary": run["summary"]}
+        w, name = workload(args, config), "-".join(map(str, c))
+        lr = picks.get((config, method, S), base_lr(w, method))
+        run = launch(method_flags(w, method, comp, lr), S, seed, os.path.join(work, name), em,
+                     _store(args, f"{name}-lr{lr:g}"))  # the lr in the name: another pick does not overwrite
+        return {"curve": curve(run), "summary": run["summary"], "stored_at": run.get("stored_at")}
 
     return run_over_links(todo, lambda c: (c[2], c[1]), one, "speed", args.latency_s)
 
@@ -560,7 +620,8 @@ def tune(args, todo: Sequence[Tuple], work: str) -> Tuple[Dict[str, Any], Dict[T
         w = workload(args, config)
         flags = method_flags(w, method, "none", lr) + ["--stop-after", str(tune_rounds(args, w)),
                                                       "--holdout", f"{args.tune_holdout:g}"]
-        run = launch(flags, S, sd, os.path.join(work, "tune-" + "-".join(map(str, c))), em)
+        name = "tune-" + "-".join(map(str, c))
+        run = launch(flags, S, sd, os.path.join(work, name), em, _store(args, name))
         split = {m.get("scored_on") for m in run["metrics"] if "test_loss" in m}
         if split != {"holdout"}:
             raise RuntimeError(f"a tuning run scored {sorted(map(str, split))}, not the held-out split")
@@ -704,7 +765,7 @@ def analyse(args, results: Dict[Tuple, Dict[str, Any]]) -> Tuple[List[Dict[str, 
             "final_accuracy": cv["accuracy"][-1], "rounds": len(cv["round_s"]),
             "round_time_s": _mean(cv["round_s"]), "predicted_round_time_s": _mean(pred) if pred else None,
             "predicted_round_time_from_loopback_s": _mean(pred_loop) if pred_loop else None,
-            "bytes_per_round": _mean(cv["bytes"]), "time_by_part": parts,
+            "bytes_per_round": _mean(cv["bytes"]), "time_by_part": parts, "measured_at": r.get("stored_at"),
             "train_time_s": sum(cv["round_s"]), "curve": {"round_s": cv["round_s"], "accuracy": cv["accuracy"],
                                                     **({metric: values} if metric != "accuracy" else {}),
                                                     "parts": cv["parts"], "busiest": cv["busiest"],
