@@ -693,3 +693,22 @@ def test_speed_runs_dir_keeps_and_reuses_runs(tmp_path, monkeypatch):
     assert main(argv + ["--out", str(tmp_path / "d")]) == 0
     assert len(launched) == 2  # the comparison at this grid's pick is still kept under its own lr
     assert json.loads(other.read_text())["key"]["flags"][-1] != "--something-else"
+
+
+def test_speed_run_cap_leaves_out_an_emulated_run_the_model_predicts_too_long(tmp_path):
+    """--run-cap-s: an emulated-link run whose loopback run the cost model turns into more training
+    time than the cap is not run; it is listed (skipped, capped) with the prediction."""
+    from ist_kernels.experiments import link
+
+    if link.unavailable_reason():
+        pytest.skip(link.unavailable_reason())
+    assert main(["speed", "--quick", "--configs", "lm", "--methods", "localsgd", "--links", "loopback,100mbit",
+                 "--compress", "none", "--no-scale", "--run-cap-s", "0.001", "--out", str(tmp_path)]) == 0
+    doc = _load_json(tmp_path / "speed.json")
+    assert [r["link"] for r in doc["runs"]] == ["loopback"] and doc["errors"] == []
+    (capped,) = doc["capped"]
+    assert capped["cell"][2] == "100mbit" and capped["predicted_train_time_s"] > 0.001
+    loop = doc["runs"][0]
+    assert capped["predicted_train_time_s"] >= loop["train_time_s"] * 0.999  # the loopback run plus the wire
+    assert any("not run, the cost model predicts" in s for s in doc["skipped"])
+    assert "not run, the cost model predicts" in (tmp_path / "speed.md").read_text()

@@ -122,6 +122,8 @@ COMPRESS = ("none", "int8", "bf16")
 QUICK_COMPRESSED = ("resist",)
 
 RUN_TIMEOUT_S = 1200  # one run's processes (bounded; a stuck run is killed and reported)
+#: --run-cap-s's default: an emulated run predicted to train longer is not run (DDP over 10 Mbit/s: ~1 h)
+RUN_CAP_S = 900.0
 
 #: --lr-grid's default: multiples of the workload's learning rate tried for every (workload, method, S)
 LR_GRID = (1 / 3, 1.0, 3.0, 10.0)
@@ -196,6 +198,9 @@ def parser() -> argparse.ArgumentParser:
                         "command, S, seed and link are the same instead of running it again: an interrupted "
                         "experiment resumes, and parts run separately (a link, an S, seeds) merge into one output "
                         "when a last call names them all (default: nothing kept)")
+    p.add_argument("--run-cap-s", type=float, default=RUN_CAP_S,
+                   help="an emulated-link run the cost model predicts (from its loopback run) to train longer than "
+                        "this is not run and is listed with the prediction (default %(default)s s)")
     p.add_argument("--no-scale", action="store_true", help="skip the 1,024-worker table")
     p.add_argument("--device-tflops", type=float, default=10.0,
                    help="sustained FLOP rate of a worker in the scale table, TFLOP/s (default 10: a V100, "
@@ -232,6 +237,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"--target-fraction must be in (0, 1], got {args.target_fraction}")
     if not (args.lm_margin >= 0 and math.isfinite(args.lm_margin)):
         p.error(f"--lm-margin must be a finite number >= 0, got {args.lm_margin}")
+    if not args.run_cap_s > 0:
+        p.error(f"--run-cap-s must be > 0, got {args.run_cap_s}")
     if not args.device_tflops > 0 or not args.step_overhead_ms >= 0:
         p.error("--device-tflops must be > 0 and --step-overhead-ms >= 0")
     try:
@@ -549,14 +556,25 @@ def run_all(args, todo: List[Tuple], work: str, picks: Optional[Dict[Tuple, floa
     """Run every (config, S, link, method, compress, seed) cell, each method at its pick
     (``picks[(config, method, S)]``; default: the workload's lr)."""
     picks = picks or {}
+    done: Dict[Tuple, Dict[str, Any]] = {}
 
     def one(c, em):
-        config, S, _, method, comp, seed = c
+        config, S, link_name, method, comp, seed = c
         w, name = workload(args, config), "-".join(map(str, c))
+        loop = done.get((config, S, "loopback", method, comp, seed))
+        if em is not None and loop is not None and "curve" in loop:
+            total = sum(predict(loop, loop, cost.Link(em.bandwidth_bps, em.latency_s), S, method,
+                                w["local_steps"])[1])
+            if total > args.run_cap_s:
+                done[c] = {"capped": f"{method} on {config}, S={S}, {link_name}: not run, the cost model predicts "
+                                     f"{total:.0f} s from its loopback run (over --run-cap-s {args.run_cap_s:g})",
+                           "predicted_train_time_s": total}
+                return done[c]
         lr = picks.get((config, method, S), base_lr(w, method))
         run = launch(method_flags(w, method, comp, lr), S, seed, os.path.join(work, name), em,
                      _store(args, f"{name}-lr{lr:g}"))  # the lr in the name: another pick does not overwrite
-        return {"curve": curve(run), "summary": run["summary"], "stored_at": run.get("stored_at")}
+        done[c] = {"curve": curve(run), "summary": run["summary"], "stored_at": run.get("stored_at")}
+        return done[c]
 
     return run_over_links(todo, lambda c: (c[2], c[1]), one, "speed", args.latency_s)
 
@@ -733,7 +751,7 @@ def analyse(args, results: Dict[Tuple, Dict[str, Any]]) -> Tuple[List[Dict[str, 
         if "error" in r:
             errors.append(f"{'/'.join(map(str, c))}: {r['error'].splitlines()[-1] if r['error'] else ''}")
     for c, r in sorted(results.items(), key=lambda kv: tuple(map(str, kv[0]))):
-        if "error" in r:
+        if "error" in r or "capped" in r:
             continue
         config, S, link_name, method, comp, seed = c
         w = workload(args, config)
@@ -1030,10 +1048,13 @@ def main(argv: Sequence[str] = ()) -> int:
         shutil.rmtree(work, ignore_errors=True)
     runs, errors = analyse(args, results)
     errors = tune_errors + errors
+    capped = [{"cell": list(c), "why": r["capped"], "predicted_train_time_s": r["predicted_train_time_s"]}
+              for c, r in results.items() if "capped" in r]
+    skipped = skipped + [x["why"] for x in capped]
     scale = [] if args.no_scale else scale_table(args, scale_models(args))
     baselines = C.pycode_baselines() if any(workload(args, c)["dataset"] == "pycode" for c in args.configs) else None
     fig = plot(runs, args.links, args.workers, baselines)
-    C.write_outputs(args, "speed", {"runs": runs, "tuning": tuning, "scale": scale, "skipped": skipped,
+    C.write_outputs(args, "speed", {"runs": runs, "tuning": tuning, "scale": scale, "skipped": skipped, "capped": capped,
                                     "errors": errors, "workloads": {c: workload(args, c) for c in args.configs},
                                     "baselines": baselines},
                     markdown(args, runs, scale, skipped, errors, link_note, tuning, baselines), fig, started)
