@@ -712,3 +712,34 @@ def test_speed_run_cap_leaves_out_an_emulated_run_the_model_predicts_too_long(tm
     assert capped["predicted_train_time_s"] >= loop["train_time_s"] * 0.999  # the loopback run plus the wire
     assert any("not run, the cost model predicts" in s for s in doc["skipped"])
     assert "not run, the cost model predicts" in (tmp_path / "speed.md").read_text()
+
+
+def test_speed_seed_summary_times_the_seeds_rounds_by_each_links_round_time():
+    """The summary per (workload, S, method, compress) and link: every loopback seed's rounds to
+    target, their mean only when all reached, the link's mean round time x that mean, its ratio to
+    local SGD's on the same link; the link's own runs beside it."""
+    from ist_kernels.experiments import speed
+
+    def run(method, link, seed, k, round_s, ttt=None):
+        return {"config": "lm", "workers": 4, "method": method, "compress": "none", "link": link, "seed": seed,
+                "rounds_to_target": k, "round_time_s": round_s, "time_to_target_s": ttt}
+
+    runs = [run("localsgd", "loopback", s, k, 2.0) for s, k in ((0, 10), (1, 12), (2, 11))]
+    runs += [run("resist", "loopback", s, k, 1.0) for s, k in ((0, 12), (1, 14), (2, 13))]
+    runs += [run("ist-ffn", "loopback", s, k, 1.5) for s, k in ((0, 12), (1, None), (2, 13))]
+    runs += [run("localsgd", "10mbit", 0, 10, 5.0, 50.0), run("resist", "10mbit", 0, 12, 2.0, 24.0),
+             run("ist-ffn", "10mbit", 0, 12, 3.0, 36.0)]
+    out = {(e["method"], e["link"]): e for e in speed.seed_summary(runs)}
+    assert [(e["method"], e["link"]) for e in speed.seed_summary(runs)][:2] == [("ist-ffn", "loopback"),
+                                                                              ("ist-ffn", "10mbit")]
+    b = out[("localsgd", "10mbit")]
+    assert b["rounds_to_target"] == [10, 12, 11] and b["mean_rounds_to_target"] == 11
+    assert b["time_to_target_s"] == pytest.approx(55.0) and b["runs_time_to_target_s"] == [50.0]
+    r = out[("resist", "10mbit")]
+    assert r["time_to_target_s"] == pytest.approx(26.0) and r["vs_localsgd"] == pytest.approx(26 / 55)
+    assert out[("resist", "loopback")]["vs_localsgd"] == pytest.approx(13 / 22)
+    i = out[("ist-ffn", "10mbit")]
+    assert i["reached"] == 2 and i["mean_rounds_to_target"] is None and i["time_to_target_s"] is None
+    assert i["vs_localsgd"] is None
+    md = "\n".join(speed.summary_lines(speed.seed_summary(runs)))
+    assert "| lm | 4 | ist-ffn | none | 10mbit | 12, —, 13 |" in md and "not reached" in md

@@ -938,6 +938,56 @@ def tuning_lines(tuning: Dict[str, Any]) -> List[str]:
     return out + [""]
 
 
+def seed_summary(runs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Per (workload, S, method, compress) and link: the rounds to target of every seed, from the
+    loopback runs (a run's arithmetic does not depend on the link, so the seeds run where it is cheap),
+    their mean (None unless every seed reached the target), the link's measured mean round time (its
+    runs' mean over seeds) and their product, the time to target over the link from the seeds' rounds,
+    beside the link's own runs' time to target; ``vs_localsgd``: that time over local SGD's
+    (uncompressed, same workload, S and link)."""
+    groups: Dict[Tuple, List[Dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["config"], r["workers"], r["method"], r["compress"]), []).append(r)
+    out = []
+    for (config, S, method, comp), rs in sorted(groups.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        loop = sorted((r for r in rs if r["link"] == "loopback"), key=lambda r: r["seed"])
+        rounds = [r["rounds_to_target"] for r in loop]
+        mean_rounds = _mean(rounds) if loop and all(k is not None for k in rounds) else None
+        for link_name in sorted({r["link"] for r in rs},
+                                key=lambda x: (x != "loopback", 0 if x == "loopback" else L.parse_rate(x))):
+            here = [r for r in rs if r["link"] == link_name]
+            round_s = _mean([r["round_time_s"] for r in here])
+            out.append({"workload": config, "workers": S, "method": method, "compress": comp, "link": link_name,
+                        "seeds": [r["seed"] for r in loop], "rounds_to_target": rounds,
+                        "reached": sum(k is not None for k in rounds), "mean_rounds_to_target": mean_rounds,
+                        "round_time_s": round_s,
+                        "time_to_target_s": None if mean_rounds is None or round_s is None else mean_rounds * round_s,
+                        "runs_time_to_target_s": [r["time_to_target_s"] for r in here]})
+    for e in out:
+        base = next((b for b in out if b["method"] == "localsgd" and b["compress"] == "none" and
+                     all(b[k] == e[k] for k in ("workload", "workers", "link"))), None)
+        e["vs_localsgd"] = (e["time_to_target_s"] / base["time_to_target_s"]
+                            if base and e["time_to_target_s"] and base["time_to_target_s"] else None)
+    return out
+
+
+def summary_lines(summary: Sequence[Dict[str, Any]]) -> List[str]:
+    if not summary:
+        return []
+    out = ["## Time to target from every seed's rounds", "",
+           "Rounds to target of each seed (loopback runs), and per link: the link's measured mean seconds per round "
+           "x the seeds' mean rounds (only when every seed reached the target), beside the link's own runs.", "",
+           "| workload | S | method | compress | link | rounds to target (seeds) | mean | s / round | time to target (s) | "
+           "vs local SGD | the link's runs (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in summary:
+        ks = ", ".join("—" if k is None else str(k) for k in e["rounds_to_target"]) or "no loopback run"
+        own = ", ".join(_f(t, ".0f", "not reached") for t in e["runs_time_to_target_s"])
+        out.append(f"| {e['workload']} | {e['workers']} | {e['method']} | {e['compress']} | {e['link']} | {ks} | "
+                   f"{_f(e['mean_rounds_to_target'], '.3g')} | {_f(e['round_time_s'], '.2f')} | "
+                   f"{_f(e['time_to_target_s'], '.0f', 'not reached')} | {_f(e['vs_localsgd'], '.2f')} | {own} |")
+    return out + [""]
+
+
 def baseline_lines(baselines: Optional[Dict[str, Any]]) -> List[str]:
     if not baselines:
         return []
@@ -958,6 +1008,7 @@ def markdown(args, runs, scale, skipped, errors, link_note, tuning=None, baselin
            "cost model's predicted mean round time against the measured one.", ""]
     L_ += baseline_lines(baselines)
     L_ += tuning_lines(tuning or {})
+    L_ += summary_lines(seed_summary(runs))
     hdr = ("| workload | S | link | method | lr | compress | time to target (s) | vs local SGD | rounds | final | "
            "MB / round | s / round | pred. s / round | pred. err | local / plan / pack / comm / unpack (s) |")
     L_ += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
@@ -1054,7 +1105,8 @@ def main(argv: Sequence[str] = ()) -> int:
     scale = [] if args.no_scale else scale_table(args, scale_models(args))
     baselines = C.pycode_baselines() if any(workload(args, c)["dataset"] == "pycode" for c in args.configs) else None
     fig = plot(runs, args.links, args.workers, baselines)
-    C.write_outputs(args, "speed", {"runs": runs, "tuning": tuning, "scale": scale, "skipped": skipped, "capped": capped,
+    C.write_outputs(args, "speed", {"runs": runs, "summary": seed_summary(runs), "tuning": tuning, "scale": scale,
+                                    "skipped": skipped, "capped": capped,
                                     "errors": errors, "workloads": {c: workload(args, c) for c in args.configs},
                                     "baselines": baselines},
                     markdown(args, runs, scale, skipped, errors, link_note, tuning, baselines), fig, started)
