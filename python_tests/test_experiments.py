@@ -677,6 +677,11 @@ def test_speed_runs_dir_keeps_and_reuses_runs(tmp_path, monkeypatch):
     for ra, rb in zip(a["runs"], b["runs"]):
         assert ra["curve"] == rb["curve"] and ra["lr"] == rb["lr"] and rb["measured_at"] == ra["measured_at"]
         assert rb["measured_at"] is not None
+    # --stored-only: a second seed's comparison is not kept: listed as not run, nothing launched
+    assert main(argv + ["--seeds", "0,1", "--stored-only", "--out", str(tmp_path / "s")]) == 0
+    s = _load_json(tmp_path / "s" / "speed.json")
+    assert launched == [] and [r["seed"] for r in s["runs"]] == [0] and s["runs"][0]["curve"] == a["runs"][0]["curve"]
+    assert [x["cell"][-1] for x in s["not_run"]] == [1] and "--stored-only" in s["not_run"][0]["why"]
     # one more grid point: only its tuning run is launched (and the comparison, if the pick moved)
     assert main(argv[:-4] + ["--lr-grid", "1,3,10", "--runs-dir", str(runs_dir), "--out", str(tmp_path / "c")]) == 0
     c = _load_json(tmp_path / "c" / "speed.json")
@@ -706,7 +711,7 @@ def test_speed_run_cap_leaves_out_an_emulated_run_the_model_predicts_too_long(tm
                  "--compress", "none", "--no-scale", "--run-cap-s", "0.001", "--out", str(tmp_path)]) == 0
     doc = _load_json(tmp_path / "speed.json")
     assert [r["link"] for r in doc["runs"]] == ["loopback"] and doc["errors"] == []
-    (capped,) = doc["capped"]
+    (capped,) = doc["not_run"]
     assert capped["cell"][2] == "100mbit" and capped["predicted_train_time_s"] > 0.001
     loop = doc["runs"][0]
     assert capped["predicted_train_time_s"] >= loop["train_time_s"] * 0.999  # the loopback run plus the wire
@@ -743,3 +748,20 @@ def test_speed_seed_summary_times_the_seeds_rounds_by_each_links_round_time():
     assert i["vs_localsgd"] is None
     md = "\n".join(speed.summary_lines(speed.seed_summary(runs)))
     assert "| lm | 4 | ist-ffn | none | 10mbit | 12, —, 13 |" in md and "not reached" in md
+
+
+def test_speed_workers_and_links_per_workload():
+    """--workers-of / --links-of set S and the links of one workload; the others keep --workers and
+    --links; a workload not in --configs, S < 2 or a bad rate is a usage error naming the flag."""
+    from ist_kernels.experiments import speed
+
+    args = speed.parse(["--configs", "lm,cnn", "--workers", "2,4", "--workers-of", "lm=4", "--links",
+                        "loopback,100mbit", "--links-of", "lm=loopback,10mbit", "--compress", "none"])
+    todo, _ = speed.cells(args)
+    assert {(c[0], c[1], c[2]) for c in todo} == {("lm", 4, "loopback"), ("lm", 4, "10mbit")} | {
+        ("cnn", S, x) for S in (2, 4) for x in ("loopback", "100mbit")}
+    assert speed.all_links(args) == ["loopback", "10mbit", "100mbit"]
+    for bad, says in ((["--workers-of", "mlp=4"], "--workers-of 'mlp=4'"), (["--workers-of", "lm=1"], "--workers-of"),
+                      (["--links-of", "lm=fast"], "--links-of 'lm=fast'"), (["--stored-only"], "--runs-dir")):
+        with pytest.raises(SystemExit):
+            speed.parse(["--configs", "lm,cnn"] + bad)

@@ -173,6 +173,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=C.ints, default=[2, 4], help="S, processes per run (default 2,4)")
     p.add_argument("--links", type=_links, default=["loopback", "100mbit", "1gbit"],
                    help="loopback and emulated link rates, e.g. 100mbit,1gbit (default %(default)s)")
+    p.add_argument("--workers-of", action="append", default=[], metavar="WORKLOAD=S[,S...]",
+                   help="S for one workload in place of --workers (repeatable), e.g. lm=4")
+    p.add_argument("--links-of", action="append", default=[], metavar="WORKLOAD=LINK[,LINK...]",
+                   help="links for one workload in place of --links (repeatable), e.g. lm=loopback,10mbit")
+    p.add_argument("--tune-only", action="store_true",
+                   help="run the tuning (kept with --runs-dir) and print its table; no comparison runs, no outputs")
     p.add_argument("--latency", default="0", help="one-way latency added to each emulated link, e.g. 5ms (needs netem)")
     p.add_argument("--rounds", type=int, default=None, help="rounds per run (default: the workload's)")
     p.add_argument("--local-steps", type=int, default=None, help="local steps per round (default: the workload's)")
@@ -198,6 +204,9 @@ def parser() -> argparse.ArgumentParser:
                         "command, S, seed and link are the same instead of running it again: an interrupted "
                         "experiment resumes, and parts run separately (a link, an S, seeds) merge into one output "
                         "when a last call names them all (default: nothing kept)")
+    p.add_argument("--stored-only", action="store_true",
+                   help="with --runs-dir: run nothing; the runs not kept there are listed as not run (merges "
+                        "parts run separately into one output)")
     p.add_argument("--run-cap-s", type=float, default=RUN_CAP_S,
                    help="an emulated-link run the cost model predicts (from its loopback run) to train longer than "
                         "this is not run and is listed with the prediction (default %(default)s s)")
@@ -220,8 +229,20 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     for c in args.configs:
         if c not in CONFIGS:
             p.error(f"--configs: unknown workload {c!r}; available: {', '.join(CONFIGS)}")
-    if any(s < 2 for s in args.workers):
-        p.error(f"--workers must be >= 2, got {args.workers}")
+    for flag, cast in (("workers_of", C.ints), ("links_of", _links)):
+        per = {}
+        for item in getattr(args, flag):
+            name, _, value = item.partition("=")
+            if name not in args.configs or not value:
+                p.error(f"--{flag.replace('_', '-')} {item!r}: expected WORKLOAD=VALUES with WORKLOAD one of "
+                        f"--configs ({', '.join(args.configs)})")
+            try:
+                per[name] = cast(value)
+            except (argparse.ArgumentTypeError, ValueError) as e:
+                p.error(f"--{flag.replace('_', '-')} {item!r}: {e}")
+        setattr(args, flag, per)
+    if any(s < 2 for s in args.workers + [s for v in args.workers_of.values() for s in v]):
+        p.error(f"--workers and --workers-of must be >= 2, got {args.workers} {args.workers_of}")
     for name in ("rounds", "local_steps"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -237,6 +258,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"--target-fraction must be in (0, 1], got {args.target_fraction}")
     if not (args.lm_margin >= 0 and math.isfinite(args.lm_margin)):
         p.error(f"--lm-margin must be a finite number >= 0, got {args.lm_margin}")
+    if args.stored_only and args.runs_dir is None:
+        p.error("--stored-only needs --runs-dir")
     if not args.run_cap_s > 0:
         p.error(f"--run-cap-s must be > 0, got {args.run_cap_s}")
     if not args.device_tflops > 0 or not args.step_overhead_ms >= 0:
@@ -375,18 +398,35 @@ def method_names(args, w: Dict[str, Any]) -> List[str]:
     return [n for n in universe if tm[n] not in EXCLUDED]
 
 
+def workers_of(args, config: str) -> List[int]:
+    """The S of workload ``config``: its --workers-of, else --workers."""
+    return getattr(args, "workers_of", {}).get(config, args.workers)
+
+
+def links_of(args, config: str) -> List[str]:
+    """The links of workload ``config``: its --links-of, else --links (loopback only when links cannot
+    be emulated here)."""
+    links = getattr(args, "links_of", {}).get(config, args.links)
+    return ["loopback"] if getattr(args, "loopback_only", False) else links
+
+
+def all_links(args) -> List[str]:
+    return sorted({x for c in args.configs for x in links_of(args, c)},
+                  key=lambda x: (x != "loopback", 0 if x == "loopback" else L.parse_rate(x)))
+
+
 def cells(args) -> Tuple[List[Tuple], List[str]]:
     """(config, S, link, method, compress, seed) of every run, and the skipped methods with why."""
     out, skipped = [], []
     for c in args.configs:
         w = workload(args, c)
         for m in method_names(args, w):
-            why = trains(w, m, max(args.workers))
+            why = trains(w, m, max(workers_of(args, c)))
             if why is not None:
                 skipped.append(f"{m} on {c} ({w['model']}): {why}")
                 continue
-            for S in args.workers:
-                for link in args.links:
+            for S in workers_of(args, c):
+                for link in links_of(args, c):
                     for comp in args.compress:
                         tm = trainer_method(w, m)[0]
                         if comp != "none" and (not compresses(tm) or args.quick and tm not in QUICK_COMPRESSED
@@ -459,16 +499,23 @@ def keep(store: str, key: Dict[str, Any], run: Dict[str, Any]) -> str:
     return at
 
 
+class NotStored(RuntimeError):
+    """--stored-only: the run is not kept in --runs-dir."""
+
+
 def launch(flags: List[str], S: int, seed: int, out_dir: str, link: Optional["L.EmulatedLink"],
-           store: Optional[str] = None) -> Dict[str, Any]:
+           store: Optional[str] = None, run_missing: bool = True) -> Dict[str, Any]:
     """One run: S ranks over loopback (the trainer's own --workers S) or inside ``link``'s namespaces
     (one process per rank, the torchrun environment set by hand). Returns its summary and metrics.
     With ``store`` (a path), a run kept there with the same command, S, seed and link is returned
-    instead (``stored_at`` set), and a new run is kept there."""
+    instead (``stored_at`` set), and a new run is kept there; ``run_missing`` False: a run not kept
+    raises :class:`NotStored` instead of running."""
     key = _store_key(flags, S, seed, link)
     old = stored(store, key)
     if old is not None:
         return old
+    if not run_missing:
+        raise NotStored(f"not kept in {os.path.dirname(store) if store else '--runs-dir'} (--stored-only)")
     cmd = _base_cmd() + flags + ["--seed", str(seed), "--out-dir", out_dir]
     logs = [open(os.path.join(os.path.dirname(out_dir), f"{os.path.basename(out_dir)}.rank{r}.log"), "w")
             for r in range(S if link else 1)]
@@ -566,13 +613,18 @@ def run_all(args, todo: List[Tuple], work: str, picks: Optional[Dict[Tuple, floa
             total = sum(predict(loop, loop, cost.Link(em.bandwidth_bps, em.latency_s), S, method,
                                 w["local_steps"])[1])
             if total > args.run_cap_s:
-                done[c] = {"capped": f"{method} on {config}, S={S}, {link_name}: not run, the cost model predicts "
+                done[c] = {"not_run": f"{method} on {config}, S={S}, {link_name}: not run, the cost model predicts "
                                      f"{total:.0f} s from its loopback run (over --run-cap-s {args.run_cap_s:g})",
                            "predicted_train_time_s": total}
                 return done[c]
         lr = picks.get((config, method, S), base_lr(w, method))
-        run = launch(method_flags(w, method, comp, lr), S, seed, os.path.join(work, name), em,
-                     _store(args, f"{name}-lr{lr:g}"))  # the lr in the name: another pick does not overwrite
+        try:
+            run = launch(method_flags(w, method, comp, lr), S, seed, os.path.join(work, name), em,
+                         _store(args, f"{name}-lr{lr:g}"), not args.stored_only)  # lr in the name: no overwrite
+        except NotStored as e:
+            done[c] = {"not_run": f"{method} on {config}, S={S}, {link_name}, seed {seed}: {e}",
+                       "predicted_train_time_s": None}
+            return done[c]
         done[c] = {"curve": curve(run), "summary": run["summary"], "stored_at": run.get("stored_at")}
         return done[c]
 
@@ -639,7 +691,7 @@ def tune(args, todo: Sequence[Tuple], work: str) -> Tuple[Dict[str, Any], Dict[T
         flags = method_flags(w, method, "none", lr) + ["--stop-after", str(tune_rounds(args, w)),
                                                       "--holdout", f"{args.tune_holdout:g}"]
         name = "tune-" + "-".join(map(str, c))
-        run = launch(flags, S, sd, os.path.join(work, name), em, _store(args, name))
+        run = launch(flags, S, sd, os.path.join(work, name), em, _store(args, name), not args.stored_only)
         split = {m.get("scored_on") for m in run["metrics"] if "test_loss" in m}
         if split != {"holdout"}:
             raise RuntimeError(f"a tuning run scored {sorted(map(str, split))}, not the held-out split")
@@ -751,7 +803,7 @@ def analyse(args, results: Dict[Tuple, Dict[str, Any]]) -> Tuple[List[Dict[str, 
         if "error" in r:
             errors.append(f"{'/'.join(map(str, c))}: {r['error'].splitlines()[-1] if r['error'] else ''}")
     for c, r in sorted(results.items(), key=lambda kv: tuple(map(str, kv[0]))):
-        if "error" in r or "capped" in r:
+        if "error" in r or "not_run" in r:
             continue
         config, S, link_name, method, comp, seed = c
         w = workload(args, config)
@@ -1081,12 +1133,12 @@ def main(argv: Sequence[str] = ()) -> int:
     started = time.time()
     torch.set_num_threads(1)
     reason = L.unavailable_reason()
-    emulated = [x for x in args.links if x != "loopback"]
+    emulated = [x for x in all_links(args) if x != "loopback"]
     link_note = ""
     if reason and emulated:
         print(f"speed: {reason}; running loopback only (the model predicts {', '.join(emulated)})", file=sys.stderr)
         link_note = f"not run ({reason}); loopback only"
-        args.links = ["loopback"]
+        args.links, args.loopback_only = ["loopback"], True
     elif emulated:
         link_note = (f"{', '.join(emulated)} per rank in each direction (tc tbf in network namespaces joined by a "
                      f"bridge), checked within 10% by a timed transfer before use; latency {args.latency_s:g} s")
@@ -1094,19 +1146,24 @@ def main(argv: Sequence[str] = ()) -> int:
     work = tempfile.mkdtemp(prefix="ist-speed-")
     try:
         tuning, picks, tune_errors = tune(args, todo, work)
+        if args.tune_only:
+            print("\n".join(tuning_lines(tuning)))
+            for e in tune_errors:
+                print(e, file=sys.stderr)
+            return 1 if tune_errors else 0
         results = run_all(args, todo, work, picks)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     runs, errors = analyse(args, results)
     errors = tune_errors + errors
-    capped = [{"cell": list(c), "why": r["capped"], "predicted_train_time_s": r["predicted_train_time_s"]}
-              for c, r in results.items() if "capped" in r]
-    skipped = skipped + [x["why"] for x in capped]
+    not_run = [{"cell": list(c), "why": r["not_run"], "predicted_train_time_s": r["predicted_train_time_s"]}
+              for c, r in results.items() if "not_run" in r]
+    skipped = skipped + [x["why"] for x in not_run]
     scale = [] if args.no_scale else scale_table(args, scale_models(args))
     baselines = C.pycode_baselines() if any(workload(args, c)["dataset"] == "pycode" for c in args.configs) else None
-    fig = plot(runs, args.links, args.workers, baselines)
+    fig = plot(runs, all_links(args), sorted({S for c in args.configs for S in workers_of(args, c)}), baselines)
     C.write_outputs(args, "speed", {"runs": runs, "summary": seed_summary(runs), "tuning": tuning, "scale": scale,
-                                    "skipped": skipped, "capped": capped,
+                                    "skipped": skipped, "not_run": not_run,
                                     "errors": errors, "workloads": {c: workload(args, c) for c in args.configs},
                                     "baselines": baselines},
                     markdown(args, runs, scale, skipped, errors, link_note, tuning, baselines), fig, started)
