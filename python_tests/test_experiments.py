@@ -750,7 +750,7 @@ def test_speed_seed_summary_times_the_seeds_rounds_by_each_links_round_time():
     assert "| lm | 4 | ist-ffn | none | 10mbit | 12, —, 13 |" in md and "not reached" in md
 
 
-def test_speed_workers_and_links_per_workload():
+def test_speed_workers_and_links_per_workload(capsys):
     """--workers-of / --links-of set S and the links of one workload; the others keep --workers and
     --links; a workload not in --configs, S < 2 or a bad rate is a usage error naming the flag."""
     from ist_kernels.experiments import speed
@@ -765,3 +765,30 @@ def test_speed_workers_and_links_per_workload():
                       (["--links-of", "lm=fast"], "--links-of 'lm=fast'"), (["--stored-only"], "--runs-dir")):
         with pytest.raises(SystemExit):
             speed.parse(["--configs", "lm,cnn"] + bad)
+        assert says in capsys.readouterr().err
+
+
+def test_claims_lm_row_reads_the_seed_summary_over_the_slowest_link():
+    """The language model's claims row: the largest S, the slowest emulated link, the best subnetwork
+    method's time over local SGD's from speed.json's summary; the verdict against the 0.6x bar."""
+    def e(method, link, vs, t=100.0, S=4):
+        return {"workload": "lm", "workers": S, "method": method, "compress": "none", "link": link, "seeds": [0, 1, 2],
+                "vs_localsgd": vs, "time_to_target_s": t}
+
+    summary = [e("localsgd", "10mbit", 1.0, 900.0), e("resist", "10mbit", 0.55), e("ist-ffn", "10mbit", None),
+               e("localsgd", "100mbit", 1.0), e("resist", "100mbit", 0.9), e("ddp", "10mbit", 0.3),
+               e("localsgd", "10mbit", 1.0, S=2), e("resist", "10mbit", 2.0, S=2)]
+    runs = [{"workload": "lm", "method": "localsgd", "workers": 4, "link": "loopback", "compress": "none",
+             "final_metric": 3.1}]
+    doc = {"summary": summary, "runs": runs, "baselines": {"bigram_bits": 3.438}}
+    (row,) = claims.rows_speed_lm(doc)
+    assert "over 10mbit, S=4" in row[1] and "resist 0.55x" in row[1] and "ist-ffn not reached" in row[1]
+    assert "local SGD 900 s" in row[1] and "3.100 bits per byte" in row[1] and "3.438" in row[1]
+    assert "ddp" not in row[1] and row[2].startswith("holds (resist 0.55x")
+    summary[1]["vs_localsgd"] = 0.8
+    assert claims.rows_speed_lm(doc)[0][2].startswith("faster, not 0.6x")
+    summary[1]["vs_localsgd"] = None
+    assert claims.rows_speed_lm(doc)[0][2] == "not reached by any subnetwork method"
+    assert claims.rows_speed_lm(None)[0][1:] == ["not run", "—"]
+    assert claims.rows_speed_lm({"summary": [s for s in summary if s["method"] != "localsgd"], "runs": []}
+                                )[0][1] == "not run"

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from . import _common as C
+from . import _common as C, link as L
 from .paper003 import table4_prediction
 
 START, END = "<!-- claims:start -->", "<!-- claims:end -->"
@@ -206,6 +206,53 @@ def rows_speed(doc: Optional[Dict]) -> List[List[str]]:
     return out
 
 
+#: the language model's bar (issue 27): the best subnetwork method's time to local SGD's target over the
+#: slowest link, as a fraction of local SGD's
+LM_BAR = 0.6
+
+
+def rows_speed_lm(doc: Optional[Dict]) -> List[List[str]]:
+    """Time to local SGD's bits per byte on the speed experiment's language model (its ``summary``:
+    the seeds' rounds to target x each link's measured round time), over its slowest link, at its
+    largest S: the best subnetwork method against local SGD."""
+    claim = ("Subnetwork methods on a transformer (IST of FFN units / heads, papers 001-002; ResIST layers, paper 003; "
+             "arXiv 2507.09029): reach local SGD's quality in less wall-clock time over a slow link")
+    rows = [e for e in (doc or {}).get("summary", []) if e["workload"] == "lm" and e["compress"] == "none"]
+    if not rows:
+        return [[claim, "not run", "—"]]
+    S = max(e["workers"] for e in rows)
+    rows = [e for e in rows if e["workers"] == S]
+    emulated = [e for e in rows if e["link"] != "loopback"]
+    slow = min(emulated, key=lambda e: L.parse_rate(e["link"]))["link"] if emulated else "loopback"
+    here = {e["method"]: e for e in rows if e["link"] == slow}
+    base = here.get("localsgd")
+    subs = {m: e for m, e in here.items() if m not in ("localsgd", "ddp", "diloco")}
+    if base is None or not subs:
+        return [[claim, "not run", "—"]]
+    finals = [r["final_metric"] for r in doc["runs"] if r["workload"] == "lm" and r["method"] == "localsgd"
+              and r["workers"] == S and r["link"] == "loopback" and r["compress"] == "none"]
+    b = (doc.get("baselines") or {}).get("bigram_bits")
+
+    def ratio(e):
+        return "not reached" if e["vs_localsgd"] is None else f"{e['vs_localsgd']:.2f}x"
+
+    reached = {m: e for m, e in subs.items() if e["vs_localsgd"] is not None}
+    best = min(reached, key=lambda m: reached[m]["vs_localsgd"]) if reached else None
+    seeds = sorted({sd for e in rows for sd in e["seeds"]})
+    meas = (f"time to local SGD's final test bits per byte + the margin, over {slow}, S={S}, each method at its tuned lr "
+            f"(gpt_tiny on pycode, AdamW; {len(seeds)} seed(s)): local SGD "
+            + ("not reached" if base["time_to_target_s"] is None else f"{base['time_to_target_s']:.0f} s")
+            + "; " + ", ".join(f"{m} {ratio(e)}" for m, e in sorted(subs.items()))
+            + (f"; local SGD's final {sum(finals) / len(finals):.3f} bits per byte" if finals else "")
+            + (f" (a byte given the previous one: {b:.3f})" if b else "") + "; bench/results/experiments/speed.md")
+    verdict = ("not reached by any subnetwork method" if best is None
+               else f"holds ({best} {reached[best]['vs_localsgd']:.2f}x <= {LM_BAR:g}x)"
+               if reached[best]["vs_localsgd"] <= LM_BAR
+               else f"faster, not {LM_BAR:g}x ({best} {reached[best]['vs_localsgd']:.2f}x)"
+               if reached[best]["vs_localsgd"] < 1 else "does not hold here")
+    return [[claim, meas, verdict]]
+
+
 def rows_paper003(doc: Optional[Dict]) -> List[List[str]]:
     """Paper 003 Table 4 against the cost model's prediction from FLOPs and bytes (paper003.json when
     the results folder has it, else computed: it takes seconds and trains nothing)."""
@@ -341,6 +388,7 @@ def table(folder: str, bytes_path: Optional[str] = None) -> str:
                          "0.487 at S=8); accuracy (Tables 2-9) is not reproduced here")
             + rows_grelu(_load(folder, "grelu"))
             + rows_speed(_load(folder, "speed"))
+            + rows_speed_lm(_load(folder, "speed"))
             + rows_paper003(_load(folder, "paper003"))
             + rows_transformer(_load(folder, "transformer")))
     lines = ["| paper: claim | our measurement (mean ± std over seeds) | verdict |", "|---|---|---|"]
