@@ -613,7 +613,7 @@ def test_speed_tunes_each_method_on_the_holdout_and_runs_it_at_its_pick(tmp_path
 
     launched = []
 
-    def fake_launch(flags, S, seed, out_dir, link):
+    def fake_launch(flags, S, seed, out_dir, link, store=None, run_missing=True):
         lr = float(flags[flags.index("--lr") + 1])
         launched.append((flags, S, seed))
         rounds = int(flags[flags.index("--stop-after") + 1]) if "--stop-after" in flags else 3
