@@ -792,3 +792,23 @@ def test_claims_lm_row_reads_the_seed_summary_over_the_slowest_link():
     assert claims.rows_speed_lm(None)[0][1:] == ["not run", "—"]
     assert claims.rows_speed_lm({"summary": [s for s in summary if s["method"] != "localsgd"], "runs": []}
                                 )[0][1] == "not run"
+
+
+def test_claims_cnn_speed_rows_fall_back_to_speed_digits(tmp_path):
+    """While speed.json holds only the language model, papers 000/003's time rows read the digits
+    workloads' run kept in speed_digits/ and name its markdown; with CNN runs, speed.json's own."""
+    def run(method, ratio, workload="cnn"):
+        return {"workload": workload, "method": method, "compress": "none", "emulated": True, "bandwidth_bps": 1e8,
+                "workers": 4, "seed": 0, "time_vs_localsgd": ratio, "model": "preact_resnet101_basic"}
+
+    lm = {"runs": [run("resist", 1.5, "lm")], "seeds": [0], "scale": [], "summary": []}
+    digits = {"runs": [run("resist", 0.5), run("loft", 0.75)], "seeds": [0], "scale": []}
+    (tmp_path / "speed.json").write_text(json.dumps(lm))
+    (tmp_path / "speed_digits").mkdir()
+    (tmp_path / "speed_digits" / "speed.json").write_text(json.dumps(digits))
+    rows = claims.rows_speed(*claims._speed_with_cnn(str(tmp_path)))
+    assert "S=4: 2.00x" in rows[0][1] and "speed_digits/speed.md" in rows[0][1] and rows[0][2].startswith("holds")
+    lm["runs"].append(run("resist", 0.25))
+    (tmp_path / "speed.json").write_text(json.dumps(lm))
+    doc, md = claims._speed_with_cnn(str(tmp_path))
+    assert md == "bench/results/experiments/speed.md" and "S=4: 4.00x" in claims.rows_speed(doc, md)[0][1]

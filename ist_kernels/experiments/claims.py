@@ -15,7 +15,7 @@ import json
 import math
 import os
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import _common as C, link as L
 from .paper003 import table4_prediction
@@ -161,7 +161,7 @@ def rows_grelu(doc: Optional[Dict]) -> List[List[str]]:
     return rows
 
 
-def rows_speed(doc: Optional[Dict]) -> List[List[str]]:
+def rows_speed(doc: Optional[Dict], md: str = "bench/results/experiments/speed.md") -> List[List[str]]:
     """Paper 003 Table 4 (ResIST's wall-clock speed-up) and paper 000 (LOFT's pre-training time),
     from the speed experiment's emulated-link runs: time to local SGD's target accuracy."""
     c003 = ("003 Table 4 (time): ResIST trains 3.58-3.81x faster than local SGD to the same accuracy "
@@ -199,7 +199,7 @@ def rows_speed(doc: Optional[Dict]) -> List[List[str]]:
         model_note = ("; the cost model per round at 1 Gbit/s: " + ", ".join(
             f"S={r['workers']} {r['speedup_vs_localsgd']:.2f}x ({r['model']})" for r in scale)) if scale else ""
         meas = (f"speed-up in time to local SGD's target accuracy (digits, {model}, real processes over a {where}): "
-                + ", ".join(parts) + f" ({len(doc['seeds'])} seed(s)){model_note}; bench/results/experiments/speed.md")
+                + ", ".join(parts) + f" ({len(doc['seeds'])} seed(s)){model_note}; {md}")
         verdict = ("holds (speed-up >= 1.25x, smaller than the paper's)" if hits == len(cells)
                    else "mixed" if hits else "does not hold here")
         out.append([claim, meas, verdict])
@@ -373,6 +373,21 @@ def rows_bytes(doc: Optional[Dict], method: str, model: str, claim: str) -> List
     return [[claim, meas, _verdict(close, len(paper)) if below else "does not hold"]]
 
 
+#: where the digits workloads' last speed run is kept while speed.json holds only other workloads
+SPEED_DIGITS = "speed_digits"
+
+
+def _speed_with_cnn(folder: str) -> Tuple[Optional[Dict], str]:
+    """(speed.json, its markdown's path) when it has the CNN workload's runs, else those of
+    ``<folder>/speed_digits/`` (the digits workloads' last run, kept there while speed.json holds
+    the language model's alone)."""
+    doc = _load(folder, "speed")
+    if doc is not None and any(r.get("workload", r.get("config", "cnn")) == "cnn" for r in doc.get("runs", [])):
+        return doc, "bench/results/experiments/speed.md"
+    digits = _load(os.path.join(folder, SPEED_DIGITS), "speed")
+    return (digits, f"bench/results/experiments/{SPEED_DIGITS}/speed.md") if digits else (doc, "—")
+
+
 def table(folder: str, bytes_path: Optional[str] = None) -> str:
     counts = None
     if bytes_path and os.path.isfile(bytes_path):
@@ -387,7 +402,7 @@ def table(folder: str, bytes_path: Optional[str] = None) -> str:
                          "003 Table 1: a ResIST round sends less than local SGD's (0.686 of it at S=2, 0.543 at S=4, "
                          "0.487 at S=8); accuracy (Tables 2-9) is not reproduced here")
             + rows_grelu(_load(folder, "grelu"))
-            + rows_speed(_load(folder, "speed"))
+            + rows_speed(*_speed_with_cnn(folder))
             + rows_speed_lm(_load(folder, "speed"))
             + rows_paper003(_load(folder, "paper003"))
             + rows_transformer(_load(folder, "transformer")))
