@@ -410,9 +410,13 @@ def links_of(args, config: str) -> List[str]:
     return ["loopback"] if getattr(args, "loopback_only", False) else links
 
 
+def link_order(link: str) -> Tuple[bool, float]:
+    """Sort key of link names: loopback first, then the emulated links by rate."""
+    return (link != "loopback", 0.0 if link == "loopback" else L.parse_rate(link))
+
+
 def all_links(args) -> List[str]:
-    return sorted({x for c in args.configs for x in links_of(args, c)},
-                  key=lambda x: (x != "loopback", 0 if x == "loopback" else L.parse_rate(x)))
+    return sorted({x for c in args.configs for x in links_of(args, c)}, key=link_order)
 
 
 def cells(args) -> Tuple[List[Tuple], List[str]]:
@@ -1005,8 +1009,7 @@ def seed_summary(runs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
         loop = sorted((r for r in rs if r["link"] == "loopback"), key=lambda r: r["seed"])
         rounds = [r["rounds_to_target"] for r in loop]
         mean_rounds = _mean(rounds) if loop and all(k is not None for k in rounds) else None
-        for link_name in sorted({r["link"] for r in rs},
-                                key=lambda x: (x != "loopback", 0 if x == "loopback" else L.parse_rate(x))):
+        for link_name in sorted({r["link"] for r in rs}, key=link_order):
             here = [r for r in rs if r["link"] == link_name]
             round_s = _mean([r["round_time_s"] for r in here])
             out.append({"workload": config, "workers": S, "method": method, "compress": comp, "link": link_name,
