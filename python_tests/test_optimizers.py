@@ -141,7 +141,8 @@ def test_decentralized_adamw_state_equals_simulated_and_resumes_exactly(tmp_path
 @pytest.mark.parametrize("args", [
     ["--method", "ist", "--option", "momentum_state=aggregate"],  # the global AdamW state (simulated)
     ["--method", "localsgd"],  # every worker's AdamW state, kept across rounds
-], ids=["ist-aggregate", "localsgd"])
+    ["--method", "localsgd", "--option", "momentum_state=reset"],  # cleared after every average
+], ids=["ist-aggregate", "localsgd", "localsgd-reset"])
 def test_simulated_adamw_resume_is_exact(tmp_path, args):
     args = [*args, "--optimizer", "adamw", "--rounds", 3, "--simulate", 2, "--eval-interval", 1]
     _, full_model, full_hist = run(tmp_path / "full", *args)
@@ -152,12 +153,15 @@ def test_simulated_adamw_resume_is_exact(tmp_path, args):
     assert untimed(hist) == untimed(full_hist)
 
 
-def test_localsgd_keeps_each_workers_adamw_state_across_rounds(tmp_path):
-    """Whole-model methods keep their optimizers: after 2 rounds of 4 steps AdamW's step is 8."""
+@pytest.mark.parametrize("state", ["local", "reset"])
+def test_localsgd_keeps_each_workers_adamw_state_across_rounds(tmp_path, state):
+    """Whole-model methods keep their optimizers: after 2 rounds of 4 steps AdamW's step is 8;
+    ``momentum_state=reset`` (the ablation of the subnetwork methods' reset) clears every worker's
+    state after each average, so the first round is the same as without and the second is not."""
     from ist_kernels.train.methods import get_method
 
     cfg = cli.build_config([*GPT, "--method", "localsgd", "--optimizer", "adamw", "--simulate", "2",
-                            "--rounds", "2"]).validate()
+                            "--rounds", "2", "--option", f"momentum_state={state}"]).validate()
     from ist_kernels.train import datasets
     from ist_kernels.train.worker import RunContext, World
 
@@ -169,4 +173,14 @@ def test_localsgd_keeps_each_workers_adamw_state_across_rounds(tmp_path):
     for opt in method.optimizers.values():
         assert isinstance(opt, torch.optim.AdamW)
         steps = {float(st["step"]) for st in opt.state.values()}
-        assert steps == {8.0}
+        assert steps == ({8.0} if state == "local" else set())
+
+
+def test_localsgd_reset_changes_only_rounds_after_the_first(tmp_path):
+    args = ["--method", "localsgd", "--optimizer", "adamw", "--simulate", 2, "--eval-interval", 1]
+    _, _, one_kept = run(tmp_path / "k1", *args, "--rounds", 1)
+    _, _, one_reset = run(tmp_path / "r1", *args, "--rounds", 1, "--option", "momentum_state=reset")
+    assert untimed(one_kept) == untimed(one_reset)
+    _, kept, _ = run(tmp_path / "k2", *args, "--rounds", 2)
+    _, reset, _ = run(tmp_path / "r2", *args, "--rounds", 2, "--option", "momentum_state=reset")
+    assert any(not torch.equal(kept[k], reset[k]) for k in kept if kept[k].is_floating_point())

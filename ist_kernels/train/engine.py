@@ -582,11 +582,15 @@ class LocalModels:
     of every copy: by default parameters and floating buffers). Momentum buffers stay local.
     ``--outer-optimizer nesterov`` (``outer=True``): after the average, a Nesterov step on the
     parameters with the previous model minus the average as the gradient (one momentum per process,
-    the same on every rank)."""
+    the same on every rank). ``reset_state``: every optimizer's state is cleared after each average
+    (what a fresh optimizer has, as the subnetwork methods' ``momentum_state=reset``: local SGD's
+    ``momentum_state=reset``, an ablation)."""
 
     def __init__(self, ctx, models: Dict[int, nn.Module],
-                 tensors: Callable[[nn.Module], List[Tensor]] = averaged_tensors, outer: bool = False):
+                 tensors: Callable[[nn.Module], List[Tensor]] = averaged_tensors, outer: bool = False,
+                 reset_state: bool = False):
         self.ctx = ctx
+        self.reset_state = reset_state
         self.models = models
         self.tensors = tensors
         self.optimizers = {s: ctx.make_optimizer(m.parameters()) for s, m in models.items()}
@@ -619,6 +623,9 @@ class LocalModels:
                 outer_from_previous_(first, prev, self.outer, hp.outer_lr, hp.outer_momentum)
                 for s in workers[1:]:
                     torch._foreach_copy_(self._params[s], first)
+        if self.reset_state:
+            for s in workers:
+                self.optimizers[s].state.clear()
         ps = sum(ctx.comm.model_ps_bytes(self._averaged[s]) for s in workers) if ctx.num_workers > 1 else 0
         return RoundResult(loss, len(workers) * ctx.local_steps, extra=None if phase is None else
                            {"phase": phase}, ps_bytes=ps, state_bytes=state)

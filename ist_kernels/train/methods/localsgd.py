@@ -1,6 +1,8 @@
 """Local SGD, the baseline of papers 000 (Table 1) and 003 (Tables 1-9): every worker trains the
 whole model for tau local steps on its own shard, then the full model is averaged with one flat
-all_reduce. Momentum buffers stay local to each worker (as in the reference codes).
+all_reduce. Momentum buffers stay local to each worker (as in the reference codes; option
+``momentum_state=reset`` clears them after every average instead: an ablation of the subnetwork
+methods' default).
 
 LOFT's paper baseline (paper 000 §6, Table 1) is local SGD through the same pipeline as LOFT:
 with ``pretrain_fraction`` < 1, local SGD pre-trains the dense model for that fraction of the
@@ -27,6 +29,10 @@ class LocalSGD(Method):
                                     "(--prune-ratio) and the pruned model is fine-tuned: LOFT's paper baseline; "
                                     "1: dense local SGD throughout", check=lambda v: 0 < v <= 1,
                                     expected="a number in (0, 1]"),
+        "momentum_state": Option("local", str, "the workers' optimizer state across rounds: local (each keeps its "
+                                 "own, as the papers' baseline) or reset (cleared after every average, as the "
+                                 "subnetwork methods' default momentum_state=reset: an ablation)",
+                                 check=lambda v: v in ("local", "reset"), expected="local or reset"),
     }
     phases = ("pretrain", "finetune")
     outer_optimizer = True
@@ -43,7 +49,9 @@ class LocalSGD(Method):
         # (.get: a subclass may bring its own options)
         self.pretrain_rounds = phase_rounds(ctx.rounds, ctx.options.get("pretrain_fraction", 1.0))
         self.prunes = self.pretrain_rounds < ctx.rounds
-        self.local = LocalModels(ctx, {s: ctx.build_model() for s in ctx.local_workers}, outer=True)
+        self.reset_state = ctx.options.get("momentum_state", "local") == "reset"
+        self.local = LocalModels(ctx, {s: ctx.build_model() for s in ctx.local_workers}, outer=True,
+                                 reset_state=self.reset_state)
         self.full_params = count_params(self.local.model)
         self.full_state_bytes = ctx.full_state_bytes(self.local.model)
         self.dense = None  # the pre-trained model, once pruned
@@ -62,7 +70,7 @@ class LocalSGD(Method):
         # every local worker gets the same pruned copy (deterministic, so equal on every rank)
         ratio = self.ctx.hp.prune_ratio
         self.local = LocalModels(self.ctx, {s: prune_filters(self.dense, ratio) for s in self.ctx.local_workers},
-                                 outer=True)
+                                 outer=True, reset_state=self.reset_state)
 
     def run_round(self, r: int):
         if self.prunes and r >= self.pretrain_rounds and self.dense is None:
