@@ -814,37 +814,62 @@ def test_claims_cnn_speed_rows_fall_back_to_speed_digits(tmp_path):
     assert md == "bench/results/experiments/speed.md" and "S=4: 4.00x" in claims.rows_speed(doc, md)[0][1]
 
 
-def test_lm_ablation_quick_keeps_runs_and_reads_them_back(tmp_path):
-    """lm_ablation --quick (S=2, local SGD's and IST-of-FFN's variants): each variant runs speed's lm
-    command line plus its option or lr, the target is local SGD's final + the margin, and a second
-    call with --stored-only reads the kept runs back unchanged."""
+
+def test_speed_ablation_lm_quick_keeps_runs_and_reads_them_back(tmp_path):
+    """speed_ablation --workload lm --quick (S=2, local SGD's and IST-of-FFN's variants): each variant
+    runs speed's lm command line plus its option or lr, the target is local SGD's final + the margin,
+    and a second call with --stored-only reads the kept runs back unchanged."""
     store = tmp_path / "runs"
-    assert main(["lm_ablation", "--quick", "--runs-dir", str(store), "--speed-json", str(tmp_path / "none.json"),
-                 "--out", str(tmp_path / "a")]) == 0
-    doc = _load_json(tmp_path / "a" / "lm_ablation.json")
+    argv = ["speed_ablation", "--workload", "lm", "--quick", "--runs-dir", str(store), "--speed-json",
+            str(tmp_path / "none.json")]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    doc = _load_json(tmp_path / "a" / "speed_ablation_lm.json")
     rows = {r["variant"]: r for r in doc["rows"]}
     assert set(rows) == {"localsgd", "ist-ffn", "localsgd-reset", "ist-ffn-aggregate", "ist-ffn-lr/3"}
     assert rows["ist-ffn-lr/3"]["lr"] == pytest.approx(1e-3 / 3, rel=1e-5) and rows["ist-ffn"]["lr"] == 1e-3
     target = rows["localsgd"]["final"] + 0.05
     for r in rows.values():
-        assert r["workers"] == 2 and len(r["bits_per_byte"]) == 3 and r["final"] == r["bits_per_byte"][-1]
-        assert 4 < r["final"] < 8.5 and r["target"] == pytest.approx(target)
+        assert r["workers"] == 2 and r["metric"] == "bits_per_byte" and len(r["values"]) == 3
+        assert r["final"] == r["values"][-1] and 4 < r["final"] < 8.5 and r["target"] == pytest.approx(target)
         k = r["rounds_to_target"]
-        assert k is None or r["bits_per_byte"][k - 1] <= r["target"] < min([9.0] + r["bits_per_byte"][:k - 1])
+        assert k is None or r["values"][k - 1] <= r["target"] < min([9.0] + r["values"][:k - 1])
     keys = {f.name: json.loads(f.read_text())["key"]["flags"] for f in store.iterdir()}
     assert len(keys) == 5
     assert any("momentum_state=reset" in k and "localsgd" in k for k in keys.values())
     assert any("momentum_state=aggregate" in k and "partition=ffn" in k for k in keys.values())
-    assert main(["lm_ablation", "--quick", "--runs-dir", str(store), "--stored-only", "--speed-json",
-                 str(tmp_path / "none.json"), "--out", str(tmp_path / "b")]) == 0
-    again = _load_json(tmp_path / "b" / "lm_ablation.json")
-    assert [r["bits_per_byte"] for r in again["rows"]] == [r["bits_per_byte"] for r in doc["rows"]]
+    assert main([*argv, "--stored-only", "--out", str(tmp_path / "b")]) == 0
+    again = _load_json(tmp_path / "b" / "speed_ablation_lm.json")
+    assert [r["values"] for r in again["rows"]] == [r["values"] for r in doc["rows"]]
     assert len(doc["findings"]) == 3
 
 
-def test_lm_ablation_rejects_bad_arguments(capsys):
-    for argv, what in ((["--factors", "nope"], "--factors"), (["--workers", "1"], "--workers"),
-                       (["--stored-only"], "--stored-only")):
+def test_speed_ablation_cnn_quick_pipeline(tmp_path):
+    """--workload cnn: local SGD through LOFT's prune-and-fine-tune pipeline replaces the workload's
+    option values, not adds to them, and is compared with local SGD at 0.98 of its final accuracy."""
+    store = tmp_path / "runs"
+    assert main(["speed_ablation", "--workload", "cnn", "--quick", "--factors", "pipeline", "--runs-dir",
+                 str(store), "--out", str(tmp_path)]) == 0
+    doc = _load_json(tmp_path / "speed_ablation_cnn.json")
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert set(rows) == {"localsgd", "loft", "localsgd-pipeline"}
+    assert rows["localsgd-pipeline"]["target"] == pytest.approx(0.98 * rows["localsgd"]["final"], rel=1e-4)
+    assert set(rows["localsgd-pipeline"]["phase"]) == {0, 1} and set(rows["localsgd"]["phase"]) == {None}
+    flags = json.loads(next(store.glob("ablate-cnn-*localsgd-pipeline*")).read_text())["key"]["flags"]
+    assert flags.count("--option") == 1 and "pretrain_fraction=0.5" in flags and "--prune-ratio" in flags
+
+
+def test_with_options_replaces_a_workloads_value():
+    from ist_kernels.experiments.speed_ablation import with_options
+
+    flags = ["--method", "loft", "--option", "pretrain_fraction=0.5", "--option", "a=1", "--lr", "0.1"]
+    assert with_options(flags, ["pretrain_fraction=1"]) == [
+        "--method", "loft", "--option", "a=1", "--lr", "0.1", "--option", "pretrain_fraction=1"]
+    assert with_options(flags, []) == flags
+
+
+def test_speed_ablation_rejects_bad_arguments(capsys):
+    for argv, what in ((["--factors", "pipeline"], "--factors"), (["--workers", "1"], "--workers"),
+                       (["--stored-only"], "--stored-only"), (["--workload", "mlp"], "--workload")):
         with pytest.raises(SystemExit):
-            main(["lm_ablation", *argv])
+            main(["speed_ablation", *argv])
         assert what in capsys.readouterr().err

@@ -1,0 +1,335 @@
+"""Issue 27: what costs the subnetwork methods their time to target in speed, factor by factor.
+
+    python -m ist_kernels.experiments speed_ablation --workload lm|cnn [--workers S] [--factors ...]
+                                                     [--runs-dir DIR]
+
+One of ``speed``'s workloads, S real processes over loopback, every method at the learning rate
+``speed``'s tuning picked (read from ``--speed-json``; the workload's lr where it has none). The
+**baselines** are ``speed``'s own comparison runs (the same command line: with ``--runs-dir`` the
+kept runs are read, not run again). Each factor (``--factors``) changes one thing of one method and
+keeps the rest.
+
+``lm`` (gpt_tiny on pycode, AdamW for every method, 40 rounds of 25 local steps; S = 4): why the
+subnetwork methods end above local SGD. Baselines: local SGD, ResIST, IST of FFN units and of heads.
+
+* ``state``: the subnetwork methods start every round's AdamW afresh (the trainer's default
+  ``momentum_state=reset``, as paper 000's Algorithm 1 and the ResIST code, which aggregate only the
+  weights), while local SGD's workers keep theirs. ResIST and both IST variants with
+  ``momentum_state=aggregate`` (the two moments sliced with the weights and owner-averaged), and
+  local SGD with ``momentum_state=reset`` (its AdamW cleared after every average): what the reset
+  costs each, from both sides.
+* ``lr``: both IST variants at a third of their pick, which was the tuning grid's lowest point.
+
+``cnn`` (preact ResNet-101 of width 16 on digits, 16 rounds of 8 local steps; S = 2): why LOFT takes
+more rounds than local SGD. LOFT runs paper 000's pipeline: LOFT pre-training for
+``pretrain_fraction`` of the rounds, 50% of the filters pruned, local SGD fine-tuning the pruned model.
+Baselines: local SGD, LOFT, ResIST.
+
+* ``pipeline``: local SGD through the same pipeline (paper 000's own baseline, ``localsgd
+  --option pretrain_fraction=0.5 --prune-ratio 0.5``): what pruning and fine-tuning cost a dense
+  pre-training, apart from LOFT's subnetworks.
+* ``pretrain``: LOFT with ``pretrain_fraction`` 0.25, 0.75 and 1 (no pruning: LOFT throughout).
+* ``state``: LOFT with ``momentum_state=aggregate`` (SGD momentum travels with the filters).
+
+A run's **rounds to target** is the first round at or past the target: accuracy, ``--target-fraction``
+(0.98) of local SGD's final (same seed); bits per byte, at or below local SGD's final plus
+``--lm-margin`` (as in ``speed``); its **final** is the last round's. Outputs
+``speed_ablation_<workload>.{json,md,png}``: per variant its curve, final, rounds to target (and to
+3.0 / 2.9 bits per byte on the lm), seconds per round, and a sentence per comparison on what it moves.
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from tqdm import tqdm
+
+from . import _common as C, speed as SP
+
+#: per workload: (factor, variant name, the workload's method, --option values in place of or beside the
+#: workload's, more trainer flags, lr multiplier of the pick); factor "baseline": speed's own run
+Variant = Tuple[str, str, str, Tuple[str, ...], Tuple[str, ...], float]
+VARIANTS: Dict[str, Tuple[Variant, ...]] = {
+    "lm": (
+        ("baseline", "localsgd", "localsgd", (), (), 1.0),
+        ("baseline", "resist", "resist", (), (), 1.0),
+        ("baseline", "ist-ffn", "ist-ffn", (), (), 1.0),
+        ("baseline", "ist-heads", "ist-heads", (), (), 1.0),
+        ("state", "localsgd-reset", "localsgd", ("momentum_state=reset",), (), 1.0),
+        ("state", "resist-aggregate", "resist", ("momentum_state=aggregate",), (), 1.0),
+        ("state", "ist-ffn-aggregate", "ist-ffn", ("momentum_state=aggregate",), (), 1.0),
+        ("state", "ist-heads-aggregate", "ist-heads", ("momentum_state=aggregate",), (), 1.0),
+        ("lr", "ist-ffn-lr/3", "ist-ffn", (), (), 1 / 3),
+        ("lr", "ist-heads-lr/3", "ist-heads", (), (), 1 / 3),
+    ),
+    "cnn": (
+        ("baseline", "localsgd", "localsgd", (), (), 1.0),
+        ("baseline", "loft", "loft", (), (), 1.0),
+        ("baseline", "resist", "resist", (), (), 1.0),
+        ("pipeline", "localsgd-pipeline", "localsgd", ("pretrain_fraction=0.5",), ("--prune-ratio", "0.5"), 1.0),
+        ("pretrain", "loft-pretrain0.25", "loft", ("pretrain_fraction=0.25",), (), 1.0),
+        ("pretrain", "loft-pretrain0.75", "loft", ("pretrain_fraction=0.75",), (), 1.0),
+        ("pretrain", "loft-pretrain1", "loft", ("pretrain_fraction=1",), (), 1.0),
+        ("state", "loft-aggregate", "loft", ("momentum_state=aggregate",), (), 1.0),
+    ),
+}
+#: what each variant is compared with (its baseline)
+BASE_OF = {"localsgd-reset": "localsgd", "resist-aggregate": "resist", "ist-ffn-aggregate": "ist-ffn",
+           "ist-heads-aggregate": "ist-heads", "ist-ffn-lr/3": "ist-ffn", "ist-heads-lr/3": "ist-heads",
+           "localsgd-pipeline": "localsgd", "loft-pretrain0.25": "loft", "loft-pretrain0.75": "loft",
+           "loft-pretrain1": "loft", "loft-aggregate": "loft"}
+WORKERS = {"lm": 4, "cnn": 2}  # --workers' default per workload (the S where a bar was missed)
+QUICK_METHODS = {"lm": ("localsgd", "ist-ffn"), "cnn": ("localsgd", "loft")}  # --quick: these methods' variants
+LEVELS = {"lm": (3.0, 2.9)}  # bits per byte: rounds to each, beside the target's
+
+
+def factors(workload: str) -> List[str]:
+    return list(dict.fromkeys(v[0] for v in VARIANTS[workload] if v[0] != "baseline"))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = C.parser("speed_ablation", __doc__, seeds=(0,), quick="speed's --quick workload: 3 rounds, S=2, two "
+                                                              "methods' variants")
+    p.add_argument("--workload", choices=sorted(VARIANTS), default="lm", help="speed's workload (default %(default)s)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="S, the worker processes (default: lm 4, cnn 2; --quick: 2)")
+    p.add_argument("--factors", type=C.names, default=None,
+                   help="factors to run beside the baselines (default: all of the workload's: "
+                        + "; ".join(f"{w}: {','.join(factors(w))}" for w in sorted(VARIANTS)) + ")")
+    p.add_argument("--speed-json", default=os.path.join("bench", "results", "experiments", "speed.json"),
+                   help="speed's output whose tuning gives each method's lr (default %(default)s; missing: the "
+                        "workload's lr)")
+    p.add_argument("--runs-dir", default=None, metavar="DIR",
+                   help="keep every run here and reuse a kept run with the same command, S and seed (speed's "
+                        "--runs-dir: its kept comparison runs are the baselines)")
+    p.add_argument("--stored-only", action="store_true", help="run nothing: read the kept runs (missing: not_run)")
+    p.add_argument("--lm-margin", type=float, default=SP.LM_MARGIN,
+                   help="lm: target = local SGD's final bits per byte plus this (default %(default)s)")
+    p.add_argument("--target-fraction", type=float, default=0.98,
+                   help="accuracy: target = this fraction of local SGD's final accuracy (default %(default)s)")
+    return p
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = parser()
+    args = p.parse_args(argv)
+    C.check_args(p, args)
+    known = factors(args.workload)
+    args.factors = known if args.factors is None else args.factors
+    bad = [f for f in args.factors if f not in known]
+    if bad:
+        p.error(f"--factors: unknown {', '.join(bad)} for --workload {args.workload}; expected some of "
+                f"{', '.join(known)}")
+    if args.workers is None:
+        args.workers = 2 if args.quick else WORKERS[args.workload]
+    if args.workers < 2:
+        p.error(f"--workers: expected at least 2 (subnetworks need 2 or more workers), got {args.workers}")
+    if args.stored_only and args.runs_dir is None:
+        p.error("--stored-only needs --runs-dir")
+    return args
+
+
+def picks(path: str, workload: str, S: int) -> Dict[str, float]:
+    """Each method's picked lr on ``workload`` at S from ``speed.json``'s tuning (empty when missing)."""
+    try:
+        with open(path) as f:
+            tuning = json.load(f).get("tuning", {}).get(workload, {})
+    except (OSError, ValueError):
+        return {}
+    return {m: t[str(S)]["pick"] for m, t in tuning.items() if str(S) in t and t[str(S)].get("pick") is not None}
+
+
+def with_options(flags: Sequence[str], options: Sequence[str]) -> List[str]:
+    """``flags`` with ``--option KEY=VALUE`` for each of ``options``, in place of a value the flags give KEY."""
+    keys = {o.split("=", 1)[0] for o in options}
+    out: List[str] = []
+    it = iter(flags)
+    for f in it:
+        if f == "--option":
+            o = next(it)
+            if o.split("=", 1)[0] not in keys:
+                out += [f, o]
+        else:
+            out.append(f)
+    for o in options:
+        out += ["--option", o]
+    return out
+
+
+def variant_flags(w: Dict[str, Any], method: str, options: Sequence[str], extra: Sequence[str],
+                  lr: float) -> List[str]:
+    """speed's comparison-run flags of ``method`` at ``lr`` (so a baseline is speed's own run), with ``options``
+    and the ``extra`` flags."""
+    return with_options(SP.method_flags(w, method, "none", lr), options) + list(extra)
+
+
+def store_name(workload: str, S: int, seed: int, name: str, method: str, lr: float, baseline: bool) -> str:
+    """A baseline's kept name is speed's loopback comparison run's; a variant's its own."""
+    if baseline:
+        return f"{workload}-{S}-loopback-{method}-none-{seed}-lr{lr:g}"
+    return f"ablate-{workload}-{S}-loopback-{name.replace('/', 'div')}-{seed}-lr{lr:g}"
+
+
+def _workload(args) -> Dict[str, Any]:
+    return SP.workload(argparse.Namespace(quick=args.quick, rounds=None, local_steps=None), args.workload)
+
+
+def row_of(run: Dict[str, Any], metric: str) -> Dict[str, Any]:
+    c = SP.curve(run)
+    values = c[metric]
+    return {"values": values, "round_s": c["round_s"], "final": values[-1] if values else None,
+            "mean_round_s": SP._mean(c["round_s"]), "mb_per_round": SP._mean([b / 1e6 for b in c["bytes"]]),
+            "phase": c["phase"]}
+
+
+def rounds_to(values: Sequence[Optional[float]], level: Optional[float], higher: bool) -> Optional[int]:
+    return None if level is None else SP.time_to_target([0.0] * len(values), values, level, higher)[1]
+
+
+def run_variants(args) -> Tuple[List[Dict[str, Any]], Dict[str, float]]:
+    w = _workload(args)
+    S, metric = args.workers, w["metric"]
+    lrs = {} if args.quick else picks(args.speed_json, args.workload, S)
+    todo = [v for v in VARIANTS[args.workload] if (v[0] == "baseline" or v[0] in args.factors)
+            and (not args.quick or v[2] in QUICK_METHODS[args.workload])]
+    rows: List[Dict[str, Any]] = []
+    work = tempfile.mkdtemp(prefix="ist-speed-ablation-")
+    try:
+        bar = tqdm(total=len(todo) * len(args.seeds), desc="speed_ablation", unit="run", file=sys.stderr)
+        for seed in args.seeds:
+            for factor, name, method, options, extra, mult in todo:
+                lr = float(f"{lrs.get(method, SP.base_lr(w, method)) * mult:.6g}")
+                flags = variant_flags(w, method, options, extra, lr)
+                store = None if args.runs_dir is None else os.path.join(
+                    args.runs_dir, store_name(args.workload, S, seed, name, method, lr, factor == "baseline") + ".json")
+                row = {"workload": args.workload, "factor": factor, "variant": name, "method": method,
+                       "options": list(options), "flags": list(extra), "lr": lr, "seed": seed, "workers": S,
+                       "metric": metric}
+                try:
+                    run = SP.launch(flags, S, seed, os.path.join(work, f"{name.replace('/', 'div')}-{seed}"), None,
+                                    store, not args.stored_only)
+                    row.update(row_of(run, metric), measured_at=run.get("stored_at"))
+                except SP.NotStored as e:
+                    row["not_run"] = str(e)
+                rows.append(row)
+                bar.update(1)
+        bar.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return rows, lrs
+
+
+def target(args, w: Dict[str, Any], local_final: float) -> float:
+    """speed's target from local SGD's final (same seed), with this experiment's margin and fraction."""
+    return args.target_fraction * local_final if SP.higher_is_better(w) else local_final + args.lm_margin
+
+
+def analyse(args, rows: List[Dict[str, Any]]) -> Tuple[Dict[int, float], List[str]]:
+    """Adds each row's target, rounds to it (and to the workload's LEVELS); returns the targets per seed
+    and the findings."""
+    w = _workload(args)
+    higher = SP.higher_is_better(w)
+    targets = {r["seed"]: target(args, w, r["final"]) for r in rows
+               if r["variant"] == "localsgd" and r.get("final") is not None}
+    for r in rows:
+        if "values" not in r:
+            continue
+        r["target"] = targets.get(r["seed"])
+        r["rounds_to_target"] = rounds_to(r["values"], r["target"], higher)
+        r["rounds_to"] = {f"{lv:g}": rounds_to(r["values"], lv, higher) for lv in LEVELS.get(args.workload, ())}
+    return targets, findings(rows)
+
+
+def _mean_of(rows, variant, key) -> Tuple[Optional[float], int, int]:
+    """(mean of ``key`` over the variant's seeds that have it, how many have it, how many ran)."""
+    ran = [r for r in rows if r["variant"] == variant and "values" in r]
+    v = [r[key] for r in ran if r.get(key) is not None]
+    return (sum(v) / len(v) if v else None), len(v), len(ran)
+
+
+def findings(rows: List[Dict[str, Any]]) -> List[str]:
+    """One sentence per variant: its mean final and rounds to target against its baseline's and local SGD's."""
+    out = []
+    local, _, _ = _mean_of(rows, "localsgd", "final")
+    for variant, base in BASE_OF.items():
+        a, _, na = _mean_of(rows, variant, "final")
+        b, _, nb = _mean_of(rows, base, "final")
+        if a is None or b is None:
+            continue
+        ka, ra, _ = _mean_of(rows, variant, "rounds_to_target")
+        kb, rb, _ = _mean_of(rows, base, "rounds_to_target")
+
+        def reach(k, n_reached, n):
+            return f"{n_reached}/{n} seeds reach the target" + (f" in {k:.1f} rounds (mean)" if k is not None else "")
+        gap = "" if local is None or base == "localsgd" else \
+            f"; gap to local SGD's {local:.4g}: {b - local:+.3g} -> {a - local:+.3g}"
+        out.append(f"{variant}: final {a:.4g} against {base}'s {b:.4g} ({a - b:+.3g}){gap}; "
+                   f"{reach(ka, ra, na)} ({base}: {reach(kb, rb, nb)}).")
+    return out
+
+
+def _fmt(v, spec=".3f"):
+    return "—" if v is None else format(v, spec)
+
+
+def markdown(args, rows, targets, lines, lrs) -> str:
+    w = _workload(args)
+    levels = LEVELS.get(args.workload, ())
+    metric = "bits per byte" if w["metric"] == "bits_per_byte" else "accuracy"
+    rule = (f"local SGD's final + {args.lm_margin:g} bits per byte" if not SP.higher_is_better(w) else
+            f"{args.target_fraction:g} x local SGD's final accuracy")
+    md = [f"# What costs the subnetwork methods their time to target (`speed_ablation`, {args.workload})", "",
+          f"{w['model']} on {w['dataset']}, S = {args.workers} processes over loopback, {w['rounds']} rounds of "
+          f"{w['local_steps']} local steps (speed's {args.workload} workload); each method at speed's tuned lr"
+          + ("" if lrs else " (none found: the workload's lr)") + f". Target: {rule} ("
+          + ", ".join(f"seed {s}: {_fmt(t, '.4g')}" for s, t in sorted(targets.items())) + ").", "",
+          f"| factor | variant | lr | options and flags | seed | final {metric} | rounds to target | "
+          + "".join(f"to {lv:g} | " for lv in levels) + "s / round | MB / round |",
+          "|---|---|---|---|---|---|---|" + "---|" * len(levels) + "---|---|"]
+    for r in rows:
+        what = " ".join(r["options"] + r["flags"]) or "—"
+        if "not_run" in r:
+            md.append(f"| {r['factor']} | {r['variant']} | {r['lr']:g} | {what} | {r['seed']} | not run | |"
+                      + " |" * len(levels) + " | |")
+            continue
+        md.append(f"| {r['factor']} | {r['variant']} | {r['lr']:g} | {what} | {r['seed']} | {_fmt(r['final'], '.4g')} | "
+                  f"{_fmt(r['rounds_to_target'], 'd')} | "
+                  + "".join(f"{_fmt(r['rounds_to'][f'{lv:g}'], 'd')} | " for lv in levels)
+                  + f"{_fmt(r['mean_round_s'], '.2f')} | {_fmt(r['mb_per_round'], '.1f')} |")
+    md += ["", "## Findings (means over the seeds)", ""] + [f"- {s}" for s in lines]
+    return "\n".join(md)
+
+
+def plot(args, rows, targets):
+    w = _workload(args)
+    facs = factors(args.workload)
+    fig, axes = C.figure(len(facs), 1, size=(5.5, 3.8))
+    for ax, factor in zip(axes, facs):
+        for r in rows:
+            if r["factor"] not in ("baseline", factor) or "values" not in r or r["seed"] != rows[0]["seed"]:
+                continue
+            ax.plot(range(1, len(r["values"]) + 1), r["values"], "-" if r["factor"] == "baseline" else "--",
+                    label=r["variant"])
+        t = targets.get(rows[0]["seed"])
+        if t is not None:
+            ax.axhline(t, color="grey", lw=0.8, ls=":")
+        if w["metric"] == "bits_per_byte":
+            ax.set_ylim(top=4.0)
+        C.style_axis(ax, f"{args.workload}, factor: {factor} (seed {rows[0]['seed']})", "round",
+                     "test " + w["metric"].replace("_", " "), legend=True)
+    return fig
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse(argv)
+    started = time.time()
+    rows, lrs = run_variants(args)
+    targets, lines = analyse(args, rows)
+    C.write_outputs(args, f"speed_ablation_{args.workload}",
+                    {"workload": args.workload, "rows": rows, "targets": targets, "picks": lrs, "findings": lines},
+                    markdown(args, rows, targets, lines, lrs), plot(args, rows, targets), started)
+    return 0
