@@ -814,6 +814,24 @@ def test_claims_cnn_speed_rows_fall_back_to_speed_digits(tmp_path):
     assert md == "bench/results/experiments/speed.md" and "S=4: 4.00x" in claims.rows_speed(doc, md)[0][1]
 
 
+def test_claims_cnn_speed_rows_from_the_seeds_summary():
+    """With the seeds' summary, papers 000/003's time rows give per S the seeds' mean rounds x the
+    slowest link's round time against local SGD's, and the 0.8x bar decides (0.803x misses)."""
+    def e(method, link, ratio, S, rounds):
+        return {"workload": "cnn", "method": method, "compress": "none", "link": link, "workers": S,
+                "seeds": [0, 1, 2], "vs_localsgd": ratio, "mean_rounds_to_target": rounds}
+
+    summary = [e(m, link, r, S, k) for link in ("loopback", "100mbit", "1gbit") for S in (2, 4)
+               for m, r, k in (("localsgd", 1.0, 8), ("resist", 0.5, 6), ("loft", 0.803 if S == 2 else 0.5, 11))]
+    summary.append(e("resist", "10mbit", None, 2, None))  # the slowest link is 10mbit for resist alone
+    doc = {"summary": summary, "runs": [{"workload": "cnn", "model": "preact_resnet101_basic"}], "seeds": [0, 1, 2]}
+    resist, loft = claims.rows_speed(doc)
+    assert "10 Mbit/s emulated link" in resist[1] and "S=2: target not reached by every seed" in resist[1]
+    assert resist[2] == "does not hold here" and "3 seed(s)" in resist[1]
+    assert "100 Mbit/s" in loft[1] and "S=2: 1.245x (11 rounds vs 8)" in loft[1] and "S=4: 2.000x" in loft[1]
+    assert loft[2] == "mixed"
+
+
 
 def test_speed_ablation_lm_quick_keeps_runs_and_reads_them_back(tmp_path):
     """speed_ablation --workload lm --quick (S=2, local SGD's and IST-of-FFN's variants): each variant

@@ -1036,10 +1036,10 @@ def summary_lines(summary: Sequence[Dict[str, Any]]) -> List[str]:
            "vs local SGD | the link's runs (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in summary:
         ks = ", ".join("—" if k is None else str(k) for k in e["rounds_to_target"]) or "no loopback run"
-        own = ", ".join(_f(t, ".0f", "not reached") for t in e["runs_time_to_target_s"])
+        own = ", ".join(_f(t, ".3g", "not reached") for t in e["runs_time_to_target_s"])
         out.append(f"| {e['workload']} | {e['workers']} | {e['method']} | {e['compress']} | {e['link']} | {ks} | "
                    f"{_f(e['mean_rounds_to_target'], '.3g')} | {_f(e['round_time_s'], '.2f')} | "
-                   f"{_f(e['time_to_target_s'], '.0f', 'not reached')} | {_f(e['vs_localsgd'], '.2f')} | {own} |")
+                   f"{_f(e['time_to_target_s'], '.3g', 'not reached')} | {_f(e['vs_localsgd'], '.2f')} | {own} |")
     return out + [""]
 
 
