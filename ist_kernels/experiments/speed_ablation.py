@@ -215,6 +215,8 @@ def run_variants(args) -> Tuple[List[Dict[str, Any]], Dict[str, float]]:
                     row.update(row_of(run, metric), measured_at=run.get("stored_at"))
                 except SP.NotStored as e:
                     row["not_run"] = str(e)
+                except RuntimeError as e:  # a run that failed or timed out: the rest still run
+                    row["not_run"] = f"failed: {str(e)[-500:]}"
                 rows.append(row)
                 bar.update(1)
         bar.close()

@@ -453,8 +453,12 @@ class SubnetRounds:
                 trained_params = [(n, params[n]) for n in params if n in names]
                 states = param_states_of(trained_params, opt)
                 self.scalars = scalar_states_of([p for _, p in trained_params], opt)
-                self.momentum = {key: ctx.comm.exchange(plan.slices, nxt.slices, self.spec, bufs, names=list(bufs),
-                                                        round=r + 1) for key, bufs in states.items()}
+                # every rank names the same tensors (the model's parameters), whatever its subnetwork holds:
+                # the exchange's schedule is derived from the names, and ResIST's subnetworks hold different
+                # layers (names of its own would give each rank another schedule: a hang)
+                self.momentum = {key: ctx.comm.exchange(plan.slices, nxt.slices, self.spec, bufs,
+                                                        names=self.param_names, round=r + 1)
+                                 for key, bufs in states.items()}
         return loss, {s: state}
 
     def _global(self, plan, nxt, r):
