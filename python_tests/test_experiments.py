@@ -750,6 +750,23 @@ def test_speed_seed_summary_times_the_seeds_rounds_by_each_links_round_time():
     assert "| lm | 4 | ist-ffn | none | 10mbit | 12, —, 13 |" in md and "not reached" in md
 
 
+def test_speed_seed_summary_charges_the_rounds_a_phased_method_takes():
+    """A link's time to target from the seeds' mean rounds is its run's own seconds through those
+    rounds (LOFT: cheap pre-training rounds, then dearer fine-tuning ones), not mean round x rounds."""
+    from ist_kernels.experiments import speed
+
+    round_s = [1.0, 1.0, 1.0, 3.0, 3.0, 3.0]
+    runs = [{"config": "cnn", "workers": 2, "method": "loft", "compress": "none", "link": "loopback", "seed": s,
+             "rounds_to_target": k, "round_time_s": 2.0, "time_to_target_s": None} for s, k in ((0, 4), (1, 5))]
+    runs.append({"config": "cnn", "workers": 2, "method": "loft", "compress": "none", "link": "100mbit", "seed": 0,
+                 "rounds_to_target": 4, "round_time_s": 2.0, "time_to_target_s": 6.0, "curve": {"round_s": round_s}})
+    (e,) = [e for e in speed.seed_summary(runs) if e["link"] == "100mbit"]
+    assert e["mean_rounds_to_target"] == 4.5 and e["time_to_target_s"] == pytest.approx(1 + 1 + 1 + 3 + 1.5)
+    assert speed.time_through(runs[-1], 6) == pytest.approx(12.0) and speed.time_through(runs[-1], 6.5) is None
+    assert speed.time_through(runs[-1], 0.5) == pytest.approx(0.5)
+    assert speed.time_through({"round_time_s": 2.0}, 3.5) == pytest.approx(7.0)
+
+
 def test_speed_workers_and_links_per_workload(capsys):
     """--workers-of / --links-of set S and the links of one workload; the others keep --workers and
     --links; a workload not in --configs, S < 2 or a bad rate is a usage error naming the flag."""

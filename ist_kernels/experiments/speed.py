@@ -994,12 +994,26 @@ def tuning_lines(tuning: Dict[str, Any]) -> List[str]:
     return out + [""]
 
 
+def time_through(run: Dict[str, Any], rounds: float) -> Optional[float]:
+    """The training seconds of ``run``'s first ``rounds`` rounds (a fractional round: that fraction of
+    the next one's), from its measured per-round times; None past its last round."""
+    round_s = (run.get("curve") or {}).get("round_s")
+    if not round_s:
+        return None if run.get("round_time_s") is None else rounds * run["round_time_s"]
+    whole = int(math.floor(rounds))
+    if whole > len(round_s) or (whole == len(round_s) and rounds > whole):
+        return None
+    return sum(round_s[:whole]) + (rounds - whole) * (round_s[whole] if whole < len(round_s) else 0.0)
+
+
 def seed_summary(runs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Per (workload, S, method, compress) and link: the rounds to target of every seed, from the
     loopback runs (a run's arithmetic does not depend on the link, so the seeds run where it is cheap),
     their mean (None unless every seed reached the target), the link's measured mean round time (its
-    runs' mean over seeds) and their product, the time to target over the link from the seeds' rounds,
-    beside the link's own runs' time to target; ``vs_localsgd``: that time over local SGD's
+    runs' mean over seeds) and the time to target over the link from the seeds' rounds: the link's runs'
+    own training seconds through that many rounds (:func:`time_through`, so a method whose rounds cost
+    differently by phase, LOFT's pre-training and fine-tuning or ResIST's warm-up, is charged the rounds
+    it takes), beside the link's own runs' time to target; ``vs_localsgd``: that time over local SGD's
     (uncompressed, same workload, S and link)."""
     groups: Dict[Tuple, List[Dict[str, Any]]] = {}
     for r in runs:
@@ -1012,11 +1026,13 @@ def seed_summary(runs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
         for link_name in sorted({r["link"] for r in rs}, key=link_order):
             here = [r for r in rs if r["link"] == link_name]
             round_s = _mean([r["round_time_s"] for r in here])
+            through = None if mean_rounds is None else _mean([t for t in (time_through(r, mean_rounds) for r in here)
+                                                              if t is not None])
             out.append({"workload": config, "workers": S, "method": method, "compress": comp, "link": link_name,
                         "seeds": [r["seed"] for r in loop], "rounds_to_target": rounds,
                         "reached": sum(k is not None for k in rounds), "mean_rounds_to_target": mean_rounds,
                         "round_time_s": round_s,
-                        "time_to_target_s": None if mean_rounds is None or round_s is None else mean_rounds * round_s,
+                        "time_to_target_s": through,
                         "runs_time_to_target_s": [r["time_to_target_s"] for r in here]})
     for e in out:
         base = next((b for b in out if b["method"] == "localsgd" and b["compress"] == "none" and
@@ -1030,8 +1046,9 @@ def summary_lines(summary: Sequence[Dict[str, Any]]) -> List[str]:
     if not summary:
         return []
     out = ["## Time to target from every seed's rounds", "",
-           "Rounds to target of each seed (loopback runs), and per link: the link's measured mean seconds per round "
-           "x the seeds' mean rounds (only when every seed reached the target), beside the link's own runs.", "",
+           "Rounds to target of each seed (loopback runs), and per link: the link's runs' own training seconds "
+           "through the seeds' mean rounds (only when every seed reached the target; a fractional mean takes that "
+           "fraction of the next round), beside the link's own runs' time to target.", "",
            "| workload | S | method | compress | link | rounds to target (seeds) | mean | s / round | time to target (s) | "
            "vs local SGD | the link's runs (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in summary:
