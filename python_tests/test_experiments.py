@@ -858,7 +858,7 @@ def test_speed_ablation_lm_quick_keeps_runs_and_reads_them_back(tmp_path):
     argv = ["speed_ablation", "--workload", "lm", "--quick", "--runs-dir", str(store), "--speed-json",
             str(tmp_path / "none.json")]
     assert main([*argv, "--out", str(tmp_path / "a")]) == 0
-    doc = _load_json(tmp_path / "a" / "speed_ablation_lm.json")
+    doc = _load_json(tmp_path / "a" / "speed_ablation_lm_S2.json")
     rows = {r["variant"]: r for r in doc["rows"]}
     assert set(rows) == {"localsgd", "ist-ffn", "localsgd-reset", "ist-ffn-aggregate", "ist-ffn-lr/3"}
     assert rows["ist-ffn-lr/3"]["lr"] == pytest.approx(1e-3 / 3, rel=1e-5) and rows["ist-ffn"]["lr"] == 1e-3
@@ -873,7 +873,7 @@ def test_speed_ablation_lm_quick_keeps_runs_and_reads_them_back(tmp_path):
     assert any("momentum_state=reset" in k and "localsgd" in k for k in keys.values())
     assert any("momentum_state=aggregate" in k and "partition=ffn" in k for k in keys.values())
     assert main([*argv, "--stored-only", "--out", str(tmp_path / "b")]) == 0
-    again = _load_json(tmp_path / "b" / "speed_ablation_lm.json")
+    again = _load_json(tmp_path / "b" / "speed_ablation_lm_S2.json")
     assert [r["values"] for r in again["rows"]] == [r["values"] for r in doc["rows"]]
     assert len(doc["findings"]) == 3
 
@@ -884,7 +884,7 @@ def test_speed_ablation_cnn_quick_pipeline(tmp_path):
     store = tmp_path / "runs"
     assert main(["speed_ablation", "--workload", "cnn", "--quick", "--factors", "pipeline", "--runs-dir",
                  str(store), "--out", str(tmp_path)]) == 0
-    doc = _load_json(tmp_path / "speed_ablation_cnn.json")
+    doc = _load_json(tmp_path / "speed_ablation_cnn_S2.json")
     rows = {r["variant"]: r for r in doc["rows"]}
     assert set(rows) == {"localsgd", "loft", "localsgd-pipeline"}
     assert rows["localsgd-pipeline"]["target"] == pytest.approx(0.98 * rows["localsgd"]["final"], rel=1e-4)

@@ -34,7 +34,7 @@ Baselines: local SGD, LOFT, ResIST.
 A run's **rounds to target** is the first round at or past the target: accuracy, ``--target-fraction``
 (0.98) of local SGD's final (same seed); bits per byte, at or below local SGD's final plus
 ``--lm-margin`` (as in ``speed``); its **final** is the last round's. Outputs
-``speed_ablation_<workload>.{json,md,png}``: per variant its curve, final, rounds to target (and to
+``speed_ablation_<workload>_S<S>.{json,md,png}``: per variant its curve, final, rounds to target (and to
 3.0 / 2.9 bits per byte on the lm), seconds per round, and a sentence per comparison on what it moves.
 """
 import argparse
@@ -331,7 +331,7 @@ def main(argv: Sequence[str]) -> int:
     started = time.time()
     rows, lrs = run_variants(args)
     targets, lines = analyse(args, rows)
-    C.write_outputs(args, f"speed_ablation_{args.workload}",
+    C.write_outputs(args, f"speed_ablation_{args.workload}_S{args.workers}",
                     {"workload": args.workload, "rows": rows, "targets": targets, "picks": lrs, "findings": lines},
                     markdown(args, rows, targets, lines, lrs), plot(args, rows, targets), started)
     return 0
