@@ -45,7 +45,7 @@ GROUPS = {
     "training": ("local_steps", "rounds", "epochs", "batch_size", "eval_batch_size", "optimizer", "lr",
                  "lr_schedule", "lr_warmup_rounds", "lr_milestones", "lr_gamma", "momentum", "nesterov",
                  "weight_decay", "betas", "eps", "seed",
-                 "precision", "eval_interval"),
+                 "precision", "eval_interval", "eval_bn_batches"),
     "distributed": ("workers", "simulate", "device", "backend", "timeout_s", "max_restarts", "max_rank_state_mb",
                     "threads"),
     "output": ("out_dir", "checkpoint_dir", "checkpoint_interval", "resume", "overwrite", "stop_after", "progress",
@@ -154,6 +154,10 @@ class TrainConfig:
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     precision: str = _opt("fp32", "fp32, or bf16 / fp16 (autocast of the forward; fp16 with a gradient scaler)")
     eval_interval: int = _opt(1, "evaluate every this many rounds (0: only before the first and after the last)")
+    eval_bn_batches: int = _opt(0, "before each evaluation, re-estimate the BatchNorm running statistics of a copy "
+                                "of the full model on this many training batches (precise BN: the trained model "
+                                "and the training batches are unchanged); 0: score the statistics the method "
+                                "left")
     out_dir: Optional[str] = _opt(None, "output folder (default runs/<method>-<model>-<dataset>-S<S>)")
     checkpoint_dir: Optional[str] = _opt(None, "checkpoint folder (default <out_dir>/checkpoints)")
     checkpoint_interval: int = _opt(0, "checkpoint every this many rounds (0: only at the end)")
@@ -312,6 +316,8 @@ class TrainConfig:
         if not (0 < self.timeout_s <= MAX_TIMEOUT_S):  # also rejects nan and inf
             raise ConfigError("timeout_s", f"must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], "
                               f"got {self.timeout_s}")
+        if self.eval_bn_batches < 0:
+            raise ConfigError("eval_bn_batches", f"must be >= 0 (0: no re-estimate), got {self.eval_bn_batches}")
         if self.eval_interval < 0:
             raise ConfigError("eval_interval", f"must be >= 0 (0: only at the end), got {self.eval_interval}")
         if self.checkpoint_interval < 0:

@@ -21,6 +21,7 @@ evaluation, metrics, checkpoints, launching.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import warnings
 from dataclasses import dataclass
@@ -314,6 +315,28 @@ class RunContext:
         return self.data.scored_on
 
     @torch.no_grad()
+    def bn_recalibrated(self, model: nn.Module, batches: int) -> nn.Module:
+        """``model`` itself when it has no BatchNorm with running statistics, else a copy whose
+        statistics are the plain average over ``batches`` training batches (``--eval-bn-batches``):
+        batch k is worker k mod S's step k // S, a function of (worker, step) that draws nothing, so
+        training sees the same batches."""
+        norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+        if not norms:
+            return model
+        copy_ = copy.deepcopy(model)
+        for m in copy_.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+                m.reset_running_stats()
+                m.momentum = None  # a cumulative average over the batches
+        copy_.train()
+        S = self.data.num_workers
+        for k in range(batches):
+            x, _ = self.data.batch(k % S, k // S)
+            with self.autocast():
+                copy_(x)
+        return copy_
+
+    @torch.no_grad()
     def evaluate(self, model: nn.Module) -> Dict[str, float]:
         """Scores of ``model`` on the test set (with --holdout: on the held-out part of the training
         set instead, :attr:`scored_on`; the keys stay the same): test_loss and, for classification, accuracy; for a
@@ -329,6 +352,8 @@ class RunContext:
                 model.train(was_training)
         if self.data is None:
             return {}
+        if self._cfg.eval_bn_batches:
+            model = self.bn_recalibrated(model, self._cfg.eval_bn_batches)
         was_training = model.training
         model.eval()
         loss_sum, correct, n = 0.0, 0, 0
