@@ -893,6 +893,40 @@ def test_speed_ablation_cnn_quick_pipeline(tmp_path):
     assert flags.count("--option") == 1 and "pretrain_fraction=0.5" in flags and "--prune-ratio" in flags
 
 
+def test_speed_ablation_times_eval_only_variants_by_the_kept_link_run(tmp_path):
+    """A variant that changes only the evaluation trains as its method's speed run: its time over the
+    link is that kept run's seconds through the variant's mean rounds, against local SGD's of the
+    same factor; a variant with options of its own (other training) or an unreached seed is not timed."""
+    import argparse as ap
+
+    from ist_kernels.experiments import speed_ablation as A
+
+    def kept(method, round_s):
+        rows = [{"round": 0}] + [{"round": i + 1, "train_time": sum(round_s[:i + 1]), "bytes_sent": 1,
+                                  "time": {}} for i in range(len(round_s))]
+        (tmp_path / f"cnn-2-100mbit-{method}-none-0-lr0.05.json").write_text(json.dumps({"metrics": rows}))
+
+    kept("localsgd", [2.0] * 6)
+    kept("loft", [1.0, 1.0, 1.0, 1.0, 3.0, 3.0])
+
+    def row(variant, factor, method, seed, k, options=()):
+        return {"variant": variant, "factor": factor, "method": method, "options": list(options), "seed": seed,
+                "workers": 2, "lr": 0.05, "values": [0.5], "rounds_to_target": k}
+
+    rows = [row("localsgd", "baseline", "localsgd", s, k) for s, k in ((0, 4), (1, 6))]
+    rows += [row("loft", "baseline", "loft", s, k) for s, k in ((0, 5), (1, 6))]
+    rows += [row("localsgd-bn", "bn", "localsgd", s, 3) for s in (0, 1)]
+    rows += [row("loft-bn", "bn", "loft", s, k) for s, k in ((0, 3), (1, None))]
+    rows += [row("loft-pretrain1-bn", "bn", "loft", s, 2, ["pretrain_fraction=1"]) for s in (0, 1)]
+    args = ap.Namespace(runs_dir=str(tmp_path), workload="cnn", link="100mbit")
+    got = {e["variant"]: e for e in A.link_times(args, rows)}
+    assert set(got) == {"localsgd", "loft", "localsgd-bn", "loft-bn"}
+    assert got["localsgd"]["time_to_target_s"] == pytest.approx(10.0)
+    assert got["loft"]["time_to_target_s"] == pytest.approx(4 + 3 + 1.5) and got["loft"]["vs_localsgd"] == pytest.approx(0.85)
+    assert got["loft-bn"]["time_to_target_s"] is None and got["loft-bn"]["vs_localsgd"] is None
+    assert got["localsgd-bn"]["time_to_target_s"] == pytest.approx(6.0) and got["localsgd-bn"]["vs_localsgd"] == 1.0
+
+
 def test_with_options_replaces_a_workloads_value():
     from ist_kernels.experiments.speed_ablation import with_options
 

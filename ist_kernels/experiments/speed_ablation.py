@@ -42,6 +42,7 @@ A run's **rounds to target** is the first round at or past the target: accuracy,
 3.0 / 2.9 bits per byte on the lm), seconds per round, and a sentence per comparison on what it moves.
 """
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -91,7 +92,10 @@ BASE_OF = {"localsgd-reset": "localsgd", "resist-aggregate": "resist", "ist-ffn-
            "localsgd-pipeline": "localsgd", "loft-pretrain0.25": "loft", "loft-pretrain0.75": "loft",
            "loft-pretrain1": "loft", "loft-aggregate": "loft", "localsgd-bn": "localsgd", "loft-bn": "loft",
            "loft-pretrain1-bn": "loft-pretrain1"}
-WORKERS = {"lm": 4, "cnn": 2}  # --workers' default per workload (the S where a bar was missed)
+WORKERS = {"lm": 4, "cnn": 2}
+LINK = {"lm": "10mbit", "cnn": "100mbit"}  # --link's default per workload (speed's slowest link for it)
+#: factors whose variants train exactly as their method's speed run (they change only what is scored)
+EVAL_ONLY = ("baseline", "bn")  # --workers' default per workload (the S where a bar was missed)
 QUICK_METHODS = {"lm": ("localsgd", "ist-ffn"), "cnn": ("localsgd", "loft")}  # --quick: these methods' variants
 LEVELS = {"lm": (3.0, 2.9)}  # bits per byte: rounds to each, beside the target's
 
@@ -116,6 +120,9 @@ def parser() -> argparse.ArgumentParser:
                    help="keep every run here and reuse a kept run with the same command, S and seed (speed's "
                         "--runs-dir: its kept comparison runs are the baselines)")
     p.add_argument("--stored-only", action="store_true", help="run nothing: read the kept runs (missing: not_run)")
+    p.add_argument("--link", default=None,
+                   help="the link whose kept runs (in --runs-dir) time the baselines and the variants that change "
+                        "only the evaluation (default: lm 10mbit, cnn 100mbit)")
     p.add_argument("--lm-margin", type=float, default=SP.LM_MARGIN,
                    help="lm: target = local SGD's final bits per byte plus this (default %(default)s)")
     p.add_argument("--target-fraction", type=float, default=0.98,
@@ -135,6 +142,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                 f"{', '.join(known)}")
     if args.workers is None:
         args.workers = 2 if args.quick else WORKERS[args.workload]
+    if args.link is None:
+        args.link = LINK[args.workload]
     if args.workers < 2:
         p.error(f"--workers: expected at least 2 (subnetworks need 2 or more workers), got {args.workers}")
     if args.stored_only and args.runs_dir is None:
@@ -255,6 +264,37 @@ def analyse(args, rows: List[Dict[str, Any]]) -> Tuple[Dict[int, float], List[st
     return targets, findings(rows)
 
 
+def link_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Per variant of an EVAL_ONLY factor whose every seed reached the target: its time to target over
+    ``--link``, the training seconds of its method's kept run over that link (any seed; their mean)
+    through the variant's mean rounds (``speed.time_through``); ``vs_localsgd``: against local SGD's of
+    the same factor (the same evaluation)."""
+    if args.runs_dir is None:
+        return []
+    out = []
+    for variant in dict.fromkeys(r["variant"] for r in rows if r["factor"] in EVAL_ONLY and not r["options"]):
+        rs = [r for r in rows if r["variant"] == variant]
+        k, reached, ran = _mean_of(rows, variant, "rounds_to_target")
+        r0 = rs[0]
+        pattern = os.path.join(args.runs_dir, f"{args.workload}-{r0['workers']}-{args.link}-{r0['method']}-none-*-"
+                                              f"lr{r0['lr']:g}.json")
+        times = []
+        for path in sorted(glob.glob(pattern)):
+            with open(path) as f:
+                kept = json.load(f)
+            t = SP.time_through({"curve": SP.curve(kept)}, k) if k is not None and reached == ran else None
+            if t is not None:
+                times.append(t)
+        out.append({"variant": variant, "factor": r0["factor"], "method": r0["method"], "link": args.link,
+                    "mean_rounds_to_target": k if reached == ran else None, "link_runs": len(times),
+                    "time_to_target_s": sum(times) / len(times) if times else None})
+    for e in out:
+        base = next((b for b in out if b["method"] == "localsgd" and b["factor"] == e["factor"]), None)
+        e["vs_localsgd"] = (e["time_to_target_s"] / base["time_to_target_s"]
+                            if base and e["time_to_target_s"] and base["time_to_target_s"] else None)
+    return out
+
+
 def _mean_of(rows, variant, key) -> Tuple[Optional[float], int, int]:
     """(mean of ``key`` over the variant's seeds that have it, how many have it, how many ran)."""
     ran = [r for r in rows if r["variant"] == variant and "values" in r]
@@ -287,7 +327,7 @@ def _fmt(v, spec=".3f"):
     return "—" if v is None else format(v, spec)
 
 
-def markdown(args, rows, targets, lines, lrs) -> str:
+def markdown(args, rows, targets, lines, lrs, times=()) -> str:
     w = _workload(args)
     levels = LEVELS.get(args.workload, ())
     metric = "bits per byte" if w["metric"] == "bits_per_byte" else "accuracy"
@@ -311,6 +351,15 @@ def markdown(args, rows, targets, lines, lrs) -> str:
                   f"{_fmt(r['rounds_to_target'], 'd')} | "
                   + "".join(f"{_fmt(r['rounds_to'][f'{lv:g}'], 'd')} | " for lv in levels)
                   + f"{_fmt(r['mean_round_s'], '.2f')} | {_fmt(r['mb_per_round'], '.1f')} |")
+    if times:
+        md += ["", f"## Time to target over {args.link}", "",
+               f"The variants that train as their method's `speed` run (baselines; the factors that change only "
+               f"the evaluation): the training seconds of that method's kept run over {args.link} through the "
+               f"seeds' mean rounds, against local SGD's under the same evaluation.", "",
+               "| variant | mean rounds to target | time to target (s) | vs local SGD |", "|---|---|---|---|"]
+        md += [f"| {e['variant']} | {_fmt(e['mean_rounds_to_target'], '.3g')} | "
+               f"{_fmt(e['time_to_target_s'], '.3g') if e['link_runs'] else 'no kept run'} | "
+               f"{_fmt(e['vs_localsgd'], '.2f')} |" for e in times]
     md += ["", "## Findings (means over the seeds)", ""] + [f"- {s}" for s in lines]
     return "\n".join(md)
 
@@ -340,7 +389,9 @@ def main(argv: Sequence[str]) -> int:
     started = time.time()
     rows, lrs = run_variants(args)
     targets, lines = analyse(args, rows)
+    times = link_times(args, rows)
     C.write_outputs(args, f"speed_ablation_{args.workload}_S{args.workers}",
-                    {"workload": args.workload, "rows": rows, "targets": targets, "picks": lrs, "findings": lines},
-                    markdown(args, rows, targets, lines, lrs), plot(args, rows, targets), started)
+                    {"workload": args.workload, "rows": rows, "targets": targets, "picks": lrs, "findings": lines,
+                     "link_times": times},
+                    markdown(args, rows, targets, lines, lrs, times), plot(args, rows, targets), started)
     return 0
