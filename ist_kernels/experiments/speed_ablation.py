@@ -53,7 +53,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from tqdm import tqdm
 
-from . import _common as C, speed as SP
+from ..distributed import cost
+from . import _common as C, link as L, speed as SP
 
 BN_BATCHES = 20  # the bn factor's --eval-bn-batches
 #: per workload: (factor, variant name, the workload's method, --option values in place of or beside the
@@ -199,7 +200,7 @@ def _workload(args) -> Dict[str, Any]:
 def row_of(run: Dict[str, Any], metric: str) -> Dict[str, Any]:
     c = SP.curve(run)
     values = c[metric]
-    return {"values": values, "round_s": c["round_s"], "final": values[-1] if values else None,
+    return {"values": values, "round_s": c["round_s"], "final": values[-1] if values else None, "curve": c,
             "mean_round_s": SP._mean(c["round_s"]), "mb_per_round": SP._mean([b / 1e6 for b in c["bytes"]]),
             "phase": c["phase"]}
 
@@ -295,6 +296,42 @@ def link_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return out
 
 
+def predicted_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Per variant whose every seed reached the target: the cost model's time to target over ``--link``
+    (``speed.predict``: the compute, waits and loopback collectives of its method's baseline run of the
+    same seed, so the variants' runs, made on a machine busy with other work, do not carry their own
+    slower compute; the link's time for the variant's own busiest link's bytes; within 15% of every
+    emulated run so far), summed over that seed's rounds to target and averaged over the seeds;
+    ``vs_localsgd``: against local SGD's (baseline) the same way."""
+    w = _workload(args)
+    link = cost.Link(L.parse_rate(args.link), 0.0)
+    out = []
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        rs = [r for r in rows if r["variant"] == variant and "curve" in r]
+        if not rs:
+            continue
+        totals = []
+        for r in rs:
+            k = r.get("rounds_to_target")
+            if k is None:
+                totals = None
+                break
+            b = next((x for x in rows if x["factor"] == "baseline" and x["method"] == r["method"]
+                      and x["seed"] == r["seed"] and "curve" in x), r)
+            own = {"curve": {**b["curve"], "busiest": r["curve"]["busiest"], "bytes": r["curve"]["bytes"]}}
+            per_round, _ = SP.predict(own, b, link, r["workers"], r["method"], w["local_steps"])
+            totals.append(sum(per_round[:k]))
+        mb = [b / 1e6 for r in rs for b in r["curve"]["busiest"] if b is not None]
+        out.append({"variant": variant, "factor": rs[0]["factor"], "link": args.link,
+                    "predicted_time_to_target_s": sum(totals) / len(totals) if totals else None,
+                    "busiest_link_mb_per_round": sum(mb) / len(mb) if mb else None})
+    base = next((e for e in out if e["variant"] == "localsgd"), None)
+    for e in out:
+        t, b = e["predicted_time_to_target_s"], base and base["predicted_time_to_target_s"]
+        e["vs_localsgd"] = t / b if t and b else None
+    return out
+
+
 def _mean_of(rows, variant, key) -> Tuple[Optional[float], int, int]:
     """(mean of ``key`` over the variant's seeds that have it, how many have it, how many ran)."""
     ran = [r for r in rows if r["variant"] == variant and "values" in r]
@@ -327,7 +364,7 @@ def _fmt(v, spec=".3f"):
     return "—" if v is None else format(v, spec)
 
 
-def markdown(args, rows, targets, lines, lrs, times=()) -> str:
+def markdown(args, rows, targets, lines, lrs, times=(), predicted=()) -> str:
     w = _workload(args)
     levels = LEVELS.get(args.workload, ())
     metric = "bits per byte" if w["metric"] == "bits_per_byte" else "accuracy"
@@ -360,6 +397,19 @@ def markdown(args, rows, targets, lines, lrs, times=()) -> str:
         md += [f"| {e['variant']} | {_fmt(e['mean_rounds_to_target'], '.3g')} | "
                f"{_fmt(e['time_to_target_s'], '.3g') if e['link_runs'] else 'no kept run'} | "
                f"{_fmt(e['vs_localsgd'], '.2f')} |" for e in times]
+    if predicted:
+        md += ["", f"## Predicted time to target over {args.link}", "",
+               f"The cost model over {args.link}: the compute, waits and loopback collectives of the method's "
+               "baseline run (same seed), the link's time for the variant's own busiest link's bytes, through "
+               "the variant's rounds to target of that seed; mean over the seeds; against local SGD's the same way. "
+               "A prediction from loopback runs carries their compute as measured (runs made beside other work "
+               "are slower) and misses what the emulated link adds to a round's compute: where the table above "
+               "has a measured time, it is the one to read.",
+               "",
+               "| variant | busiest link MB / round | predicted time to target (s) | vs local SGD |", "|---|---|---|---|"]
+        md += [f"| {e['variant']} | {_fmt(e['busiest_link_mb_per_round'], '.2f')} | "
+               f"{_fmt(e['predicted_time_to_target_s'], '.3g')} | {_fmt(e['vs_localsgd'], '.2f')} |"
+               for e in predicted]
     md += ["", "## Findings (means over the seeds)", ""] + [f"- {s}" for s in lines]
     return "\n".join(md)
 
@@ -389,9 +439,9 @@ def main(argv: Sequence[str]) -> int:
     started = time.time()
     rows, lrs = run_variants(args)
     targets, lines = analyse(args, rows)
-    times = link_times(args, rows)
+    times, predicted = link_times(args, rows), predicted_times(args, rows)
     C.write_outputs(args, f"speed_ablation_{args.workload}_S{args.workers}",
                     {"workload": args.workload, "rows": rows, "targets": targets, "picks": lrs, "findings": lines,
-                     "link_times": times},
-                    markdown(args, rows, targets, lines, lrs, times), plot(args, rows, targets), started)
+                     "link_times": times, "predicted": predicted},
+                    markdown(args, rows, targets, lines, lrs, times, predicted), plot(args, rows, targets), started)
     return 0
