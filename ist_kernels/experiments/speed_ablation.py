@@ -395,8 +395,9 @@ def markdown(args, rows, targets, lines, lrs, times=(), predicted=()) -> str:
                f"seeds' mean rounds, against local SGD's under the same evaluation.", "",
                "| variant | mean rounds to target | time to target (s) | vs local SGD |", "|---|---|---|---|"]
         md += [f"| {e['variant']} | {_fmt(e['mean_rounds_to_target'], '.3g')} | "
-               f"{_fmt(e['time_to_target_s'], '.3g') if e['link_runs'] else 'no kept run'} | "
-               f"{_fmt(e['vs_localsgd'], '.2f')} |" for e in times]
+               + ("not reached | " if e["mean_rounds_to_target"] is None else
+                  f"{_fmt(e['time_to_target_s'], '.3g')} | " if e["link_runs"] else "no kept run | ")
+               + f"{_fmt(e['vs_localsgd'], '.2f')} |" for e in times]
     if predicted:
         md += ["", f"## Predicted time to target over {args.link}", "",
                f"The cost model over {args.link}: the compute, waits and loopback collectives of the method's "
