@@ -184,8 +184,8 @@ def _speed_verdict(hits: int, cells: int) -> str:
 
 
 def _speed_row_seeds(doc: Dict, summ: List[Dict], claim: str, md: str) -> List[str]:
-    """The claim's row from the seeds' summary: per S, over the slowest link, the seeds' mean rounds to
-    target x the link's measured round time, against local SGD's."""
+    """The claim's row from the seeds' summary: per S, over the slowest link, the time to target (the link
+    run's own seconds through the seeds' mean rounds, ``speed.seed_summary``), against local SGD's."""
     emulated = [e for e in summ if e["link"] != "loopback"]
     use = emulated or summ
     slow = min(use, key=lambda e: L.parse_rate(e["link"]) if e["link"] != "loopback" else float("inf"))["link"]
@@ -206,7 +206,7 @@ def _speed_row_seeds(doc: Dict, summ: List[Dict], claim: str, md: str) -> List[s
     model = next((r["model"] for r in doc["runs"] if r.get("workload") == "cnn"), "cnn")
     seeds = sorted({sd for e in cells for sd in e["seeds"]})
     meas = (f"speed-up in time to local SGD's target accuracy (digits, {model}, real processes over a {where}; "
-            f"the seeds' mean rounds to target x the link's measured s / round, {len(seeds)} seed(s)): "
+            f"the link run's own seconds through the seeds' mean rounds to target, {len(seeds)} seed(s)): "
             + ", ".join(parts) + f"; {md}")
     return [claim, meas, _speed_verdict(hits, len(cells))]
 
