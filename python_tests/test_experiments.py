@@ -785,6 +785,42 @@ def test_speed_workers_and_links_per_workload(capsys):
         assert says in capsys.readouterr().err
 
 
+def test_speed_lr_grid_per_workload(capsys):
+    """--lr-grid-of gives one workload its own grid of multipliers (the tuning's grid and the JSON's
+    ``multipliers``); the others keep --lr-grid; a bad multiplier or workload is a usage error."""
+    from ist_kernels.experiments import speed
+
+    args = speed.parse(["--configs", "lm,cnn", "--lr-grid", "1,3,10", "--lr-grid-of", "cnn=1/3,1,3",
+                        "--compress", "none"])
+    assert speed.lr_grid_of(args, "lm") == [1.0, 3.0, 10.0]
+    assert speed.lr_grid_of(args, "cnn") == pytest.approx([1 / 3, 1.0, 3.0])
+    cnn = speed.workload(args, "cnn")
+    assert speed.lr_grid(cnn, "localsgd", speed.lr_grid_of(args, "cnn")) == [0.0166667, 0.05, 0.15]
+    assert speed.lr_grid(speed.workload(args, "lm"), "localsgd", speed.lr_grid_of(args, "lm")) == [1e-3, 3e-3, 1e-2]
+    for bad, says in ((["--lr-grid-of", "cnn=0,1"], "--lr-grid-of 'cnn=0,1'"),
+                      (["--lr-grid-of", "mlp=1,3"], "--lr-grid-of 'mlp=1,3'")):
+        with pytest.raises(SystemExit):
+            speed.parse(["--configs", "lm,cnn"] + bad)
+        assert says in capsys.readouterr().err
+
+
+def test_speed_cnn_scores_with_recalibrated_batchnorm():
+    """speed's CNN scores every method with BatchNorm statistics re-estimated on 20 training batches
+    (--eval-bn-batches 20); the ablation's bn factor scores with the stale ones (--eval-bn-batches 0,
+    given after, so it wins)."""
+    from ist_kernels.experiments import speed, speed_ablation
+
+    args = speed.parse(["--configs", "cnn", "--compress", "none"])
+    for method in ("localsgd", "loft", "resist"):
+        flags = speed.method_flags(speed.workload(args, "cnn"), method, "none")
+        assert flags[flags.index("--eval-bn-batches") + 1] == "20"
+    stale = [v for v in speed_ablation.VARIANTS["cnn"] if v[0] == "bn"]
+    assert stale and all(v[4] == ("--eval-bn-batches", "0") for v in stale)
+    from ist_kernels.train.cli import build_config
+    cfg = build_config(speed.method_flags(speed.workload(args, "cnn"), "loft", "none") + list(stale[0][4]))
+    assert cfg.eval_bn_batches == 0
+
+
 def test_claims_lm_row_reads_the_seed_summary_over_the_slowest_link():
     """The language model's claims row: the largest S, the slowest emulated link, the best subnetwork
     method's time over local SGD's from speed.json's summary; the verdict against the 0.6x bar."""
@@ -915,16 +951,16 @@ def test_speed_ablation_times_eval_only_variants_by_the_kept_link_run(tmp_path):
 
     rows = [row("localsgd", "baseline", "localsgd", s, k) for s, k in ((0, 4), (1, 6))]
     rows += [row("loft", "baseline", "loft", s, k) for s, k in ((0, 5), (1, 6))]
-    rows += [row("localsgd-bn", "bn", "localsgd", s, 3) for s in (0, 1)]
-    rows += [row("loft-bn", "bn", "loft", s, k) for s, k in ((0, 3), (1, None))]
-    rows += [row("loft-pretrain1-bn", "bn", "loft", s, 2, ["pretrain_fraction=1"]) for s in (0, 1)]
+    rows += [row("localsgd-stale", "bn", "localsgd", s, 3) for s in (0, 1)]
+    rows += [row("loft-stale", "bn", "loft", s, k) for s, k in ((0, 3), (1, None))]
+    rows += [row("loft-pretrain1-stale", "bn", "loft", s, 2, ["pretrain_fraction=1"]) for s in (0, 1)]
     args = ap.Namespace(runs_dir=str(tmp_path), workload="cnn", link="100mbit")
     got = {e["variant"]: e for e in A.link_times(args, rows)}
-    assert set(got) == {"localsgd", "loft", "localsgd-bn", "loft-bn"}
+    assert set(got) == {"localsgd", "loft", "localsgd-stale", "loft-stale"}
     assert got["localsgd"]["time_to_target_s"] == pytest.approx(10.0)
     assert got["loft"]["time_to_target_s"] == pytest.approx(4 + 3 + 1.5) and got["loft"]["vs_localsgd"] == pytest.approx(0.85)
-    assert got["loft-bn"]["time_to_target_s"] is None and got["loft-bn"]["vs_localsgd"] is None
-    assert got["localsgd-bn"]["time_to_target_s"] == pytest.approx(6.0) and got["localsgd-bn"]["vs_localsgd"] == 1.0
+    assert got["loft-stale"]["time_to_target_s"] is None and got["loft-stale"]["vs_localsgd"] is None
+    assert got["localsgd-stale"]["time_to_target_s"] == pytest.approx(6.0) and got["localsgd-stale"]["vs_localsgd"] == 1.0
 
 
 def test_with_options_replaces_a_workloads_value():

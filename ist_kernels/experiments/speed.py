@@ -99,8 +99,10 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
                methods=("localsgd", "ddp", "diloco", "ist-ffn", "ist-heads", "resist"),
                variants={"ist-ffn": ("ist", ["partition=ffn"]), "ist-heads": ("ist", ["partition=heads"])},
                options={}, flags={}),
+    # scored with BatchNorm statistics re-estimated on 20 training batches (--eval-bn-batches; training
+    # unchanged): the running statistics a subnetwork method's narrower models leave describe no full model
     "cnn": dict(dataset="digits", model="preact_resnet101_basic", width=16, lr=0.05, batch_size=32, local_steps=8,
-                rounds=16, options={"resist": ["warmup_fraction=0.1"], "loft": ["pretrain_fraction=0.5"]},
+                rounds=16, train=dict(eval_bn_batches=20), options={"resist": ["warmup_fraction=0.1"], "loft": ["pretrain_fraction=0.5"]},
                 flags={"loft": ["--prune-ratio", "0.5"], "diloco": ["--lr", "0.001"]}),
     "mlp": dict(dataset="digits", model="mlp", width=8192, depth=1, lr=0.1, batch_size=64, local_steps=8, rounds=40,
                 options={}, flags={"diloco": ["--lr", "0.001"]}),
@@ -177,6 +179,9 @@ def parser() -> argparse.ArgumentParser:
                    help="S for one workload in place of --workers (repeatable), e.g. lm=4")
     p.add_argument("--links-of", action="append", default=[], metavar="WORKLOAD=LINK[,LINK...]",
                    help="links for one workload in place of --links (repeatable), e.g. lm=loopback,10mbit")
+    p.add_argument("--lr-grid-of", action="append", default=[], metavar="WORKLOAD=M[,M...]",
+                   help="the lr grid's multipliers for one workload in place of --lr-grid (repeatable), e.g. "
+                        "cnn=1/3,1,3")
     p.add_argument("--tune-only", action="store_true",
                    help="run the tuning (kept with --runs-dir) and print its table; no comparison runs, no outputs")
     p.add_argument("--latency", default="0", help="one-way latency added to each emulated link, e.g. 5ms (needs netem)")
@@ -229,7 +234,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     for c in args.configs:
         if c not in CONFIGS:
             p.error(f"--configs: unknown workload {c!r}; available: {', '.join(CONFIGS)}")
-    for flag, cast in (("workers_of", C.ints), ("links_of", _links)):
+    for flag, cast in (("workers_of", C.ints), ("links_of", _links), ("lr_grid_of", lr_multipliers)):
         per = {}
         for item in getattr(args, flag):
             name, _, value = item.partition("=")
@@ -401,6 +406,11 @@ def method_names(args, w: Dict[str, Any]) -> List[str]:
 def workers_of(args, config: str) -> List[int]:
     """The S of workload ``config``: its --workers-of, else --workers."""
     return getattr(args, "workers_of", {}).get(config, args.workers)
+
+
+def lr_grid_of(args, config: str) -> List[float]:
+    """The lr grid's multipliers of workload ``config``: its --lr-grid-of, else --lr-grid."""
+    return getattr(args, "lr_grid_of", {}).get(config, args.lr_grid)
 
 
 def links_of(args, config: str) -> List[str]:
@@ -685,7 +695,7 @@ def tune(args, todo: Sequence[Tuple], work: str) -> Tuple[Dict[str, Any], Dict[T
     :data:`TUNE_RULE`). Returns the JSON's ``tuning`` ({config: {method: {S: entry}}}), the picks
     {(config, method, S): lr} and the errors of failed tuning runs."""
     seed = args.seeds[0]
-    grids = {k: lr_grid(workload(args, k[0]), k[1], args.lr_grid) for k in tuning_keys(todo)}
+    grids = {k: lr_grid(workload(args, k[0]), k[1], lr_grid_of(args, k[0])) for k in tuning_keys(todo)}
     cells_ = [(config, S, "loopback", method, lr, seed) for (config, method, S), g in grids.items() if len(g) > 1
               for lr in g]
 
@@ -727,7 +737,8 @@ def tune(args, todo: Sequence[Tuple], work: str) -> Tuple[Dict[str, Any], Dict[T
         picks[(config, method, S)] = pick
         errors += [f"tuning {config}/{method}/S={S}: {e}" for e in errs]
         tuning.setdefault(config, {}).setdefault(method, {})[str(S)] = {
-            "base_lr": base_lr(w, method), "multipliers": list(args.lr_grid), "grid": grid, "scores": scores,
+            "base_lr": base_lr(w, method), "multipliers": list(lr_grid_of(args, config)), "grid": grid,
+            "scores": scores,
             "metric": metric, "higher_is_better": higher, "pick": pick, "pick_multiplier": pick / base_lr(w, method),
             "ran": len(grid) > 1, "fallback": fallback, "rounds": rounds, "holdout": args.tune_holdout,
             "seed": seed, "rule": TUNE_RULE, "errors": errs}
@@ -788,7 +799,16 @@ def time_to_target(round_s: Sequence[float], values: Sequence[Optional[float]], 
         return None, None
     sign = 1.0 if higher_is_better else -1.0
     v = [None if x is None else sign * x for x in values]
-    return cost.time_to_target(round_s, v, sign * target), cost.rounds_to_target(v, sign * target)
+    return cost.time_to_target(round_s, v, sign * target), rounds_to_target(values, target, higher_is_better)
+
+
+def rounds_to_target(values: Sequence[Optional[float]], target: Optional[float],
+                     higher_is_better: bool = True) -> Optional[int]:
+    """The rounds of :func:`time_to_target` alone (no round times needed)."""
+    if target is None:
+        return None
+    sign = 1.0 if higher_is_better else -1.0
+    return cost.rounds_to_target([None if x is None else sign * x for x in values], sign * target)
 
 
 def target_of(args, w: Dict[str, Any], base_final: Optional[float]) -> Optional[float]:

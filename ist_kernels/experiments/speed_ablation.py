@@ -30,10 +30,12 @@ Baselines: local SGD, LOFT, ResIST.
   pre-training, apart from LOFT's subnetworks.
 * ``pretrain``: LOFT with ``pretrain_fraction`` 0.25, 0.75 and 1 (no pruning: LOFT throughout).
 * ``state``: LOFT with ``momentum_state=aggregate`` (SGD momentum travels with the filters).
-* ``bn``: the full model scored with its BatchNorm statistics re-estimated on 20 training batches
-  (``--eval-bn-batches 20``; training unchanged), for local SGD, LOFT and LOFT pre-training
-  throughout: whether the pre-trained model scores low because of its weights (the method) or
-  because of running statistics gathered by the narrower subnetworks (the evaluation).
+* ``bn``: how the model is scored. ``speed``'s CNN scores the full model with its BatchNorm
+  statistics re-estimated on 20 training batches (``--eval-bn-batches 20``; training unchanged); the
+  ``-stale`` variants of local SGD, LOFT and LOFT pre-training throughout score it with the running
+  statistics training left (``--eval-bn-batches 0``, the trainer's default): whether a pre-trained
+  model scores low because of its weights (the method) or because of running statistics gathered by
+  the narrower subnetworks (the evaluation).
 
 A run's **rounds to target** is the first round at or past the target: accuracy, ``--target-fraction``
 (0.98) of local SGD's final (same seed); bits per byte, at or below local SGD's final plus
@@ -56,7 +58,7 @@ from tqdm import tqdm
 from ..distributed import cost
 from . import _common as C, link as L, speed as SP
 
-BN_BATCHES = 20  # the bn factor's --eval-bn-batches
+STALE = ("--eval-bn-batches", "0")  # the bn factor's flags: the running statistics as training left them
 #: per workload: (factor, variant name, the workload's method, --option values in place of or beside the
 #: workload's, more trainer flags, lr multiplier of the pick); factor "baseline": speed's own run
 Variant = Tuple[str, str, str, Tuple[str, ...], Tuple[str, ...], float]
@@ -82,17 +84,17 @@ VARIANTS: Dict[str, Tuple[Variant, ...]] = {
         ("pretrain", "loft-pretrain0.75", "loft", ("pretrain_fraction=0.75",), (), 1.0),
         ("pretrain", "loft-pretrain1", "loft", ("pretrain_fraction=1",), (), 1.0),
         ("state", "loft-aggregate", "loft", ("momentum_state=aggregate",), (), 1.0),
-        ("bn", "localsgd-bn", "localsgd", (), ("--eval-bn-batches", str(BN_BATCHES)), 1.0),
-        ("bn", "loft-bn", "loft", (), ("--eval-bn-batches", str(BN_BATCHES)), 1.0),
-        ("bn", "loft-pretrain1-bn", "loft", ("pretrain_fraction=1",), ("--eval-bn-batches", str(BN_BATCHES)), 1.0),
+        ("bn", "localsgd-stale", "localsgd", (), STALE, 1.0),
+        ("bn", "loft-stale", "loft", (), STALE, 1.0),
+        ("bn", "loft-pretrain1-stale", "loft", ("pretrain_fraction=1",), STALE, 1.0),
     ),
 }
 #: what each variant is compared with (its baseline)
 BASE_OF = {"localsgd-reset": "localsgd", "resist-aggregate": "resist", "ist-ffn-aggregate": "ist-ffn",
            "ist-heads-aggregate": "ist-heads", "ist-ffn-lr/3": "ist-ffn", "ist-heads-lr/3": "ist-heads",
            "localsgd-pipeline": "localsgd", "loft-pretrain0.25": "loft", "loft-pretrain0.75": "loft",
-           "loft-pretrain1": "loft", "loft-aggregate": "loft", "localsgd-bn": "localsgd", "loft-bn": "loft",
-           "loft-pretrain1-bn": "loft-pretrain1"}
+           "loft-pretrain1": "loft", "loft-aggregate": "loft", "localsgd-stale": "localsgd", "loft-stale": "loft",
+           "loft-pretrain1-stale": "loft-pretrain1"}
 WORKERS = {"lm": 4, "cnn": 2}
 LINK = {"lm": "10mbit", "cnn": "100mbit"}  # --link's default per workload (speed's slowest link for it)
 #: factors whose variants train exactly as their method's speed run (they change only what is scored)
@@ -206,7 +208,7 @@ def row_of(run: Dict[str, Any], metric: str) -> Dict[str, Any]:
 
 
 def rounds_to(values: Sequence[Optional[float]], level: Optional[float], higher: bool) -> Optional[int]:
-    return None if level is None else SP.time_to_target([0.0] * len(values), values, level, higher)[1]
+    return SP.rounds_to_target(values, level, higher)
 
 
 def run_variants(args) -> Tuple[List[Dict[str, Any]], Dict[str, float]]:

@@ -320,14 +320,15 @@ class RunContext:
         statistics are the plain average over ``batches`` training batches (``--eval-bn-batches``):
         batch k is worker k mod S's step k // S, a function of (worker, step) that draws nothing, so
         training sees the same batches."""
-        norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
-        if not norms:
+        def norms(net: nn.Module) -> List[nn.Module]:
+            return [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+
+        if not norms(model):
             return model
         copy_ = copy.deepcopy(model)
-        for m in copy_.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
-                m.reset_running_stats()
-                m.momentum = None  # a cumulative average over the batches
+        for m in norms(copy_):
+            m.reset_running_stats()
+            m.momentum = None  # a cumulative average over the batches
         copy_.train()
         S = self.data.num_workers
         for k in range(batches):
