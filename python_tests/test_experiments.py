@@ -778,8 +778,13 @@ def test_speed_workers_and_links_per_workload(capsys):
     assert {(c[0], c[1], c[2]) for c in todo} == {("lm", 4, "loopback"), ("lm", 4, "10mbit")} | {
         ("cnn", S, x) for S in (2, 4) for x in ("loopback", "100mbit")}
     assert speed.all_links(args) == ["loopback", "10mbit", "100mbit"]
+    args = speed.parse(["--configs", "cnn", "--workers", "2", "--links", "loopback,100mbit", "--seeds", "0,1,2",
+                        "--link-seeds", "1", "--compress", "none", "--methods", "localsgd"])
+    todo, _ = speed.cells(args)
+    assert sorted((c[2], c[5]) for c in todo) == [("100mbit", 0), ("loopback", 0), ("loopback", 1), ("loopback", 2)]
     for bad, says in ((["--workers-of", "mlp=4"], "--workers-of 'mlp=4'"), (["--workers-of", "lm=1"], "--workers-of"),
-                      (["--links-of", "lm=fast"], "--links-of 'lm=fast'"), (["--stored-only"], "--runs-dir")):
+                      (["--links-of", "lm=fast"], "--links-of 'lm=fast'"), (["--stored-only"], "--runs-dir"),
+                      (["--link-seeds", "0"], "--link-seeds")):
         with pytest.raises(SystemExit):
             speed.parse(["--configs", "lm,cnn"] + bad)
         assert says in capsys.readouterr().err

@@ -182,6 +182,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-grid-of", action="append", default=[], metavar="WORKLOAD=M[,M...]",
                    help="the lr grid's multipliers for one workload in place of --lr-grid (repeatable), e.g. "
                         "cnn=1/3,1,3")
+    p.add_argument("--link-seeds", type=int, default=None, metavar="N",
+                   help="over an emulated link run only the first N of --seeds (default: all); loopback runs "
+                        "them all")
     p.add_argument("--tune-only", action="store_true",
                    help="run the tuning (kept with --runs-dir) and print its table; no comparison runs, no outputs")
     p.add_argument("--latency", default="0", help="one-way latency added to each emulated link, e.g. 5ms (needs netem)")
@@ -253,6 +256,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.lr_grid is None:
         args.lr_grid = [1.0] if args.quick else list(LR_GRID)
+    if args.link_seeds is not None and args.link_seeds < 1:
+        p.error(f"--link-seeds must be >= 1, got {args.link_seeds}")
     if args.tune_rounds is not None and args.tune_rounds < 1:
         p.error(f"--tune-rounds must be >= 1, got {args.tune_rounds}")
     if not 0 < args.tune_holdout < 1:
@@ -425,6 +430,14 @@ def link_order(link: str) -> Tuple[bool, float]:
     return (link != "loopback", 0.0 if link == "loopback" else L.parse_rate(link))
 
 
+def link_seeds(args, link: str) -> List[int]:
+    """The seeds run over ``link``: every --seeds over loopback; over an emulated link the first
+    --link-seeds of them (a run's arithmetic does not depend on the link: the seeds' rounds come from
+    loopback, a link's runs give its round time)."""
+    n = getattr(args, "link_seeds", None)
+    return list(args.seeds) if link == "loopback" or n is None else list(args.seeds)[:n]
+
+
 def all_links(args) -> List[str]:
     return sorted({x for c in args.configs for x in links_of(args, c)}, key=link_order)
 
@@ -446,7 +459,7 @@ def cells(args) -> Tuple[List[Tuple], List[str]]:
                         if comp != "none" and (not compresses(tm) or args.quick and tm not in QUICK_COMPRESSED
                                                and args.methods is None):
                             continue
-                        for seed in args.seeds:
+                        for seed in link_seeds(args, link):
                             out.append((c, S, link, m, comp, seed))
     return out, skipped
 
