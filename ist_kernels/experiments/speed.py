@@ -102,7 +102,8 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     # scored with BatchNorm statistics re-estimated on 20 training batches (--eval-bn-batches; training
     # unchanged): the running statistics a subnetwork method's narrower models leave describe no full model
     "cnn": dict(dataset="digits", model="preact_resnet101_basic", width=16, lr=0.05, batch_size=32, local_steps=8,
-                rounds=16, train=dict(eval_bn_batches=20), options={"resist": ["warmup_fraction=0.1"], "loft": ["pretrain_fraction=0.5"]},
+                rounds=16, train=dict(eval_bn_batches=20),
+                options={"resist": ["warmup_fraction=0.1"], "loft": ["pretrain_fraction=0.5"]},
                 flags={"loft": ["--prune-ratio", "0.5"], "diloco": ["--lr", "0.001"]}),
     "mlp": dict(dataset="digits", model="mlp", width=8192, depth=1, lr=0.1, batch_size=64, local_steps=8, rounds=40,
                 options={}, flags={"diloco": ["--lr", "0.001"]}),
