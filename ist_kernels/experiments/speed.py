@@ -804,6 +804,14 @@ def predict(run: Dict[str, Any], loop: Dict[str, Any], link: cost.Link, S: int, 
     return with_compute, from_loop
 
 
+def _signed(values: Sequence[Optional[float]], target: float, higher_is_better: bool
+            ) -> Tuple[List[Optional[float]], float]:
+    """``values`` and ``target`` as "higher is better" (negated when lower is), for the cost model's
+    reached-at-or-above helpers."""
+    sign = 1.0 if higher_is_better else -1.0
+    return [None if x is None else sign * x for x in values], sign * target
+
+
 def time_to_target(round_s: Sequence[float], values: Sequence[Optional[float]], target: Optional[float],
                    higher_is_better: bool = True) -> Tuple[Optional[float], Optional[int]]:
     """(training seconds, rounds) until the first evaluated round whose value reaches ``target``: at
@@ -811,18 +819,14 @@ def time_to_target(round_s: Sequence[float], values: Sequence[Optional[float]], 
     None) when none does or there is no target."""
     if target is None:
         return None, None
-    sign = 1.0 if higher_is_better else -1.0
-    v = [None if x is None else sign * x for x in values]
-    return cost.time_to_target(round_s, v, sign * target), rounds_to_target(values, target, higher_is_better)
+    v, t = _signed(values, target, higher_is_better)
+    return cost.time_to_target(round_s, v, t), cost.rounds_to_target(v, t)
 
 
 def rounds_to_target(values: Sequence[Optional[float]], target: Optional[float],
                      higher_is_better: bool = True) -> Optional[int]:
     """The rounds of :func:`time_to_target` alone (no round times needed)."""
-    if target is None:
-        return None
-    sign = 1.0 if higher_is_better else -1.0
-    return cost.rounds_to_target([None if x is None else sign * x for x in values], sign * target)
+    return None if target is None else cost.rounds_to_target(*_signed(values, target, higher_is_better))
 
 
 def target_of(args, w: Dict[str, Any], base_final: Optional[float]) -> Optional[float]:

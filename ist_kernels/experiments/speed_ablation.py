@@ -207,10 +207,6 @@ def row_of(run: Dict[str, Any], metric: str) -> Dict[str, Any]:
             "phase": c["phase"]}
 
 
-def rounds_to(values: Sequence[Optional[float]], level: Optional[float], higher: bool) -> Optional[int]:
-    return SP.rounds_to_target(values, level, higher)
-
-
 def run_variants(args) -> Tuple[List[Dict[str, Any]], Dict[str, float]]:
     w = _workload(args)
     S, metric = args.workers, w["metric"]
@@ -262,8 +258,8 @@ def analyse(args, rows: List[Dict[str, Any]]) -> Tuple[Dict[int, float], List[st
         if "values" not in r:
             continue
         r["target"] = targets.get(r["seed"])
-        r["rounds_to_target"] = rounds_to(r["values"], r["target"], higher)
-        r["rounds_to"] = {f"{lv:g}": rounds_to(r["values"], lv, higher) for lv in LEVELS.get(args.workload, ())}
+        r["rounds_to_target"] = SP.rounds_to_target(r["values"], r["target"], higher)
+        r["rounds_to"] = {f"{lv:g}": SP.rounds_to_target(r["values"], lv, higher) for lv in LEVELS.get(args.workload, ())}
     return targets, findings(rows)
 
 
