@@ -33,6 +33,8 @@ def test_bad_arguments_name_themselves():
         L.EmulatedLink(2, 0.0)
     with pytest.raises(ValueError, match="latency_s"):
         L.EmulatedLink(2, 1e8, -1.0)
+    with pytest.raises(ValueError, match="queue_s"):
+        L.EmulatedLink(2, 1e8, queue_s=0.0)
 
 
 def test_unavailable_reason_says_root(monkeypatch):
@@ -75,6 +77,17 @@ def test_shaped_both_ways_and_nothing_left():
         for t in threads:
             t.join(timeout=120)
         assert len(rates) == 2 and sum(rates.values()) <= 1.1 * want, rates
+        # every rank's TCP: the first loss-based congestion control the kernel lets a namespace pick
+        allowed = open("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read().split()
+        first = next((cc for cc in L.CONGESTION_CONTROL if cc in allowed), None)
+        for r in range(3):
+            got = subprocess.run(["ip", "netns", "exec", link.netns(r), "sysctl", "-n",
+                                  "net.ipv4.tcp_congestion_control"], capture_output=True, text=True).stdout.strip()
+            assert got == link.congestion_control and (first is None or got == first), (got, first)
+        # the queue: tbf's latency
+        q = subprocess.run(["ip", "netns", "exec", link.netns(0), "tc", "qdisc", "show", "dev", "r0"],
+                           capture_output=True, text=True).stdout
+        assert f"lat {L.QUEUE_S * 1e3:g}ms" in q, q
         assert sorted(link.leftovers()) == sorted([link.bridge_netns] + [link.netns(r) for r in range(3)])
     assert _leftovers(link.prefix) == []
     with L.EmulatedLink(2, None) as free:  # unshaped: well above what shaping would allow

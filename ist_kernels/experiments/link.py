@@ -13,6 +13,15 @@ then sends that much at the veth's own speed, far above the rate, which a real l
 10 ms (the first choice), a step that idled 10 ms moved 1.25 MB of a 1 Gbit/s link's traffic in no
 time: DistributedDataParallel's all-reduce of 2.46 MB after every step took 12 ms instead of 21 ms
 (its 8 steps a round, 70 ms of 190 ms); with 1 ms it takes 21 ms, as the rate says.
+The ranks' TCP uses a loss-based congestion control, the first of :data:`CONGESTION_CONTROL` the
+kernel lets a namespace choose (``congestion_control`` says which; without either, what the
+namespace inherited). A new namespace inherits the host's, and BBR (this machine's) overran the
+bucket's queue: starting from idle it sends faster than the rate until its model of the path
+settles, and the queue on the sender's own interface drops the excess. S=4 ranks over 10 Mbit/s
+swapping 0.6 MB with every peer (``tools/probe_all_to_all.py --ranks 4 --rate 10mbit --mb 0.6``,
+10 tries): BBR 2.03 s a swap on average, 158,354 segments sent twice (more than the swaps' own
+12,400), against 1.51 s of link time; Reno 1.55 s, 436 sent twice. Short rounds of the subnetwork
+methods (one such swap each) took up to 1.8x the link's time under BBR.
 ``latency_s`` adds a one-way delay on each end of every rank's link (so rank to rank crosses 2x;
 needs the sch_netem qdisc, checked before anything is made).
 
@@ -45,6 +54,10 @@ SUBNET = "10.213.0"
 #: the token bucket: seconds of traffic at the rate, and its floor in bytes (see the module docstring)
 BURST_S = 0.001
 MIN_BURST_BYTES = 32 * 1024
+#: the longest a packet may wait in the bucket's queue (tbf ``latency``): the queue's length in seconds
+QUEUE_S = 0.05
+#: the ranks' TCP congestion control, the first one the kernel allows (see the module docstring)
+CONGESTION_CONTROL = ("cubic", "reno")
 CMD_TIMEOUT_S = 20
 _UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 _TIMES = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
@@ -151,7 +164,8 @@ class EmulatedLink:
     both directions (None: unshaped), with ``latency_s`` one-way on each end; see the module
     docstring. Use as a context manager (or call :meth:`open` and :meth:`close`)."""
 
-    def __init__(self, ranks: int, bandwidth_bps: Optional[float], latency_s: float = 0.0):
+    def __init__(self, ranks: int, bandwidth_bps: Optional[float], latency_s: float = 0.0,
+                 queue_s: float = QUEUE_S):
         if not isinstance(ranks, int) or ranks < 2 or ranks > 250:
             raise ValueError(f"EmulatedLink: ranks must be an integer in [2, 250], got {ranks!r}")
         if bandwidth_bps is not None and not bandwidth_bps >= 1e4:
@@ -160,9 +174,13 @@ class EmulatedLink:
             raise ValueError(f"EmulatedLink: latency_s must be >= 0, got {latency_s!r}")
         global _counter
         _counter += 1
+        if not queue_s > 0:
+            raise ValueError(f"EmulatedLink: queue_s must be > 0, got {queue_s!r}")
         self.ranks, self.bandwidth_bps, self.latency_s = ranks, bandwidth_bps, float(latency_s)
+        self.queue_s = float(queue_s)
         self.prefix = f"{PREFIX}-{os.getpid()}-{_counter}"
         self._made: List[str] = []
+        self.congestion_control: Optional[str] = None
         self._handlers: Dict[int, object] = {}
         self.is_open = False
 
@@ -204,7 +222,17 @@ class EmulatedLink:
         if self.bandwidth_bps is not None:
             rate = int(self.bandwidth_bps)
             burst = max(MIN_BURST_BYTES, int(rate / 8 * BURST_S))
-            _run(base + parent + ["tbf", "rate", f"{rate}bit", "burst", str(burst), "latency", "50ms"])
+            _run(base + parent + ["tbf", "rate", f"{rate}bit", "burst", str(burst), "latency",
+                       f"{self.queue_s * 1e3:g}ms"])
+
+    @staticmethod
+    def _congestion_control(ns: str) -> str:
+        """Set the first of CONGESTION_CONTROL the kernel allows in ``ns``; returns what ``ns`` uses."""
+        for cc in CONGESTION_CONTROL:
+            if not _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={cc}"],
+                        check=False).returncode:
+                break
+        return _run(["ip", "netns", "exec", ns, "sysctl", "-n", "net.ipv4.tcp_congestion_control"]).stdout.strip()
 
     def open(self) -> "EmulatedLink":
         if self.is_open:
@@ -232,6 +260,7 @@ class EmulatedLink:
                 _run(["ip", "-n", ns, "link", "set", dev, "up"])
                 self._shape(ns, dev)  # what rank r sends
                 self._shape(br, port)  # what rank r receives
+                self.congestion_control = self._congestion_control(ns)
         except BaseException:
             self.close()
             raise

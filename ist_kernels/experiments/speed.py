@@ -496,7 +496,8 @@ STORE_VERSION = 1
 
 def _store_key(flags: Sequence[str], S: int, seed: int, link: Optional["L.EmulatedLink"]) -> Dict[str, Any]:
     return {"version": STORE_VERSION, "flags": list(_base_cmd()[1:]) + list(flags), "workers": S, "seed": seed,
-            "link": None if link is None else {"bps": link.bandwidth_bps, "latency_s": link.latency_s}}
+            "link": None if link is None else {"bps": link.bandwidth_bps, "latency_s": link.latency_s,
+                                               "tcp": link.congestion_control}}
 
 
 def stored(store: Optional[str], key: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -511,7 +512,7 @@ def stored(store: Optional[str], key: Dict[str, Any]) -> Optional[Dict[str, Any]
         return None
     if doc.get("key") != key or not isinstance(doc.get("metrics"), list) or "summary" not in doc:
         return None
-    return {"summary": doc["summary"], "metrics": doc["metrics"], "stored_at": doc.get("stored_at")}
+    return {"summary": doc["summary"], "metrics": doc["metrics"], "stored_at": doc.get("stored_at"), "key": key}
 
 
 def keep(store: str, key: Dict[str, Any], run: Dict[str, Any]) -> str:
@@ -565,7 +566,7 @@ def launch(flags: List[str], S: int, seed: int, out_dir: str, link: Optional["L.
         summary = json.load(f)
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f if line.strip()]
-    run = {"summary": summary, "metrics": metrics}
+    run = {"summary": summary, "metrics": metrics, "key": key}
     if store is not None:
         run["stored_at"] = keep(store, key, run)
     shutil.rmtree(out_dir, ignore_errors=True)  # checkpoints: megabytes a run
@@ -653,7 +654,8 @@ def run_all(args, todo: List[Tuple], work: str, picks: Optional[Dict[Tuple, floa
             done[c] = {"not_run": f"{method} on {config}, S={S}, {link_name}, seed {seed}: {e}",
                        "predicted_train_time_s": None}
             return done[c]
-        done[c] = {"curve": curve(run), "summary": run["summary"], "stored_at": run.get("stored_at")}
+        done[c] = {"curve": curve(run), "summary": run["summary"], "stored_at": run.get("stored_at"),
+                   "tcp": ((run.get("key") or {}).get("link") or {}).get("tcp")}
         return done[c]
 
     return run_over_links(todo, lambda c: (c[2], c[1]), one, "speed", args.latency_s)
@@ -870,7 +872,7 @@ def analyse(args, results: Dict[Tuple, Dict[str, Any]]) -> Tuple[List[Dict[str, 
             "trainer_method": tm, "options": options, "compress": comp,
             "lr": r["summary"].get("lr"), "seed": seed, "workers": S, "link": link_name, "bandwidth_bps": bw,
             "latency_s": args.latency_s if emulated else 0.0, "emulated": emulated,
-            "metric": metric, "higher_is_better": higher, "final_metric": values[-1] if values else None,
+            "tcp_congestion_control": r.get("tcp"), "metric": metric, "higher_is_better": higher, "final_metric": values[-1] if values else None,
             "target": target, "target_accuracy": target if metric == "accuracy" else None,
             "time_to_target_s": ttt, "rounds_to_target": k,
             "predicted_time_to_target_s": sum(pred[:k]) if pred and k else None,
@@ -1199,7 +1201,9 @@ def main(argv: Sequence[str] = ()) -> int:
         args.links, args.loopback_only = ["loopback"], True
     elif emulated:
         link_note = (f"{', '.join(emulated)} per rank in each direction (tc tbf in network namespaces joined by a "
-                     f"bridge), checked within 10% by a timed transfer before use; latency {args.latency_s:g} s")
+                     f"bridge, a {L.QUEUE_S * 1e3:g} ms queue), checked within 10% by a timed transfer before use; latency "
+                     f"{args.latency_s:g} s; the ranks' TCP congestion control: the first of "
+                     f"{', '.join(L.CONGESTION_CONTROL)} the kernel allows (each run's tcp_congestion_control)")
     todo, skipped = cells(args)
     work = tempfile.mkdtemp(prefix="ist-speed-")
     try:
