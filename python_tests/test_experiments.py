@@ -351,7 +351,8 @@ def test_speed_quick(tmp_path):
         assert r["final_metric"] == r["final_accuracy"] and r["target"] == r["target_accuracy"]
         assert r["workers"] == 2 and r["emulated"] == (r["link"] != "loopback")
         assert r["bandwidth_bps"] == (1e8 if r["emulated"] else None)
-        assert (r["tcp_congestion_control"] is not None) == r["emulated"]  # the ranks' TCP, per run
+        assert (r["tcp"] is not None) == r["emulated"]  # the ranks' TCP, per run
+        assert r["tcp"] is None or r["tcp"]["slow_start_after_idle"] == link.SLOW_START_AFTER_IDLE
         assert r["round_time_s"] > 0 and r["bytes_per_round"] > 0 and 0 <= r["final_accuracy"] <= 1
         assert r["predicted_round_time_s"] > 0  # every run has its loopback twin
         assert set(r["time_by_part"]) == {"local", "plan", "pack", "comm", "unpack"}

@@ -81,9 +81,10 @@ def test_shaped_both_ways_and_nothing_left():
         allowed = open("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read().split()
         first = next((cc for cc in L.CONGESTION_CONTROL if cc in allowed), None)
         for r in range(3):
-            got = subprocess.run(["ip", "netns", "exec", link.netns(r), "sysctl", "-n",
-                                  "net.ipv4.tcp_congestion_control"], capture_output=True, text=True).stdout.strip()
-            assert got == link.congestion_control and (first is None or got == first), (got, first)
+            got = subprocess.run(["ip", "netns", "exec", link.netns(r), "sysctl", "-n", "net.ipv4.tcp_congestion_control",
+                                  "net.ipv4.tcp_slow_start_after_idle"], capture_output=True, text=True).stdout.split()
+            assert got == [link.tcp["congestion_control"], str(L.SLOW_START_AFTER_IDLE)], (got, link.tcp)
+            assert first is None or got[0] == first, (got, first)
         # the queue: tbf's latency
         q = subprocess.run(["ip", "netns", "exec", link.netns(0), "tc", "qdisc", "show", "dev", "r0"],
                            capture_output=True, text=True).stdout

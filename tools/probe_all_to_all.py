@@ -33,7 +33,7 @@ def parse():
     p.add_argument("--pause", type=float, default=0.05, help="idle seconds before each timed collective")
     p.add_argument("--only", default="", help="comma-separated subset of: gloo,recvfirst,allreduce,sendfirst,pairwise,acked")
     p.add_argument("--slow-start-after-idle", type=int, choices=(0, 1), default=None,
-                   help="set net.ipv4.tcp_slow_start_after_idle in every rank's namespace (default: leave it)")
+                   help="set net.ipv4.tcp_slow_start_after_idle in every rank's namespace (default: the link's)")
     p.add_argument("--queue-ms", type=float, default=50.0, help="the emulated link's queue (tbf latency)")
     p.add_argument("--show-qdisc", action="store_true", help="print every shaper's counters at the end")
     p.add_argument("--cc", default="", help="set net.ipv4.tcp_congestion_control in every rank's namespace (default: the link's own, "
@@ -67,7 +67,9 @@ def launch(args) -> int:
     with L.EmulatedLink(args.ranks, L.parse_rate(args.rate), 0.0, queue_s=args.queue_ms / 1e3) as em:
         em.check()
         print(f"{args.ranks} ranks over {args.rate}, a {args.queue_ms:g} ms queue, TCP congestion control "
-              f"{args.cc or em.congestion_control}", flush=True)
+              f"{args.cc or em.tcp['congestion_control']}, slow start after idle "
+              f"{em.tcp['slow_start_after_idle'] if args.slow_start_after_idle is None else args.slow_start_after_idle}",
+              flush=True)
         procs = [subprocess.Popen(em.wrap(r, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]],
                                           env=em.torchrun_env(r, args.ranks, args.port)))
                  for r in range(args.ranks)]

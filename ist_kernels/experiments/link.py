@@ -13,15 +13,20 @@ then sends that much at the veth's own speed, far above the rate, which a real l
 10 ms (the first choice), a step that idled 10 ms moved 1.25 MB of a 1 Gbit/s link's traffic in no
 time: DistributedDataParallel's all-reduce of 2.46 MB after every step took 12 ms instead of 21 ms
 (its 8 steps a round, 70 ms of 190 ms); with 1 ms it takes 21 ms, as the rate says.
-The ranks' TCP uses a loss-based congestion control, the first of :data:`CONGESTION_CONTROL` the
-kernel lets a namespace choose (``congestion_control`` says which; without either, what the
-namespace inherited). A new namespace inherits the host's, and BBR (this machine's) overran the
-bucket's queue: starting from idle it sends faster than the rate until its model of the path
-settles, and the queue on the sender's own interface drops the excess. S=4 ranks over 10 Mbit/s
-swapping 0.6 MB with every peer (``tools/probe_all_to_all.py --ranks 4 --rate 10mbit --mb 0.6``,
-10 tries): BBR 2.03 s a swap on average, 158,354 segments sent twice (more than the swaps' own
-12,400), against 1.51 s of link time; Reno 1.55 s, 436 sent twice. Short rounds of the subnetwork
-methods (one such swap each) took up to 1.8x the link's time under BBR.
+The ranks' TCP (``tcp`` says what each link's ranks use): a loss-based congestion control, the first
+of :data:`CONGESTION_CONTROL` the kernel lets a namespace choose (without either, what the namespace
+inherited), and no slow start after idle (:data:`SLOW_START_AFTER_IDLE`). A new namespace inherits
+the host's congestion control, and BBR (this machine's) overran the bucket's queue: starting from
+idle it sends faster than the rate until its model of the path settles, and the queue on the
+sender's own interface drops the excess. S=4 ranks over 10 Mbit/s swapping 0.6 MB with every peer
+(``tools/probe_all_to_all.py --ranks 4 --rate 10mbit --mb 0.6``, 10 tries): BBR 2.03 s a swap on
+average, 158,354 segments sent twice (more than the swaps' own 12,400), against 1.51 s of link
+time; Reno 1.55 s, 436 sent twice. And Linux restarts a connection that idled longer than its
+retransmission timeout from its initial window: each round's exchange, after the local steps, and
+each of its pairwise steps, on a connection of its own, ramps up anew. Swapping 0.15 MB with every
+peer after 1 s idle (``--mb 0.15 --pause 1``, 20 tries; link time 376 ms): 416 ms on average
+with the restart (6 segments resent: not loss), 364 ms without. The MLP's IST rounds at S=4 over
+10 Mbit/s (0.53 s) had run 18% over the cost model with it; the cost model counts neither.
 ``latency_s`` adds a one-way delay on each end of every rank's link (so rank to rank crosses 2x;
 needs the sch_netem qdisc, checked before anything is made).
 
@@ -58,6 +63,8 @@ MIN_BURST_BYTES = 32 * 1024
 QUEUE_S = 0.05
 #: the ranks' TCP congestion control, the first one the kernel allows (see the module docstring)
 CONGESTION_CONTROL = ("cubic", "reno")
+#: net.ipv4.tcp_slow_start_after_idle in the ranks' namespaces (see the module docstring)
+SLOW_START_AFTER_IDLE = 0
 CMD_TIMEOUT_S = 20
 _UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 _TIMES = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
@@ -180,7 +187,8 @@ class EmulatedLink:
         self.queue_s = float(queue_s)
         self.prefix = f"{PREFIX}-{os.getpid()}-{_counter}"
         self._made: List[str] = []
-        self.congestion_control: Optional[str] = None
+        #: the ranks' TCP settings, read back once made: congestion_control, slow_start_after_idle
+        self.tcp: Optional[Dict[str, object]] = None
         self._handlers: Dict[int, object] = {}
         self.is_open = False
 
@@ -226,13 +234,17 @@ class EmulatedLink:
                        f"{self.queue_s * 1e3:g}ms"])
 
     @staticmethod
-    def _congestion_control(ns: str) -> str:
-        """Set the first of CONGESTION_CONTROL the kernel allows in ``ns``; returns what ``ns`` uses."""
+    def _set_tcp(ns: str) -> Dict[str, object]:
+        """The first of CONGESTION_CONTROL the kernel allows, and SLOW_START_AFTER_IDLE, in ``ns``;
+        returns what ``ns`` uses."""
+        def sysctl(*args: str) -> subprocess.CompletedProcess:
+            return _run(["ip", "netns", "exec", ns, "sysctl", *args], check=False)
         for cc in CONGESTION_CONTROL:
-            if not _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={cc}"],
-                        check=False).returncode:
+            if not sysctl("-q", "-w", f"net.ipv4.tcp_congestion_control={cc}").returncode:
                 break
-        return _run(["ip", "netns", "exec", ns, "sysctl", "-n", "net.ipv4.tcp_congestion_control"]).stdout.strip()
+        sysctl("-q", "-w", f"net.ipv4.tcp_slow_start_after_idle={SLOW_START_AFTER_IDLE}")
+        got = sysctl("-n", "net.ipv4.tcp_congestion_control", "net.ipv4.tcp_slow_start_after_idle").stdout.split()
+        return {"congestion_control": got[0], "slow_start_after_idle": int(got[1])}
 
     def open(self) -> "EmulatedLink":
         if self.is_open:
@@ -260,7 +272,7 @@ class EmulatedLink:
                 _run(["ip", "-n", ns, "link", "set", dev, "up"])
                 self._shape(ns, dev)  # what rank r sends
                 self._shape(br, port)  # what rank r receives
-                self.congestion_control = self._congestion_control(ns)
+                self.tcp = self._set_tcp(ns)
         except BaseException:
             self.close()
             raise

@@ -497,7 +497,7 @@ STORE_VERSION = 1
 def _store_key(flags: Sequence[str], S: int, seed: int, link: Optional["L.EmulatedLink"]) -> Dict[str, Any]:
     return {"version": STORE_VERSION, "flags": list(_base_cmd()[1:]) + list(flags), "workers": S, "seed": seed,
             "link": None if link is None else {"bps": link.bandwidth_bps, "latency_s": link.latency_s,
-                                               "tcp": link.congestion_control}}
+                                               "tcp": link.tcp}}
 
 
 def stored(store: Optional[str], key: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -872,7 +872,7 @@ def analyse(args, results: Dict[Tuple, Dict[str, Any]]) -> Tuple[List[Dict[str, 
             "trainer_method": tm, "options": options, "compress": comp,
             "lr": r["summary"].get("lr"), "seed": seed, "workers": S, "link": link_name, "bandwidth_bps": bw,
             "latency_s": args.latency_s if emulated else 0.0, "emulated": emulated,
-            "tcp_congestion_control": r.get("tcp"), "metric": metric, "higher_is_better": higher, "final_metric": values[-1] if values else None,
+            "tcp": r.get("tcp"), "metric": metric, "higher_is_better": higher, "final_metric": values[-1] if values else None,
             "target": target, "target_accuracy": target if metric == "accuracy" else None,
             "time_to_target_s": ttt, "rounds_to_target": k,
             "predicted_time_to_target_s": sum(pred[:k]) if pred and k else None,
@@ -1202,8 +1202,8 @@ def main(argv: Sequence[str] = ()) -> int:
     elif emulated:
         link_note = (f"{', '.join(emulated)} per rank in each direction (tc tbf in network namespaces joined by a "
                      f"bridge, a {L.QUEUE_S * 1e3:g} ms queue), checked within 10% by a timed transfer before use; latency "
-                     f"{args.latency_s:g} s; the ranks' TCP congestion control: the first of "
-                     f"{', '.join(L.CONGESTION_CONTROL)} the kernel allows (each run's tcp_congestion_control)")
+                     f"{args.latency_s:g} s; the ranks' TCP: the first of {', '.join(L.CONGESTION_CONTROL)} the "
+                     f"kernel allows, slow start after idle {L.SLOW_START_AFTER_IDLE} (each run's tcp)")
     todo, skipped = cells(args)
     work = tempfile.mkdtemp(prefix="ist-speed-")
     try:
