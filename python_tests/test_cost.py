@@ -33,10 +33,6 @@ def test_transfer_and_collective_times():
     assert cost.ring_all_reduce_s(12.5e6, 1, link) == 0.0
     # all-to-all: the link carries the larger of in and out, one latency
     assert cost.all_to_all_s(12.5e6, 25e6, link) == pytest.approx(2.0 + 0.001)
-    # in S - 1 = 3 pairwise steps (gloo here): a latency each
-    assert cost.all_to_all_s(12.5e6, 25e6, link, steps=3) == pytest.approx(2.0 + 3 * 0.001)
-    with pytest.raises(ValueError, match="steps"):
-        cost.all_to_all_s(1.0, 1.0, link, steps=0)
     per_rank = [(1e6, 2e6, 5e6), (3e6, 1e6, 5e6)]
     assert cost.exchange_s(per_rank, 2, link) == pytest.approx(
         (3e6 * 8 / 100e6 + 0.001) + (5e6 * 8 / 100e6 + 2 * 0.001))

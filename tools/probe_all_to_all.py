@@ -31,7 +31,7 @@ def parse():
     p.add_argument("--mb", default="0.6,1.2", help="MB each rank sends each peer (comma-separated)")
     p.add_argument("--tries", type=int, default=30)
     p.add_argument("--pause", type=float, default=0.05, help="idle seconds before each timed collective")
-    p.add_argument("--only", default="", help="comma-separated subset of: gloo,recvfirst,allreduce,sendfirst,pairwise,acked")
+    p.add_argument("--only", default="", help="comma-separated subset of: gloo,recvfirst,allreduce,sendfirst,pairwise,acked,concurrent")
     p.add_argument("--slow-start-after-idle", type=int, choices=(0, 1), default=None,
                    help="set net.ipv4.tcp_slow_start_after_idle in every rank's namespace (default: the link's)")
     p.add_argument("--queue-ms", type=float, default=50.0, help="the emulated link's queue (tbf latency)")
@@ -101,7 +101,7 @@ def rank_main(args) -> int:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     r, S = dist.get_rank(), dist.get_world_size()
     bps = L.parse_rate(args.rate)
-    only = set(args.only.split(",")) if args.only else {"gloo", "recvfirst", "allreduce", "sendfirst", "pairwise", "acked"}
+    only = set(args.only.split(",")) if args.only else {"gloo", "recvfirst", "allreduce", "sendfirst", "pairwise", "acked", "concurrent"}
 
     def timeit(name, fn, expect_s):
         ts = []
@@ -129,7 +129,7 @@ def rank_main(args) -> int:
         if "gloo" in only:
             timeit(f"gloo all_to_all_single, {mb:g} MB per peer", lambda: dist.all_to_all_single(y, x), wire)
         if "recvfirst" in only:
-            timeit(f"receives first, {mb:g} MB per peer",
+            timeit(f"group.all_to_all_single, {mb:g} MB per peer",
                    lambda: all_to_all_single(y, x, [n] * S, [n] * S).wait(timeout=timedelta(seconds=60)), wire)
         z = torch.randn(int(mb * 1e6 * S / (2 * (S - 1)) / 4))  # a ring all_reduce sends 2(S-1)/S of it
         if "allreduce" in only:
@@ -161,6 +161,13 @@ def rank_main(args) -> int:
                 send.wait()
                 ack.wait()
                 a.wait()
+        def concurrent():  # every receive posted, then every send at once
+            reqs = [dist.irecv(y[q * n:(q + 1) * n], q) for q in range(S) if q != r]
+            reqs += [dist.isend(x[q * n:(q + 1) * n], q) for q in range(S) if q != r]
+            for q in reqs:
+                q.wait()
+        if "concurrent" in only:
+            timeit(f"receives first, sends at once, {mb:g} MB per peer", concurrent, wire)
         if "acked" in only:
             timeit(f"pairwise steps, acked, {mb:g} MB per peer", acked, wire)
         if "pairwise" in only:

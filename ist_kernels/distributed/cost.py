@@ -7,11 +7,9 @@ Plain functions of the plans (their byte counts) and of measured compute, no pro
   and so do its downloads) and one-way latency; TCP/IPv4 over Ethernet delivers
   :data:`TCP_EFFICIENCY` of the line rate as payload (1448 bytes of every 1514-byte frame).
 - The collectives as gloo and NCCL run them: a ring all-reduce of n bytes sends and receives
-  2 (S - 1) / S n per rank in 2 (S - 1) steps (:func:`ring_all_reduce_s`); an all-to-all keeps a
-  rank's link busy both ways, so a rank takes max(sent, received) over its link plus a latency per
-  step (:func:`all_to_all_s`: NCCL posts every send at once, one step; this package's gloo
-  all-to-all sends in S - 1 pairwise steps, one TCP flow on a link at a time). A round's
-  communication waits for its slowest rank.
+  2 (S - 1) / S n per rank in 2 (S - 1) steps (:func:`ring_all_reduce_s`); an all-to-all posts every
+  send at once, so a rank takes max(sent, received) over its link plus one latency
+  (:func:`all_to_all_s`). A round's communication waits for its slowest rank.
 - Bytes from the plans: :func:`exchange_bytes` (the exact per-rank count of one
   ``Exchange``, from ``plan_bytes``) and, for thousands of workers where building plans is too
   costly, :func:`subnet_round_bytes` from the plan's state split (what every subnetwork holds whole
@@ -95,15 +93,12 @@ def ring_all_reduce_s(nbytes: float, S: int, link: Link) -> float:
     return link.transfer_s(ring_all_reduce_bytes(nbytes, S)) + 2 * (S - 1) * link.latency_s
 
 
-def all_to_all_s(sent: float, received: float, link: Link, steps: int = 1) -> float:
-    """One rank's all-to-all: its link carries ``sent`` out and ``received`` in concurrently, in
-    ``steps`` rounds of messages (1: every send posted at once, as NCCL does; S - 1: pairwise
-    steps, as ``ist_kernels.distributed.group.all_to_all_single`` does on gloo), a latency each."""
-    if steps < 1:
-        raise ValueError(f"all_to_all_s: steps must be >= 1, got {steps!r}")
+def all_to_all_s(sent: float, received: float, link: Link) -> float:
+    """One rank's all-to-all: every send posted at once, so its link carries ``sent`` out and
+    ``received`` in concurrently."""
     if sent <= 0 and received <= 0:
         return 0.0
-    return link.transfer_s(max(sent, received)) + steps * link.latency_s
+    return link.transfer_s(max(sent, received)) + link.latency_s
 
 
 def exchange_s(per_rank: Sequence[Tuple[float, float, float]], S: int, link: Link) -> float:

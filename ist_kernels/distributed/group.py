@@ -145,31 +145,27 @@ def wait_collective(issue, *, name: str, round: Optional[int], timeout: timedelt
 
 
 class _Requests:
-    """Several point-to-point requests waited as one (``wait(timeout)``: False once the time is up),
-    then ``steps`` in order: each issues its requests when called and is waited whole before the next."""
+    """Several point-to-point requests waited as one (``wait(timeout)``: False once the time is up)."""
 
-    def __init__(self, requests, steps=()):
-        self.requests, self.steps = list(requests), list(steps)
+    def __init__(self, requests):
+        self.requests = requests
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
-        for batch in (lambda: self.requests, *self.steps):
-            for req in batch():
-                if deadline is None:
-                    done = req.wait()
-                else:
-                    done = req.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
-                if done is False:
-                    return False
-        self.requests, self.steps = [], []
+        for req in self.requests:
+            if deadline is None:
+                done = req.wait()
+            else:
+                done = req.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            if done is False:
+                return False
         return True
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, group=None):
     """``dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)``
-    (flat 1-D tensors; splits in elements), but on gloo as point-to-point messages: every receive
-    posted at once, before any send, and the sends in S - 1 pairwise steps (step k: send to rank
-    r + k, wait for what rank r - k sent; the sends are issued by ``wait``).
+    (flat 1-D tensors; splits in elements), but on gloo as point-to-point messages with every receive
+    posted before any send.
 
     Why: gloo's TCP transport sends a message only once the peer has said it posted the receive,
     and that note travels on the same socket as the data. gloo's all-to-all posts its sends first,
@@ -177,16 +173,8 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits, in_split
     already sending, and the peer starts sending only after that message has arrived: the two
     directions run one after the other. Over a 100 Mbit/s link, 1.2 MB each way took 91 ms in the
     median but 182 ms at the 90th percentile (``dist.all_to_all_single`` at S=2, 30 tries); with
-    the receives posted first, the 90th percentile was 117 ms.
-
-    Why the steps: with every send posted at once, each rank's link carries S - 1 TCP flows each
-    way, all starting together from a small window; over a shaped link (10 Mbit/s, a 50 ms queue)
-    they overflow its queue and a quarter of the segments were sent twice, with retransmission
-    timeouts of 200 ms or more (S=4, 0.15 MB to each peer, 10 tries: 433 ms in the median, 1.6 s at
-    the 90th percentile, 5,086 segments resent; ``tools/probe_all_to_all.py``). In pairwise steps each
-    link carries one flow at a time, as in a ring all-reduce: 365 ms in the median (the link's time
-    is 360 ms), 1,625 resent. Returns an object with ``wait(timeout)``, as a collective's work does
-    (for :func:`wait_collective`), which must be called."""
+    the receives posted first, the 90th percentile was 117 ms. Returns an object with
+    ``wait(timeout)``, as a collective's work does (for :func:`wait_collective`)."""
     if dist.get_backend(group) != "gloo":
         return dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=group, async_op=True)
     S, r = dist.get_world_size(group), dist.get_rank(group)
@@ -201,13 +189,10 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits, in_split
     if recv_at[-1] != out.numel() or send_at[-1] != inp.numel():
         raise ValueError(f"all_to_all_single: the splits add up to {recv_at[-1]} and {send_at[-1]} elements, "
                          f"but out has {out.numel()} and inp {inp.numel()}")
-    recvs = {q: dist.irecv(out[recv_at[q]:recv_at[q + 1]], peer(q), group=group)
-             for q in range(S) if q != r and out_splits[q]}
+    reqs = [dist.irecv(out[recv_at[q]:recv_at[q + 1]], peer(q), group=group)
+            for q in range(S) if q != r and out_splits[q]]
+    reqs += [dist.isend(inp[send_at[q]:send_at[q + 1]], peer(q), group=group)
+             for q in range(S) if q != r and in_splits[q]]
     if out_splits[r]:
         out[recv_at[r]:recv_at[r + 1]].copy_(inp[send_at[r]:send_at[r + 1]])
-
-    def step(k: int):
-        dst, src = (r + k) % S, (r - k) % S
-        send = [dist.isend(inp[send_at[dst]:send_at[dst + 1]], peer(dst), group=group)] if in_splits[dst] else []
-        return ([recvs[src]] if src in recvs else []) + send
-    return _Requests([], steps=[lambda k=k: step(k) for k in range(1, S)])
+    return _Requests(reqs)

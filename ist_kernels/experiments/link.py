@@ -22,11 +22,8 @@ sender's own interface drops the excess. S=4 ranks over 10 Mbit/s swapping 0.6 M
 (``tools/probe_all_to_all.py --ranks 4 --rate 10mbit --mb 0.6``, 10 tries): BBR 2.03 s a swap on
 average, 158,354 segments sent twice (more than the swaps' own 12,400), against 1.51 s of link
 time; Reno 1.55 s, 436 sent twice. And Linux restarts a connection that idled longer than its
-retransmission timeout from its initial window: each round's exchange, after the local steps, and
-each of its pairwise steps, on a connection of its own, ramps up anew. Swapping 0.15 MB with every
-peer after 1 s idle (``--mb 0.15 --pause 1``, 20 tries; link time 376 ms): 416 ms on average
-with the restart (6 segments resent: not loss), 364 ms without. The MLP's IST rounds at S=4 over
-10 Mbit/s (0.53 s) had run 18% over the cost model with it; the cost model counts neither.
+retransmission timeout from its initial window: each round's exchange, after the local steps,
+ramps up anew on every connection. The cost model counts neither.
 ``latency_s`` adds a one-way delay on each end of every rank's link (so rank to rank crosses 2x;
 needs the sch_netem qdisc, checked before anything is made).
 
