@@ -19,9 +19,9 @@ inherited), and no slow start after idle (:data:`SLOW_START_AFTER_IDLE`). A new 
 the host's congestion control, and BBR (this machine's) overran the bucket's queue: starting from
 idle it sends faster than the rate until its model of the path settles, and the queue on the
 sender's own interface drops the excess. S=4 ranks over 10 Mbit/s swapping 0.6 MB with every peer
-(``tools/probe_all_to_all.py --ranks 4 --rate 10mbit --mb 0.6``, 10 tries): BBR 2.03 s a swap on
-average, 158,354 segments sent twice (more than the swaps' own 12,400), against 1.51 s of link
-time; Reno 1.55 s, 436 sent twice. And Linux restarts a connection that idled longer than its
+(``tools/probe_all_to_all.py --ranks 4 --rate 10mbit --mb 0.6``, 10 tries): BBR 1.75 s a swap on
+average, 52,030 segments sent twice (four times the swaps' own 12,400), against 1.51 s of link
+time; Reno 1.55 s, 230 sent twice. And Linux restarts a connection that idled longer than its
 retransmission timeout from its initial window: each round's exchange, after the local steps,
 ramps up anew on every connection. The cost model counts neither.
 ``latency_s`` adds a one-way delay on each end of every rank's link (so rank to rank crosses 2x;
