@@ -1,17 +1,25 @@
-"""How long S ranks take to swap equal messages over an emulated link, four ways (needs root).
+"""How long S ranks take to swap equal messages over an emulated link, several ways (needs root).
 
     python tools/probe_all_to_all.py [--ranks 2] [--rate 100mbit] [--mb 0.6,1.2] [--tries 30]
+        [--pause 0.05] [--queue-ms 50] [--cc bbr|reno] [--slow-start-after-idle 0|1]
+        [--only gloo,recvfirst,allreduce,sendfirst,pairwise,acked,concurrent] [--show-qdisc]
 
 Each rank runs in its own network namespace (``ist_kernels.experiments.link.EmulatedLink``, removed
-on every exit path) and times, ``--tries`` times each after a barrier and a 50 ms pause:
-``dist.all_to_all_single`` (gloo's), ``ist_kernels.distributed.group.all_to_all_single`` (every
-receive posted before any send), a ring ``all_reduce`` that sends the same bytes per rank, and
-isend-then-irecv pairs. Rank 0 prints the median, 90th percentile and maximum in ms beside the
-link's time for the bytes.
+on every exit path) and times, ``--tries`` times each after a barrier and ``--pause`` seconds idle:
+``dist.all_to_all_single`` (gloo's: ``gloo``), ``ist_kernels.distributed.group.all_to_all_single``
+(``recvfirst``: every receive posted before any send), a ring ``all_reduce`` that sends the same
+bytes per rank, isend-then-irecv pairs (``sendfirst``), the sends in S - 1 pairwise steps
+(``pairwise``; ``acked``: each step waits for the peer's note that it arrived) and every receive
+then every send at once by hand (``concurrent``). Rank 0 prints the mean, median, 90th percentile
+and maximum in ms beside the link's time for the bytes, and the TCP retransmission counters of all
+ranks' namespaces over the tries; ``--show-qdisc`` prints each shaper's sent and dropped packets.
 
 What it showed (2 ranks, 100 Mbit/s, 1.2 MB each way, 30 tries): gloo's all-to-all and
 isend-then-irecv 91-95 ms median but 182 ms at the 90th percentile (the two directions one after
 the other); receives first 92 ms median, 117 ms at the 90th percentile; all_reduce 92 / 97 ms.
+And (4 ranks, 10 Mbit/s, 0.6 MB to each peer, ``--pause 1``): under BBR 1.75 s a swap against
+1.51 s of link time, 52,030 segments resent, all dropped by the sender's own shaper; under Reno
+1.55 s, 230 resent (docs/experiments.md, "The emulated link").
 """
 import argparse
 import os
