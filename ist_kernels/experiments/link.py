@@ -176,10 +176,10 @@ class EmulatedLink:
             raise ValueError(f"EmulatedLink: bandwidth_bps must be >= 10 kbit/s or None, got {bandwidth_bps!r}")
         if not latency_s >= 0:
             raise ValueError(f"EmulatedLink: latency_s must be >= 0, got {latency_s!r}")
-        global _counter
-        _counter += 1
         if not queue_s > 0:
             raise ValueError(f"EmulatedLink: queue_s must be > 0, got {queue_s!r}")
+        global _counter
+        _counter += 1
         self.ranks, self.bandwidth_bps, self.latency_s = ranks, bandwidth_bps, float(latency_s)
         self.queue_s = float(queue_s)
         self.prefix = f"{PREFIX}-{os.getpid()}-{_counter}"

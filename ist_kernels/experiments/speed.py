@@ -512,7 +512,7 @@ def stored(store: Optional[str], key: Dict[str, Any]) -> Optional[Dict[str, Any]
         return None
     if doc.get("key") != key or not isinstance(doc.get("metrics"), list) or "summary" not in doc:
         return None
-    return {"summary": doc["summary"], "metrics": doc["metrics"], "stored_at": doc.get("stored_at"), "key": key}
+    return {"summary": doc["summary"], "metrics": doc["metrics"], "stored_at": doc.get("stored_at")}
 
 
 def keep(store: str, key: Dict[str, Any], run: Dict[str, Any]) -> str:
@@ -566,7 +566,7 @@ def launch(flags: List[str], S: int, seed: int, out_dir: str, link: Optional["L.
         summary = json.load(f)
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f if line.strip()]
-    run = {"summary": summary, "metrics": metrics, "key": key}
+    run = {"summary": summary, "metrics": metrics}
     if store is not None:
         run["stored_at"] = keep(store, key, run)
     shutil.rmtree(out_dir, ignore_errors=True)  # checkpoints: megabytes a run
@@ -655,7 +655,7 @@ def run_all(args, todo: List[Tuple], work: str, picks: Optional[Dict[Tuple, floa
                        "predicted_train_time_s": None}
             return done[c]
         done[c] = {"curve": curve(run), "summary": run["summary"], "stored_at": run.get("stored_at"),
-                   "tcp": ((run.get("key") or {}).get("link") or {}).get("tcp")}
+                   "tcp": None if em is None else em.tcp}  # the key's: a kept run matched it
         return done[c]
 
     return run_over_links(todo, lambda c: (c[2], c[1]), one, "speed", args.latency_s)
