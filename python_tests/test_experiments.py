@@ -903,22 +903,26 @@ def test_speed_ablation_lm_quick_keeps_runs_and_reads_them_back(tmp_path):
     assert main([*argv, "--out", str(tmp_path / "a")]) == 0
     doc = _load_json(tmp_path / "a" / "speed_ablation_lm_S2.json")
     rows = {r["variant"]: r for r in doc["rows"]}
-    assert set(rows) == {"localsgd", "ist-ffn", "localsgd-reset", "ist-ffn-aggregate", "ist-ffn-lr/3"}
+    assert set(rows) == {"localsgd", "ist-ffn", "localsgd-reset", "ist-ffn-aggregate", "ist-ffn-lr/3", "localsgd-deep"}
     assert rows["ist-ffn-lr/3"]["lr"] == pytest.approx(1e-3 / 3, rel=1e-5) and rows["ist-ffn"]["lr"] == 1e-3
-    target = rows["localsgd"]["final"] + 0.05
     for r in rows.values():
+        # the depth factor's model has its own local SGD, whose final sets its target
+        target = rows["localsgd-deep" if r["variant"] == "localsgd-deep" else "localsgd"]["final"] + 0.05
         assert r["workers"] == 2 and r["metric"] == "bits_per_byte" and len(r["values"]) == 3
         assert r["final"] == r["values"][-1] and 4 < r["final"] < 8.5 and r["target"] == pytest.approx(target)
         k = r["rounds_to_target"]
         assert k is None or r["values"][k - 1] <= r["target"] < min([9.0] + r["values"][:k - 1])
     keys = {f.name: json.loads(f.read_text())["key"]["flags"] for f in store.iterdir()}
-    assert len(keys) == 5
+    assert len(keys) == 6
+    deep = next(k for n, k in keys.items() if "localsgd-deep" in n)
+    assert deep[-4:] == ["--width", "64", "--depth", "12"]  # after the workload's: the last value is taken
+    assert rows["localsgd-deep"]["final"] != rows["localsgd"]["final"]
     assert any("momentum_state=reset" in k and "localsgd" in k for k in keys.values())
     assert any("momentum_state=aggregate" in k and "partition=ffn" in k for k in keys.values())
     assert main([*argv, "--stored-only", "--out", str(tmp_path / "b")]) == 0
     again = _load_json(tmp_path / "b" / "speed_ablation_lm_S2.json")
     assert [r["values"] for r in again["rows"]] == [r["values"] for r in doc["rows"]]
-    assert len(doc["findings"]) == 3
+    assert len(doc["findings"]) == 4
 
 
 def test_speed_ablation_cnn_quick_pipeline(tmp_path):
@@ -968,6 +972,53 @@ def test_speed_ablation_times_eval_only_variants_by_the_kept_link_run(tmp_path):
     assert got["loft"]["time_to_target_s"] == pytest.approx(4 + 3 + 1.5) and got["loft"]["vs_localsgd"] == pytest.approx(0.85)
     assert got["loft-stale"]["time_to_target_s"] is None and got["loft-stale"]["vs_localsgd"] is None
     assert got["localsgd-stale"]["time_to_target_s"] == pytest.approx(6.0) and got["localsgd-stale"]["vs_localsgd"] == 1.0
+
+
+def test_speed_ablation_depth_variants_have_their_own_local_sgd_and_compute(tmp_path):
+    """The depth factor trains another model: its variants' target is its own local SGD's final plus the
+    margin (same seed), their predicted time carries their own compute (not their method's baseline's,
+    on gpt_tiny) and is compared with that local SGD's."""
+    import argparse as ap
+
+    from ist_kernels.distributed import cost
+    from ist_kernels.experiments import link as L, speed_ablation as A
+
+    def row(variant, factor, method, values, round_s, busiest):
+        n = len(values)
+        return {"variant": variant, "factor": factor, "method": method, "options": [], "flags": [], "seed": 0,
+                "workers": 4, "lr": 3e-3, "values": values, "final": values[-1], "mean_round_s": round_s,
+                "mb_per_round": 4 * busiest / 1e6, "curve": {"round_s": [round_s] * n, "bytes": [4 * busiest] * n, "busiest": [busiest] * n,
+                          "parts": [{"comm": 0.0}] * n}}
+
+    rows = [row("localsgd", "baseline", "localsgd", [3.0, 2.8, 2.7], 10.0, 5e6),
+            row("resist", "baseline", "resist", [3.1, 2.9, 2.8], 100.0, 4e6),
+            row("localsgd-deep", "depth", "localsgd", [3.2, 3.0, 2.9], 10.0, 4e6),
+            row("resist-deep", "depth", "resist", [3.3, 2.93, 2.94], 4.0, 2e6)]
+    args = ap.Namespace(workload="lm", quick=False, lm_margin=0.05, target_fraction=0.98, link="10mbit", workers=4)
+    targets, lines = A.analyse(args, rows)
+    by = {r["variant"]: r for r in rows}
+    assert targets == {0: pytest.approx(2.75)}
+    assert by["resist"]["rounds_to_target"] is None and by["localsgd"]["rounds_to_target"] == 3
+    assert by["localsgd-deep"]["target"] == pytest.approx(2.95) and by["resist-deep"]["target"] == pytest.approx(2.95)
+    assert by["resist-deep"]["rounds_to_target"] == 2 and by["localsgd-deep"]["rounds_to_target"] == 3
+    assert any(s.startswith("resist-deep: final 2.94 against localsgd-deep's 2.9") for s in lines)
+    got = {e["variant"]: e for e in A.predicted_times(args, rows)}
+    link = cost.Link(L.parse_rate("10mbit"), 0.0)
+    deep = 3 * (10.0 + cost.comm_s(4e6, link, 6))
+    assert got["localsgd-deep"]["predicted_time_to_target_s"] == pytest.approx(deep, rel=1e-9)
+    own = 2 * (4.0 + cost.comm_s(2e6, link, 6))  # its own 4 s of compute, not resist's 100 s on gpt_tiny
+    assert got["resist-deep"]["predicted_time_to_target_s"] == pytest.approx(own, rel=1e-9)
+    assert got["resist-deep"]["reference"] == "localsgd-deep"
+    assert got["resist-deep"]["vs_localsgd"] == pytest.approx(own / deep, rel=1e-9)
+    assert got["resist"]["predicted_time_to_target_s"] is None
+    # the same through the rounds to each level: 3.0 bits in 2 rounds each, 2.9 only by local SGD
+    assert got["resist-deep"]["predicted_time_to"]["3"] == pytest.approx(own, rel=1e-9)
+    assert got["localsgd-deep"]["predicted_time_to"]["3"] == pytest.approx(deep * 2 / 3, rel=1e-9)
+    assert got["resist-deep"]["vs_localsgd_to"]["3"] == pytest.approx(own / (deep * 2 / 3), rel=1e-9)
+    assert got["resist-deep"]["predicted_time_to"]["2.9"] is None and got["resist-deep"]["vs_localsgd_to"]["2.9"] is None
+    assert got["resist-deep"]["predicted_round_s"] == pytest.approx(own / 2, rel=1e-9)
+    md = A.markdown(args, rows, targets, lines, {"localsgd": 3e-3}, (), list(got.values()))
+    assert "| resist-deep | 2.00 |" in md and "localsgd-deep |" in md
 
 
 def test_with_options_replaces_a_workloads_value():

@@ -19,6 +19,12 @@ subnetwork methods end above local SGD. Baselines: local SGD, ResIST, IST of FFN
   local SGD with ``momentum_state=reset`` (its AdamW cleared after every average): what the reset
   costs each, from both sides.
 * ``lr``: both IST variants at a third of their pick, which was the tuning grid's lowest point.
+* ``depth``: the model ResIST deals. ResIST shares a transformer's first and last blocks and deals the
+  rest, each subnetwork at least one (paper 003 §2.2), so at gpt_tiny's 4 blocks and S = 4 a
+  subnetwork keeps 3 of the 4 (its compute and bytes little under the full model's). Local SGD,
+  ResIST and ResIST with its moments aggregated on a model of width 64 and 12 blocks (``DEEP``: about
+  gpt_tiny's compute a step, three times its depth; a subnetwork keeps 4-5 of the 12), compared with
+  local SGD on that model (its own target, ``REFERENCE``), at the lr each method picked on gpt_tiny.
 
 ``cnn`` (preact ResNet-101 of width 16 on digits, 16 rounds of 8 local steps; S = 2): why LOFT takes
 more rounds than local SGD. LOFT runs paper 000's pipeline: LOFT pre-training for
@@ -59,6 +65,9 @@ from ..distributed import cost
 from . import _common as C, link as L, speed as SP
 
 STALE = ("--eval-bn-batches", "0")  # the bn factor's flags: the running statistics as training left them
+#: the depth factor's model (after the workload's --width / --depth; the last value is the one taken): about
+#: gpt_tiny's compute a step (192 vs 196 ms, one thread, batch 16 x 128), three times its depth
+DEEP = ("--width", "64", "--depth", "12")
 #: per workload: (factor, variant name, the workload's method, --option values in place of or beside the
 #: workload's, more trainer flags, lr multiplier of the pick); factor "baseline": speed's own run
 Variant = Tuple[str, str, str, Tuple[str, ...], Tuple[str, ...], float]
@@ -74,6 +83,9 @@ VARIANTS: Dict[str, Tuple[Variant, ...]] = {
         ("state", "ist-heads-aggregate", "ist-heads", ("momentum_state=aggregate",), (), 1.0),
         ("lr", "ist-ffn-lr/3", "ist-ffn", (), (), 1 / 3),
         ("lr", "ist-heads-lr/3", "ist-heads", (), (), 1 / 3),
+        ("depth", "localsgd-deep", "localsgd", (), DEEP, 1.0),
+        ("depth", "resist-deep", "resist", (), DEEP, 1.0),
+        ("depth", "resist-deep-aggregate", "resist", ("momentum_state=aggregate",), DEEP, 1.0),
     ),
     "cnn": (
         ("baseline", "localsgd", "localsgd", (), (), 1.0),
@@ -94,13 +106,19 @@ BASE_OF = {"localsgd-reset": "localsgd", "resist-aggregate": "resist", "ist-ffn-
            "ist-heads-aggregate": "ist-heads", "ist-ffn-lr/3": "ist-ffn", "ist-heads-lr/3": "ist-heads",
            "localsgd-pipeline": "localsgd", "loft-pretrain0.25": "loft", "loft-pretrain0.75": "loft",
            "loft-pretrain1": "loft", "loft-aggregate": "loft", "localsgd-stale": "localsgd", "loft-stale": "loft",
-           "loft-pretrain1-stale": "loft-pretrain1"}
+           "loft-pretrain1-stale": "loft-pretrain1", "localsgd-deep": "localsgd", "resist-deep": "localsgd-deep",
+           "resist-deep-aggregate": "resist-deep"}
+#: the local SGD run whose final sets a variant's target (same seed) and whose time it is compared with: a
+#: variant on another model than the workload's has its own (default: the baseline ``localsgd``)
+REFERENCE = {"localsgd-deep": "localsgd-deep", "resist-deep": "localsgd-deep", "resist-deep-aggregate": "localsgd-deep"}
+#: factors that change the model: their variants' compute is their own in the cost model's prediction
+MODEL_FACTORS = ("depth",)
 WORKERS = {"lm": 4, "cnn": 2}
 LINK = {"lm": "10mbit", "cnn": "100mbit"}  # --link's default per workload (speed's slowest link for it)
 #: factors whose variants train exactly as their method's speed run (they change only what is scored)
 EVAL_ONLY = ("baseline", "bn")  # --workers' default per workload (the S where a bar was missed)
 QUICK_METHODS = {"lm": ("localsgd", "ist-ffn"), "cnn": ("localsgd", "loft")}  # --quick: these methods' variants
-LEVELS = {"lm": (3.0, 2.9)}  # bits per byte: rounds to each, beside the target's
+LEVELS = {"lm": (3.3, 3.2, 3.0, 2.9)}  # bits per byte: rounds (and predicted time) to each, beside the target's
 
 
 def factors(workload: str) -> List[str]:
@@ -252,12 +270,13 @@ def analyse(args, rows: List[Dict[str, Any]]) -> Tuple[Dict[int, float], List[st
     and the findings."""
     w = _workload(args)
     higher = SP.higher_is_better(w)
-    targets = {r["seed"]: target(args, w, r["final"]) for r in rows
-               if r["variant"] == "localsgd" and r.get("final") is not None}
+    of = {(r["variant"], r["seed"]): target(args, w, r["final"]) for r in rows
+          if r["variant"] in ("localsgd", *REFERENCE.values()) and r.get("final") is not None}
+    targets = {seed: t for (v, seed), t in of.items() if v == "localsgd"}
     for r in rows:
         if "values" not in r:
             continue
-        r["target"] = targets.get(r["seed"])
+        r["target"] = of.get((REFERENCE.get(r["variant"], "localsgd"), r["seed"]))
         r["rounds_to_target"] = SP.rounds_to_target(r["values"], r["target"], higher)
         r["rounds_to"] = {f"{lv:g}": SP.rounds_to_target(r["values"], lv, higher) for lv in LEVELS.get(args.workload, ())}
     return targets, findings(rows)
@@ -298,35 +317,48 @@ def predicted_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Per variant whose every seed reached the target: the cost model's time to target over ``--link``
     (``speed.predict``: the compute, waits and loopback collectives of its method's baseline run of the
     same seed, so the variants' runs, made on a machine busy with other work, do not carry their own
-    slower compute; the link's time for the variant's own busiest link's bytes; within 15% of every
-    emulated run so far), summed over that seed's rounds to target and averaged over the seeds;
-    ``vs_localsgd``: against local SGD's (baseline) the same way."""
+    slower compute; a variant of a ``MODEL_FACTORS`` factor, on another model, its own), the link's time
+    for the variant's own busiest link's bytes; within 15% of every emulated run so far), summed over
+    that seed's rounds to target and averaged over the seeds; ``vs_localsgd``: against its ``reference``
+    local SGD's (``REFERENCE``; default the baseline) the same way. ``predicted_time_to`` and
+    ``vs_localsgd_to``: the same through the rounds to each of the workload's ``LEVELS``;
+    ``predicted_round_s``: the mean predicted round."""
     w = _workload(args)
     link = cost.Link(L.parse_rate(args.link), 0.0)
+    levels = [f"{lv:g}" for lv in LEVELS.get(args.workload, ())]
+
+    def mean_through(rs, per_round, rounds_of):
+        """The seeds' mean of each one's predicted seconds through its rounds (None: a seed not there)."""
+        ks = [rounds_of(r) for r in rs]
+        return None if any(k is None for k in ks) else sum(sum(p[:k]) for p, k in zip(per_round, ks)) / len(ks)
+
     out = []
     for variant in dict.fromkeys(r["variant"] for r in rows):
         rs = [r for r in rows if r["variant"] == variant and "curve" in r]
         if not rs:
             continue
-        totals = []
+        per_round = []
         for r in rs:
-            k = r.get("rounds_to_target")
-            if k is None:
-                totals = None
-                break
-            b = next((x for x in rows if x["factor"] == "baseline" and x["method"] == r["method"]
-                      and x["seed"] == r["seed"] and "curve" in x), r)
+            b = r if r["factor"] in MODEL_FACTORS else next(
+                (x for x in rows if x["factor"] == "baseline" and x["method"] == r["method"]
+                 and x["seed"] == r["seed"] and "curve" in x), r)
             own = {"curve": {**b["curve"], "busiest": r["curve"]["busiest"], "bytes": r["curve"]["bytes"]}}
-            per_round, _ = SP.predict(own, b, link, r["workers"], r["method"], w["local_steps"])
-            totals.append(sum(per_round[:k]))
+            per_round.append(SP.predict(own, b, link, r["workers"], r["method"], w["local_steps"])[0])
         mb = [b / 1e6 for r in rs for b in r["curve"]["busiest"] if b is not None]
         out.append({"variant": variant, "factor": rs[0]["factor"], "link": args.link,
-                    "predicted_time_to_target_s": sum(totals) / len(totals) if totals else None,
+                    "predicted_time_to_target_s": mean_through(rs, per_round, lambda r: r.get("rounds_to_target")),
+                    "predicted_time_to": {lv: mean_through(rs, per_round, lambda r: r.get("rounds_to", {}).get(lv))
+                                          for lv in levels},
+                    "predicted_round_s": sum(sum(p) for p in per_round) / sum(len(p) for p in per_round),
                     "busiest_link_mb_per_round": sum(mb) / len(mb) if mb else None})
-    base = next((e for e in out if e["variant"] == "localsgd"), None)
     for e in out:
+        e["reference"] = REFERENCE.get(e["variant"], "localsgd")
+        base = next((x for x in out if x["variant"] == e["reference"]), None)
         t, b = e["predicted_time_to_target_s"], base and base["predicted_time_to_target_s"]
         e["vs_localsgd"] = t / b if t and b else None
+        e["vs_localsgd_to"] = {lv: (e["predicted_time_to"][lv] / base["predicted_time_to"][lv]
+                                    if base and e["predicted_time_to"][lv] and base["predicted_time_to"][lv] else None)
+                               for lv in levels}
     return out
 
 
@@ -340,19 +372,20 @@ def _mean_of(rows, variant, key) -> Tuple[Optional[float], int, int]:
 def findings(rows: List[Dict[str, Any]]) -> List[str]:
     """One sentence per variant: its mean final and rounds to target against its baseline's and local SGD's."""
     out = []
-    local, _, _ = _mean_of(rows, "localsgd", "final")
     for variant, base in BASE_OF.items():
         a, _, na = _mean_of(rows, variant, "final")
         b, _, nb = _mean_of(rows, base, "final")
         if a is None or b is None:
             continue
+        ref = REFERENCE.get(variant, "localsgd")
+        local, _, _ = _mean_of(rows, ref, "final")
         ka, ra, _ = _mean_of(rows, variant, "rounds_to_target")
         kb, rb, _ = _mean_of(rows, base, "rounds_to_target")
 
         def reach(k, n_reached, n):
             return f"{n_reached}/{n} seeds reach the target" + (f" in {k:.1f} rounds (mean)" if k is not None else "")
-        gap = "" if local is None or base == "localsgd" else \
-            f"; gap to local SGD's {local:.4g}: {b - local:+.3g} -> {a - local:+.3g}"
+        gap = "" if local is None or base in ("localsgd", ref) else \
+            f"; gap to {ref}'s {local:.4g}: {b - local:+.3g} -> {a - local:+.3g}"
         out.append(f"{variant}: final {a:.4g} against {base}'s {b:.4g} ({a - b:+.3g}){gap}; "
                    f"{reach(ka, ra, na)} ({base}: {reach(kb, rb, nb)}).")
     return out
@@ -372,7 +405,10 @@ def markdown(args, rows, targets, lines, lrs, times=(), predicted=()) -> str:
           f"{w['model']} on {w['dataset']}, S = {args.workers} processes over loopback, {w['rounds']} rounds of "
           f"{w['local_steps']} local steps (speed's {args.workload} workload); each method at speed's tuned lr"
           + ("" if lrs else " (none found: the workload's lr)") + f". Target: {rule} ("
-          + ", ".join(f"seed {s}: {_fmt(t, '.4g')}" for s, t in sorted(targets.items())) + ").", "",
+          + ", ".join(f"seed {s}: {_fmt(t, '.4g')}" for s, t in sorted(targets.items())) + ")"
+          + "".join(f"; {v}'s variants ({', '.join(sorted(k for k, x in REFERENCE.items() if x == v))}): "
+                    f"{v}'s final plus the same, its own seed"
+                    for v in sorted(set(REFERENCE.values())) if any(r["variant"] == v for r in rows)) + ".", "",
           f"| factor | variant | lr | options and flags | seed | final {metric} | rounds to target | "
           + "".join(f"to {lv:g} | " for lv in levels) + "s / round | MB / round |",
           "|---|---|---|---|---|---|---|" + "---|" * len(levels) + "---|---|"]
@@ -399,15 +435,23 @@ def markdown(args, rows, targets, lines, lrs, times=(), predicted=()) -> str:
     if predicted:
         md += ["", f"## Predicted time to target over {args.link}", "",
                f"The cost model over {args.link}: the compute, waits and loopback collectives of the method's "
-               "baseline run (same seed), the link's time for the variant's own busiest link's bytes, through "
-               "the variant's rounds to target of that seed; mean over the seeds; against local SGD's the same way. "
+               "baseline run (same seed; a variant on another model: its own), the link's time for the variant's "
+               "own busiest link's bytes, through the variant's rounds to target (or to each level) of that seed; mean over the "
+               "seeds; against its reference local SGD's the same way. "
                "A prediction from loopback runs carries their compute as measured (runs made beside other work "
                "are slower) and misses what the emulated link adds to a round's compute: where the table above "
                "has a measured time, it is the one to read.",
                "",
-               "| variant | busiest link MB / round | predicted time to target (s) | vs local SGD |", "|---|---|---|---|"]
-        md += [f"| {e['variant']} | {_fmt(e['busiest_link_mb_per_round'], '.2f')} | "
-               f"{_fmt(e['predicted_time_to_target_s'], '.3g')} | {_fmt(e['vs_localsgd'], '.2f')} |"
+               "| variant | busiest link MB / round | s / round | predicted time to target (s) | vs local SGD | "
+               + "".join(f"to {lv:g} (s, vs local SGD) | " for lv in levels) + "local SGD run |",
+               "|---|---|---|---|---|" + "---|" * len(levels) + "---|"]
+
+        def to(e, lv):
+            t = e["predicted_time_to"].get(f"{lv:g}")
+            return "—" if t is None else f"{t:.3g} ({_fmt(e['vs_localsgd_to'][f'{lv:g}'], '.2f')})"
+        md += [f"| {e['variant']} | {_fmt(e['busiest_link_mb_per_round'], '.2f')} | {_fmt(e['predicted_round_s'], '.2f')} | "
+               f"{_fmt(e['predicted_time_to_target_s'], '.3g')} | {_fmt(e['vs_localsgd'], '.2f')} | "
+               + "".join(f"{to(e, lv)} | " for lv in levels) + f"{e['reference']} |"
                for e in predicted]
     md += ["", "## Findings (means over the seeds)", ""] + [f"- {s}" for s in lines]
     return "\n".join(md)
@@ -418,12 +462,14 @@ def plot(args, rows, targets):
     facs = factors(args.workload)
     fig, axes = C.figure(len(facs), 1, size=(5.5, 3.8))
     for ax, factor in zip(axes, facs):
+        shown = ((factor,) if factor in MODEL_FACTORS else ("baseline", factor))  # baselines: another model
         for r in rows:
-            if r["factor"] not in ("baseline", factor) or "values" not in r or r["seed"] != rows[0]["seed"]:
+            if r["factor"] not in shown or "values" not in r or r["seed"] != rows[0]["seed"]:
                 continue
             ax.plot(range(1, len(r["values"]) + 1), r["values"], "-" if r["factor"] == "baseline" else "--",
                     label=r["variant"])
-        t = targets.get(rows[0]["seed"])
+        t = next((r.get("target") for r in rows if r["factor"] == factor and r["seed"] == rows[0]["seed"]
+                  and r.get("target") is not None), None) if factor in MODEL_FACTORS else targets.get(rows[0]["seed"])
         if t is not None:
             ax.axhline(t, color="grey", lw=0.8, ls=":")
         if w["metric"] == "bits_per_byte":
