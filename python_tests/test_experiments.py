@@ -1017,6 +1017,10 @@ def test_speed_ablation_depth_variants_have_their_own_local_sgd_and_compute(tmp_
     assert got["resist-deep"]["vs_localsgd_to"]["3"] == pytest.approx(own / (deep * 2 / 3), rel=1e-9)
     assert got["resist-deep"]["predicted_time_to"]["2.9"] is None and got["resist-deep"]["vs_localsgd_to"]["2.9"] is None
     assert got["resist-deep"]["predicted_round_s"] == pytest.approx(own / 2, rel=1e-9)
+    seed0 = got["resist-deep"]["per_seed"][0]
+    assert seed0["time_to_target_s"] == pytest.approx(own, rel=1e-9) and seed0["vs_localsgd"] == pytest.approx(own / deep)
+    assert seed0["round_vs_localsgd"] == pytest.approx((own / 2) / (deep / 3), rel=1e-9)
+    assert seed0["vs_localsgd_to"]["2.9"] is None and got["resist"]["per_seed"][0]["vs_localsgd"] is None
     md = A.markdown(args, rows, targets, lines, {"localsgd": 3e-3}, (), list(got.values()))
     assert "| resist-deep | 2.00 |" in md and "localsgd-deep |" in md
 

@@ -322,7 +322,8 @@ def predicted_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     that seed's rounds to target and averaged over the seeds; ``vs_localsgd``: against its ``reference``
     local SGD's (``REFERENCE``; default the baseline) the same way. ``predicted_time_to`` and
     ``vs_localsgd_to``: the same through the rounds to each of the workload's ``LEVELS``;
-    ``predicted_round_s``: the mean predicted round."""
+    ``predicted_round_s``: the mean predicted round; ``per_seed``: each seed's round, times and ratios
+    (against its reference's same seed)."""
     w = _workload(args)
     link = cost.Link(L.parse_rate(args.link), 0.0)
     levels = [f"{lv:g}" for lv in LEVELS.get(args.workload, ())]
@@ -350,6 +351,11 @@ def predicted_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                     "predicted_time_to": {lv: mean_through(rs, per_round, lambda r: r.get("rounds_to", {}).get(lv))
                                           for lv in levels},
                     "predicted_round_s": sum(sum(p) for p in per_round) / sum(len(p) for p in per_round),
+                    "per_seed": {r["seed"]: {"round_s": sum(p) / len(p) if p else None,
+                                             "time_to_target_s": mean_through([r], [p], lambda x: x.get("rounds_to_target")),
+                                             "time_to": {lv: mean_through([r], [p], lambda x: x.get("rounds_to", {}).get(lv))
+                                                         for lv in levels}}
+                                 for r, p in zip(rs, per_round)},
                     "busiest_link_mb_per_round": sum(mb) / len(mb) if mb else None})
     for e in out:
         e["reference"] = REFERENCE.get(e["variant"], "localsgd")
@@ -359,6 +365,14 @@ def predicted_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         e["vs_localsgd_to"] = {lv: (e["predicted_time_to"][lv] / base["predicted_time_to"][lv]
                                     if base and e["predicted_time_to"][lv] and base["predicted_time_to"][lv] else None)
                                for lv in levels}
+        for seed, mine in e["per_seed"].items():  # the same ratios seed by seed, against that seed's reference
+            ref = base["per_seed"].get(seed) if base else None
+
+            def ratio(a, b):
+                return a / b if a and b else None
+            mine["vs_localsgd"] = ratio(mine["time_to_target_s"], ref and ref["time_to_target_s"])
+            mine["round_vs_localsgd"] = ratio(mine["round_s"], ref and ref["round_s"])
+            mine["vs_localsgd_to"] = {lv: ratio(mine["time_to"][lv], ref and ref["time_to"][lv]) for lv in levels}
     return out
 
 
