@@ -333,6 +333,9 @@ def predicted_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         ks = [rounds_of(r) for r in rs]
         return None if any(k is None for k in ks) else sum(sum(p[:k]) for p, k in zip(per_round, ks)) / len(ks)
 
+    def ratio(a, b):
+        return a / b if a and b else None
+
     out = []
     for variant in dict.fromkeys(r["variant"] for r in rows):
         rs = [r for r in rows if r["variant"] == variant and "curve" in r]
@@ -360,16 +363,11 @@ def predicted_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     for e in out:
         e["reference"] = REFERENCE.get(e["variant"], "localsgd")
         base = next((x for x in out if x["variant"] == e["reference"]), None)
-        t, b = e["predicted_time_to_target_s"], base and base["predicted_time_to_target_s"]
-        e["vs_localsgd"] = t / b if t and b else None
-        e["vs_localsgd_to"] = {lv: (e["predicted_time_to"][lv] / base["predicted_time_to"][lv]
-                                    if base and e["predicted_time_to"][lv] and base["predicted_time_to"][lv] else None)
+        e["vs_localsgd"] = ratio(e["predicted_time_to_target_s"], base and base["predicted_time_to_target_s"])
+        e["vs_localsgd_to"] = {lv: ratio(e["predicted_time_to"][lv], base and base["predicted_time_to"][lv])
                                for lv in levels}
         for seed, mine in e["per_seed"].items():  # the same ratios seed by seed, against that seed's reference
             ref = base["per_seed"].get(seed) if base else None
-
-            def ratio(a, b):
-                return a / b if a and b else None
             mine["vs_localsgd"] = ratio(mine["time_to_target_s"], ref and ref["time_to_target_s"])
             mine["round_vs_localsgd"] = ratio(mine["round_s"], ref and ref["round_s"])
             mine["vs_localsgd_to"] = {lv: ratio(mine["time_to"][lv], ref and ref["time_to"][lv]) for lv in levels}
