@@ -1025,6 +1025,60 @@ def test_speed_ablation_depth_variants_have_their_own_local_sgd_and_compute(tmp_
     assert "| resist-deep | 2.00 |" in md and "localsgd-deep |" in md
 
 
+def test_speed_ablation_deep_variants_meet_the_strongest_local_sgd_of_the_lr_sweep(tmp_path):
+    """depth-lr: the deep variants' reference is, seed by seed, the deep local SGD run (of the lr sweep)
+    with the best final: its final sets the target, its predicted time the ratio; the mean ratio is the
+    variant's mean time over its seeds against those references' mean."""
+    import argparse as ap
+
+    from ist_kernels.distributed import cost
+    from ist_kernels.experiments import link as L, speed_ablation as A
+
+    def row(variant, factor, method, seed, values, round_s, busiest):
+        n = len(values)
+        return {"variant": variant, "factor": factor, "method": method, "options": [], "flags": [], "seed": seed,
+                "workers": 4, "lr": 3e-3, "values": values, "final": values[-1], "mean_round_s": round_s,
+                "mb_per_round": 4 * busiest / 1e6,
+                "curve": {"round_s": [round_s] * n, "bytes": [4 * busiest] * n, "busiest": [busiest] * n,
+                          "parts": [{"comm": 0.0}] * n}}
+
+    rows = [row("localsgd", "baseline", "localsgd", s, [3.0, 2.8, 2.7], 10.0, 5e6) for s in (0, 1)]
+    rows += [row("localsgd-deep", "depth", "localsgd", 0, [3.2, 3.0, 2.9], 10.0, 4e6),
+             row("localsgd-deep", "depth", "localsgd", 1, [3.2, 3.0, 2.7], 10.0, 4e6),
+             row("resist-deep-aggregate", "depth", "resist", 0, [3.3, 2.93, 2.84], 4.0, 2e6),
+             row("resist-deep-aggregate", "depth", "resist", 1, [3.3, 2.74, 2.7], 4.0, 2e6),
+             row("resist-deep", "depth", "resist", 0, [3.3, 3.0, 2.95], 4.0, 2e6),
+             row("resist-deep", "depth", "resist", 1, [3.3, 3.0, 2.95], 4.0, 2e6),
+             row("localsgd-deep-lrx3", "depth-lr", "localsgd", 0, [3.1, 2.9, 2.8], 10.0, 4e6),
+             row("localsgd-deep-lrx3", "depth-lr", "localsgd", 1, [3.1, 2.9, 2.8], 10.0, 4e6)]
+    args = ap.Namespace(workload="lm", quick=False, lm_margin=0.05, target_fraction=0.98, link="10mbit", workers=4)
+    targets, lines = A.analyse(args, rows)
+    by = {(r["variant"], r["seed"]): r for r in rows}
+    assert targets == {0: pytest.approx(2.75), 1: pytest.approx(2.75)}
+    # seed 0: the lr sweep's x3 ends lower and sets every deep variant's target, the lr-3e-3 run's included
+    assert by[("resist-deep-aggregate", 0)]["reference"] == "localsgd-deep-lrx3"
+    assert by[("localsgd-deep", 0)]["target"] == pytest.approx(2.85) and by[("localsgd-deep", 0)]["rounds_to_target"] is None
+    assert by[("resist-deep-aggregate", 0)]["rounds_to_target"] == 3
+    # seed 1: the gpt_tiny lr's run is the stronger one
+    assert by[("resist-deep-aggregate", 1)]["reference"] == "localsgd-deep"
+    assert by[("resist-deep-aggregate", 1)]["target"] == pytest.approx(2.75)
+    assert by[("resist-deep-aggregate", 1)]["rounds_to_target"] == 2 and by[("localsgd-deep-lrx3", 1)]["rounds_to_target"] is None
+    got = {e["variant"]: e for e in A.predicted_times(args, rows)}
+    link = cost.Link(L.parse_rate("10mbit"), 0.0)
+    local, mine = 10.0 + cost.comm_s(4e6, link, 6), 4.0 + cost.comm_s(2e6, link, 6)
+    e = got["resist-deep-aggregate"]
+    assert e["reference"] == "localsgd-deep-lrx3/localsgd-deep"
+    assert e["per_seed"][0]["vs_localsgd"] == pytest.approx(3 * mine / (3 * local), rel=1e-9)
+    assert e["per_seed"][1]["vs_localsgd"] == pytest.approx(2 * mine / (3 * local), rel=1e-9)
+    assert e["vs_localsgd"] == pytest.approx((2.5 * mine) / (3 * local), rel=1e-9)
+    # a variant whose reference never reached its own target on a seed has no mean ratio
+    assert got["localsgd-deep"]["vs_localsgd"] is None
+    assert any(s.startswith("resist-deep-aggregate: ") and "gap to localsgd-deep-lrx3/localsgd-deep's 2.75: +0.2 -> +0.02"
+               in s for s in lines)
+    md = A.markdown(args, rows, targets, lines, {"localsgd": 3e-3}, (), list(got.values()))
+    assert "the best final of localsgd-deep, localsgd-deep-lrx3 (the seed's)" in md
+
+
 def test_with_options_replaces_a_workloads_value():
     from ist_kernels.experiments.speed_ablation import with_options
 

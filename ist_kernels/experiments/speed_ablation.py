@@ -25,6 +25,10 @@ subnetwork methods end above local SGD. Baselines: local SGD, ResIST, IST of FFN
   ResIST and ResIST with its moments aggregated on a model of width 64 and 12 blocks (``DEEP``: about
   gpt_tiny's compute a step, three times its depth; a subnetwork keeps 4-5 of the 12), compared with
   local SGD on that model (its own target, ``REFERENCE``), at the lr each method picked on gpt_tiny.
+* ``depth-lr``: that lr was tuned on gpt_tiny, not on the deeper model. Local SGD and ResIST with its
+  moments on the deep model at three times and a third of it; every deep variant is then measured
+  against the deep local SGD with the best final on its seed (``reference_of``: the strongest baseline
+  of the sweep, picked on the test split as every variant is scored).
 
 ``cnn`` (preact ResNet-101 of width 16 on digits, 16 rounds of 8 local steps; S = 2): why LOFT takes
 more rounds than local SGD. LOFT runs paper 000's pipeline: LOFT pre-training for
@@ -57,7 +61,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from tqdm import tqdm
 
@@ -86,6 +90,10 @@ VARIANTS: Dict[str, Tuple[Variant, ...]] = {
         ("depth", "localsgd-deep", "localsgd", (), DEEP, 1.0),
         ("depth", "resist-deep", "resist", (), DEEP, 1.0),
         ("depth", "resist-deep-aggregate", "resist", ("momentum_state=aggregate",), DEEP, 1.0),
+        ("depth-lr", "localsgd-deep-lrx3", "localsgd", (), DEEP, 3.0),
+        ("depth-lr", "resist-deep-aggregate-lrx3", "resist", ("momentum_state=aggregate",), DEEP, 3.0),
+        ("depth-lr", "localsgd-deep-lr/3", "localsgd", (), DEEP, 1 / 3),
+        ("depth-lr", "resist-deep-aggregate-lr/3", "resist", ("momentum_state=aggregate",), DEEP, 1 / 3),
     ),
     "cnn": (
         ("baseline", "localsgd", "localsgd", (), (), 1.0),
@@ -107,12 +115,19 @@ BASE_OF = {"localsgd-reset": "localsgd", "resist-aggregate": "resist", "ist-ffn-
            "localsgd-pipeline": "localsgd", "loft-pretrain0.25": "loft", "loft-pretrain0.75": "loft",
            "loft-pretrain1": "loft", "loft-aggregate": "loft", "localsgd-stale": "localsgd", "loft-stale": "loft",
            "loft-pretrain1-stale": "loft-pretrain1", "localsgd-deep": "localsgd", "resist-deep": "localsgd-deep",
-           "resist-deep-aggregate": "resist-deep"}
+           "resist-deep-aggregate": "resist-deep", "localsgd-deep-lrx3": "localsgd-deep",
+           "localsgd-deep-lr/3": "localsgd-deep", "resist-deep-aggregate-lrx3": "resist-deep-aggregate",
+           "resist-deep-aggregate-lr/3": "resist-deep-aggregate"}
+#: the depth factor's local SGD runs: gpt_tiny's pick and the depth-lr factor's three times and a third of it
+DEEP_LOCAL = ("localsgd-deep", "localsgd-deep-lrx3", "localsgd-deep-lr/3")
 #: the local SGD run whose final sets a variant's target (same seed) and whose time it is compared with: a
-#: variant on another model than the workload's has its own (default: the baseline ``localsgd``)
-REFERENCE = {"localsgd-deep": "localsgd-deep", "resist-deep": "localsgd-deep", "resist-deep-aggregate": "localsgd-deep"}
+#: variant on another model than the workload's has its own (default: the baseline ``localsgd``); of several
+#: candidates, the one with the best final on that seed among those that ran (``reference_of``)
+REFERENCE: Dict[str, Union[str, Tuple[str, ...]]] = {
+    v: DEEP_LOCAL for v in (*DEEP_LOCAL, "resist-deep", "resist-deep-aggregate", "resist-deep-aggregate-lrx3",
+                            "resist-deep-aggregate-lr/3")}
 #: factors that change the model: their variants' compute is their own in the cost model's prediction
-MODEL_FACTORS = ("depth",)
+MODEL_FACTORS = ("depth", "depth-lr")
 WORKERS = {"lm": 4, "cnn": 2}
 LINK = {"lm": "10mbit", "cnn": "100mbit"}  # --link's default per workload (speed's slowest link for it)
 #: factors whose variants train exactly as their method's speed run (they change only what is scored)
@@ -265,21 +280,40 @@ def target(args, w: Dict[str, Any], local_final: float) -> float:
     return args.target_fraction * local_final if SP.higher_is_better(w) else local_final + args.lm_margin
 
 
+def candidates(variant: str) -> Tuple[str, ...]:
+    """The local SGD runs that may be ``variant``'s reference (``REFERENCE``; default the baseline)."""
+    ref = REFERENCE.get(variant, "localsgd")
+    return (ref,) if isinstance(ref, str) else ref
+
+
+def reference_of(rows: List[Dict[str, Any]], variant: str, seed: int, higher: bool) -> str:
+    """The local SGD run ``variant`` is measured against on ``seed``: of its ``candidates`` that ran on that
+    seed, the one with the best final (the strongest baseline: an lr sweep's pick, scored on the test split
+    as every variant is); none ran: the first."""
+    cands = candidates(variant)
+    ran = [r for r in rows if r["variant"] in cands and r["seed"] == seed and r.get("final") is not None]
+    if not ran:
+        return cands[0]
+    return (max if higher else min)(ran, key=lambda r: r["final"])["variant"]
+
+
 def analyse(args, rows: List[Dict[str, Any]]) -> Tuple[Dict[int, float], List[str]]:
-    """Adds each row's target, rounds to it (and to the workload's LEVELS); returns the targets per seed
-    and the findings."""
+    """Adds each row's target (and the ``reference`` run that sets it), rounds to it (and to the workload's
+    LEVELS); returns the targets per seed and the findings."""
     w = _workload(args)
     higher = SP.higher_is_better(w)
+    refs = {c for v in [r["variant"] for r in rows] + ["localsgd"] for c in candidates(v)}
     of = {(r["variant"], r["seed"]): target(args, w, r["final"]) for r in rows
-          if r["variant"] in ("localsgd", *REFERENCE.values()) and r.get("final") is not None}
+          if r["variant"] in refs and r.get("final") is not None}
     targets = {seed: t for (v, seed), t in of.items() if v == "localsgd"}
     for r in rows:
         if "values" not in r:
             continue
-        r["target"] = of.get((REFERENCE.get(r["variant"], "localsgd"), r["seed"]))
+        r["reference"] = reference_of(rows, r["variant"], r["seed"], higher)
+        r["target"] = of.get((r["reference"], r["seed"]))
         r["rounds_to_target"] = SP.rounds_to_target(r["values"], r["target"], higher)
         r["rounds_to"] = {f"{lv:g}": SP.rounds_to_target(r["values"], lv, higher) for lv in LEVELS.get(args.workload, ())}
-    return targets, findings(rows)
+    return targets, findings(rows, higher)
 
 
 def link_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -360,17 +394,27 @@ def predicted_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                                                          for lv in levels}}
                                  for r, p in zip(rs, per_round)},
                     "busiest_link_mb_per_round": sum(mb) / len(mb) if mb else None})
+    def mean_of(xs):
+        return None if not xs or any(x is None for x in xs) else sum(xs) / len(xs)
+
+    higher = SP.higher_is_better(w)
+    by = {e["variant"]: e for e in out}
     for e in out:
-        e["reference"] = REFERENCE.get(e["variant"], "localsgd")
-        base = next((x for x in out if x["variant"] == e["reference"]), None)
-        e["vs_localsgd"] = ratio(e["predicted_time_to_target_s"], base and base["predicted_time_to_target_s"])
-        e["vs_localsgd_to"] = {lv: ratio(e["predicted_time_to"][lv], base and base["predicted_time_to"][lv])
-                               for lv in levels}
-        for seed, mine in e["per_seed"].items():  # the same ratios seed by seed, against that seed's reference
-            ref = base["per_seed"].get(seed) if base else None
+        refs = {}
+        for seed, mine in e["per_seed"].items():  # the ratios seed by seed, against that seed's reference
+            mine["reference"] = reference_of(rows, e["variant"], seed, higher)
+            refs[seed] = by[mine["reference"]]["per_seed"].get(seed) if mine["reference"] in by else None
+            ref = refs[seed]
             mine["vs_localsgd"] = ratio(mine["time_to_target_s"], ref and ref["time_to_target_s"])
             mine["round_vs_localsgd"] = ratio(mine["round_s"], ref and ref["round_s"])
             mine["vs_localsgd_to"] = {lv: ratio(mine["time_to"][lv], ref and ref["time_to"][lv]) for lv in levels}
+        names = list(dict.fromkeys(m["reference"] for m in e["per_seed"].values()))
+        e["reference"] = names[0] if len(names) == 1 else "/".join(names)
+        # the means: the variant's over its seeds against its references' over the same seeds
+        e["vs_localsgd"] = ratio(e["predicted_time_to_target_s"],
+                                 mean_of([r and r["time_to_target_s"] for r in refs.values()]))
+        e["vs_localsgd_to"] = {lv: ratio(e["predicted_time_to"][lv], mean_of([r and r["time_to"][lv] for r in refs.values()]))
+                               for lv in levels}
     return out
 
 
@@ -381,22 +425,27 @@ def _mean_of(rows, variant, key) -> Tuple[Optional[float], int, int]:
     return (sum(v) / len(v) if v else None), len(v), len(ran)
 
 
-def findings(rows: List[Dict[str, Any]]) -> List[str]:
-    """One sentence per variant: its mean final and rounds to target against its baseline's and local SGD's."""
+def findings(rows: List[Dict[str, Any]], higher: bool = False) -> List[str]:
+    """One sentence per variant: its mean final and rounds to target against its baseline's and its reference
+    local SGD's (``reference_of``, seed by seed)."""
     out = []
     for variant, base in BASE_OF.items():
         a, _, na = _mean_of(rows, variant, "final")
         b, _, nb = _mean_of(rows, base, "final")
         if a is None or b is None:
             continue
-        ref = REFERENCE.get(variant, "localsgd")
-        local, _, _ = _mean_of(rows, ref, "final")
+        seeds = [r["seed"] for r in rows if r["variant"] == variant and "values" in r]
+        names = [reference_of(rows, variant, seed, higher) for seed in seeds]
+        ref = "/".join(dict.fromkeys(names))
+        finals = [next((r["final"] for r in rows if r["variant"] == n and r["seed"] == seed and r.get("final") is not None),
+                       None) for n, seed in zip(names, seeds)]
+        local = None if not finals or None in finals else sum(finals) / len(finals)
         ka, ra, _ = _mean_of(rows, variant, "rounds_to_target")
         kb, rb, _ = _mean_of(rows, base, "rounds_to_target")
 
         def reach(k, n_reached, n):
             return f"{n_reached}/{n} seeds reach the target" + (f" in {k:.1f} rounds (mean)" if k is not None else "")
-        gap = "" if local is None or base in ("localsgd", ref) else \
+        gap = "" if local is None or base == "localsgd" or base in candidates(variant) else \
             f"; gap to {ref}'s {local:.4g}: {b - local:+.3g} -> {a - local:+.3g}"
         out.append(f"{variant}: final {a:.4g} against {base}'s {b:.4g} ({a - b:+.3g}){gap}; "
                    f"{reach(ka, ra, na)} ({base}: {reach(kb, rb, nb)}).")
@@ -411,6 +460,7 @@ def markdown(args, rows, targets, lines, lrs, times=(), predicted=()) -> str:
     w = _workload(args)
     levels = LEVELS.get(args.workload, ())
     metric = "bits per byte" if w["metric"] == "bits_per_byte" else "accuracy"
+    ran = {r["variant"] for r in rows if "values" in r}
     rule = (f"local SGD's final + {args.lm_margin:g} bits per byte" if not SP.higher_is_better(w) else
             f"{args.target_fraction:g} x local SGD's final accuracy")
     md = [f"# What costs the subnetwork methods their time to target (`speed_ablation`, {args.workload})", "",
@@ -418,9 +468,12 @@ def markdown(args, rows, targets, lines, lrs, times=(), predicted=()) -> str:
           f"{w['local_steps']} local steps (speed's {args.workload} workload); each method at speed's tuned lr"
           + ("" if lrs else " (none found: the workload's lr)") + f". Target: {rule} ("
           + ", ".join(f"seed {s}: {_fmt(t, '.4g')}" for s, t in sorted(targets.items())) + ")"
-          + "".join(f"; {v}'s variants ({', '.join(sorted(k for k, x in REFERENCE.items() if x == v))}): "
-                    f"{v}'s final plus the same, its own seed"
-                    for v in sorted(set(REFERENCE.values())) if any(r["variant"] == v for r in rows)) + ".", "",
+          + "".join(f"; {', '.join(sorted(k for k, x in REFERENCE.items() if x == v and k in ran))}: "
+                    + (f"{v}'s final" if isinstance(v, str) or sum(c in ran for c in v) == 1 else
+                       f"the best final of {', '.join(c for c in v if c in ran)} (the seed's)")
+                    + " plus the same, its own seed"
+                    for v in dict.fromkeys(REFERENCE.values())
+                    if any(c in ran for c in ((v,) if isinstance(v, str) else v))) + ".", "",
           f"| factor | variant | lr | options and flags | seed | final {metric} | rounds to target | "
           + "".join(f"to {lv:g} | " for lv in levels) + "s / round | MB / round |",
           "|---|---|---|---|---|---|---|" + "---|" * len(levels) + "---|---|"]
