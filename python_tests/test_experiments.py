@@ -903,26 +903,30 @@ def test_speed_ablation_lm_quick_keeps_runs_and_reads_them_back(tmp_path):
     assert main([*argv, "--out", str(tmp_path / "a")]) == 0
     doc = _load_json(tmp_path / "a" / "speed_ablation_lm_S2.json")
     rows = {r["variant"]: r for r in doc["rows"]}
-    assert set(rows) == {"localsgd", "ist-ffn", "localsgd-reset", "ist-ffn-aggregate", "ist-ffn-lr/3", "localsgd-deep"}
+    deep = ("localsgd-deep", "localsgd-deep-lrx3", "localsgd-deep-lr/3")
+    assert set(rows) == {"localsgd", "ist-ffn", "localsgd-reset", "ist-ffn-aggregate", "ist-ffn-lr/3", *deep}
     assert rows["ist-ffn-lr/3"]["lr"] == pytest.approx(1e-3 / 3, rel=1e-5) and rows["ist-ffn"]["lr"] == 1e-3
+    assert rows["localsgd-deep-lrx3"]["lr"] == pytest.approx(3 * rows["localsgd-deep"]["lr"], rel=1e-5)
+    best = min(deep, key=lambda v: rows[v]["final"])
     for r in rows.values():
-        # the depth factor's model has its own local SGD, whose final sets its target
-        target = rows["localsgd-deep" if r["variant"] == "localsgd-deep" else "localsgd"]["final"] + 0.05
+        # the depth factors' model has its own local SGD: the best final of its lr sweep sets its target
+        target = rows[best if r["variant"] in deep else "localsgd"]["final"] + 0.05
+        assert r["reference"] == (best if r["variant"] in deep else "localsgd")
         assert r["workers"] == 2 and r["metric"] == "bits_per_byte" and len(r["values"]) == 3
         assert r["final"] == r["values"][-1] and 4 < r["final"] < 8.5 and r["target"] == pytest.approx(target)
         k = r["rounds_to_target"]
         assert k is None or r["values"][k - 1] <= r["target"] < min([9.0] + r["values"][:k - 1])
     keys = {f.name: json.loads(f.read_text())["key"]["flags"] for f in store.iterdir()}
-    assert len(keys) == 6
-    deep = next(k for n, k in keys.items() if "localsgd-deep" in n)
-    assert deep[-4:] == ["--width", "64", "--depth", "12"]  # after the workload's: the last value is taken
+    assert len(keys) == 8
+    for flags in (k for n, k in keys.items() if "localsgd-deep" in n):
+        assert flags[-4:] == ["--width", "64", "--depth", "12"]  # after the workload's: the last value is taken
     assert rows["localsgd-deep"]["final"] != rows["localsgd"]["final"]
     assert any("momentum_state=reset" in k and "localsgd" in k for k in keys.values())
     assert any("momentum_state=aggregate" in k and "partition=ffn" in k for k in keys.values())
     assert main([*argv, "--stored-only", "--out", str(tmp_path / "b")]) == 0
     again = _load_json(tmp_path / "b" / "speed_ablation_lm_S2.json")
     assert [r["values"] for r in again["rows"]] == [r["values"] for r in doc["rows"]]
-    assert len(doc["findings"]) == 4
+    assert len(doc["findings"]) == 6
 
 
 def test_speed_ablation_cnn_quick_pipeline(tmp_path):
