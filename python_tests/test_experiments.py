@@ -978,6 +978,16 @@ def test_speed_ablation_times_eval_only_variants_by_the_kept_link_run(tmp_path):
     assert got["localsgd-stale"]["time_to_target_s"] == pytest.approx(6.0) and got["localsgd-stale"]["vs_localsgd"] == 1.0
 
 
+def _ablation_row(variant, factor, method, values, round_s, busiest, seed=0):
+    """A speed_ablation row as run_variants leaves it, with a constant round (s) and busiest link (bytes)."""
+    n = len(values)
+    return {"variant": variant, "factor": factor, "method": method, "options": [], "flags": [], "seed": seed,
+            "workers": 4, "lr": 3e-3, "values": values, "final": values[-1], "mean_round_s": round_s,
+            "mb_per_round": 4 * busiest / 1e6,
+            "curve": {"round_s": [round_s] * n, "bytes": [4 * busiest] * n, "busiest": [busiest] * n,
+                      "parts": [{"comm": 0.0}] * n}}
+
+
 def test_speed_ablation_depth_variants_have_their_own_local_sgd_and_compute(tmp_path):
     """The depth factor trains another model: its variants' target is its own local SGD's final plus the
     margin (same seed), their predicted time carries their own compute (not their method's baseline's,
@@ -987,13 +997,7 @@ def test_speed_ablation_depth_variants_have_their_own_local_sgd_and_compute(tmp_
     from ist_kernels.distributed import cost
     from ist_kernels.experiments import link as L, speed_ablation as A
 
-    def row(variant, factor, method, values, round_s, busiest):
-        n = len(values)
-        return {"variant": variant, "factor": factor, "method": method, "options": [], "flags": [], "seed": 0,
-                "workers": 4, "lr": 3e-3, "values": values, "final": values[-1], "mean_round_s": round_s,
-                "mb_per_round": 4 * busiest / 1e6, "curve": {"round_s": [round_s] * n, "bytes": [4 * busiest] * n, "busiest": [busiest] * n,
-                          "parts": [{"comm": 0.0}] * n}}
-
+    row = _ablation_row
     rows = [row("localsgd", "baseline", "localsgd", [3.0, 2.8, 2.7], 10.0, 5e6),
             row("resist", "baseline", "resist", [3.1, 2.9, 2.8], 100.0, 4e6),
             row("localsgd-deep", "depth", "localsgd", [3.2, 3.0, 2.9], 10.0, 4e6),
@@ -1027,6 +1031,7 @@ def test_speed_ablation_depth_variants_have_their_own_local_sgd_and_compute(tmp_
     assert seed0["vs_localsgd_to"]["2.9"] is None and got["resist"]["per_seed"][0]["vs_localsgd"] is None
     md = A.markdown(args, rows, targets, lines, {"localsgd": 3e-3}, (), list(got.values()))
     assert "| resist-deep | 2.00 |" in md and "localsgd-deep |" in md
+    assert "; localsgd-deep, resist-deep: localsgd-deep's final plus the same, its own seed." in md
 
 
 def test_speed_ablation_deep_variants_meet_the_strongest_local_sgd_of_the_lr_sweep(tmp_path):
@@ -1039,12 +1044,7 @@ def test_speed_ablation_deep_variants_meet_the_strongest_local_sgd_of_the_lr_swe
     from ist_kernels.experiments import link as L, speed_ablation as A
 
     def row(variant, factor, method, seed, values, round_s, busiest):
-        n = len(values)
-        return {"variant": variant, "factor": factor, "method": method, "options": [], "flags": [], "seed": seed,
-                "workers": 4, "lr": 3e-3, "values": values, "final": values[-1], "mean_round_s": round_s,
-                "mb_per_round": 4 * busiest / 1e6,
-                "curve": {"round_s": [round_s] * n, "bytes": [4 * busiest] * n, "busiest": [busiest] * n,
-                          "parts": [{"comm": 0.0}] * n}}
+        return _ablation_row(variant, factor, method, values, round_s, busiest, seed=seed)
 
     rows = [row("localsgd", "baseline", "localsgd", s, [3.0, 2.8, 2.7], 10.0, 5e6) for s in (0, 1)]
     rows += [row("localsgd-deep", "depth", "localsgd", 0, [3.2, 3.0, 2.9], 10.0, 4e6),

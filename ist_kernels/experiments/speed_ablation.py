@@ -61,7 +61,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from tqdm import tqdm
 
@@ -123,7 +123,7 @@ DEEP_LOCAL = ("localsgd-deep", "localsgd-deep-lrx3", "localsgd-deep-lr/3")
 #: the local SGD run whose final sets a variant's target (same seed) and whose time it is compared with: a
 #: variant on another model than the workload's has its own (default: the baseline ``localsgd``); of several
 #: candidates, the one with the best final on that seed among those that ran (``reference_of``)
-REFERENCE: Dict[str, Union[str, Tuple[str, ...]]] = {
+REFERENCE: Dict[str, Tuple[str, ...]] = {
     v: DEEP_LOCAL for v in (*DEEP_LOCAL, "resist-deep", "resist-deep-aggregate", "resist-deep-aggregate-lrx3",
                             "resist-deep-aggregate-lr/3")}
 #: factors that change the model: their variants' compute is their own in the cost model's prediction
@@ -282,8 +282,7 @@ def target(args, w: Dict[str, Any], local_final: float) -> float:
 
 def candidates(variant: str) -> Tuple[str, ...]:
     """The local SGD runs that may be ``variant``'s reference (``REFERENCE``; default the baseline)."""
-    ref = REFERENCE.get(variant, "localsgd")
-    return (ref,) if isinstance(ref, str) else ref
+    return REFERENCE.get(variant, ("localsgd",))
 
 
 def reference_of(rows: List[Dict[str, Any]], variant: str, seed: int, higher: bool) -> str:
@@ -313,7 +312,7 @@ def analyse(args, rows: List[Dict[str, Any]]) -> Tuple[Dict[int, float], List[st
         r["target"] = of.get((r["reference"], r["seed"]))
         r["rounds_to_target"] = SP.rounds_to_target(r["values"], r["target"], higher)
         r["rounds_to"] = {f"{lv:g}": SP.rounds_to_target(r["values"], lv, higher) for lv in LEVELS.get(args.workload, ())}
-    return targets, findings(rows, higher)
+    return targets, findings(rows)
 
 
 def link_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -388,7 +387,7 @@ def predicted_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                     "predicted_time_to": {lv: mean_through(rs, per_round, lambda r: r.get("rounds_to", {}).get(lv))
                                           for lv in levels},
                     "predicted_round_s": sum(sum(p) for p in per_round) / sum(len(p) for p in per_round),
-                    "per_seed": {r["seed"]: {"round_s": sum(p) / len(p) if p else None,
+                    "per_seed": {r["seed"]: {"reference": r["reference"], "round_s": sum(p) / len(p) if p else None,
                                              "time_to_target_s": mean_through([r], [p], lambda x: x.get("rounds_to_target")),
                                              "time_to": {lv: mean_through([r], [p], lambda x: x.get("rounds_to", {}).get(lv))
                                                          for lv in levels}}
@@ -397,12 +396,10 @@ def predicted_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     def mean_of(xs):
         return None if not xs or any(x is None for x in xs) else sum(xs) / len(xs)
 
-    higher = SP.higher_is_better(w)
     by = {e["variant"]: e for e in out}
     for e in out:
         refs = {}
         for seed, mine in e["per_seed"].items():  # the ratios seed by seed, against that seed's reference
-            mine["reference"] = reference_of(rows, e["variant"], seed, higher)
             refs[seed] = by[mine["reference"]]["per_seed"].get(seed) if mine["reference"] in by else None
             ref = refs[seed]
             mine["vs_localsgd"] = ratio(mine["time_to_target_s"], ref and ref["time_to_target_s"])
@@ -425,20 +422,19 @@ def _mean_of(rows, variant, key) -> Tuple[Optional[float], int, int]:
     return (sum(v) / len(v) if v else None), len(v), len(ran)
 
 
-def findings(rows: List[Dict[str, Any]], higher: bool = False) -> List[str]:
+def findings(rows: List[Dict[str, Any]]) -> List[str]:
     """One sentence per variant: its mean final and rounds to target against its baseline's and its reference
-    local SGD's (``reference_of``, seed by seed)."""
+    local SGD's (each row's ``reference``, seed by seed: ``analyse``)."""
     out = []
     for variant, base in BASE_OF.items():
         a, _, na = _mean_of(rows, variant, "final")
         b, _, nb = _mean_of(rows, base, "final")
         if a is None or b is None:
             continue
-        seeds = [r["seed"] for r in rows if r["variant"] == variant and "values" in r]
-        names = [reference_of(rows, variant, seed, higher) for seed in seeds]
-        ref = "/".join(dict.fromkeys(names))
-        finals = [next((r["final"] for r in rows if r["variant"] == n and r["seed"] == seed and r.get("final") is not None),
-                       None) for n, seed in zip(names, seeds)]
+        mine = [r for r in rows if r["variant"] == variant and "values" in r]
+        ref = "/".join(dict.fromkeys(r["reference"] for r in mine))
+        finals = [next((x["final"] for x in rows if x["variant"] == r["reference"] and x["seed"] == r["seed"]
+                        and x.get("final") is not None), None) for r in mine]
         local = None if not finals or None in finals else sum(finals) / len(finals)
         ka, ra, _ = _mean_of(rows, variant, "rounds_to_target")
         kb, rb, _ = _mean_of(rows, base, "rounds_to_target")
@@ -468,12 +464,11 @@ def markdown(args, rows, targets, lines, lrs, times=(), predicted=()) -> str:
           f"{w['local_steps']} local steps (speed's {args.workload} workload); each method at speed's tuned lr"
           + ("" if lrs else " (none found: the workload's lr)") + f". Target: {rule} ("
           + ", ".join(f"seed {s}: {_fmt(t, '.4g')}" for s, t in sorted(targets.items())) + ")"
-          + "".join(f"; {', '.join(sorted(k for k, x in REFERENCE.items() if x == v and k in ran))}: "
-                    + (f"{v}'s final" if isinstance(v, str) or sum(c in ran for c in v) == 1 else
-                       f"the best final of {', '.join(c for c in v if c in ran)} (the seed's)")
-                    + " plus the same, its own seed"
-                    for v in dict.fromkeys(REFERENCE.values())
-                    if any(c in ran for c in ((v,) if isinstance(v, str) else v))) + ".", "",
+          + "".join(f"; {', '.join(sorted(k for k, x in REFERENCE.items() if x == cands and k in ran))}: "
+                    + (f"{shown[0]}'s final" if len(shown) == 1 else
+                       f"the best final of {', '.join(shown)} (the seed's)") + " plus the same, its own seed"
+                    for cands in dict.fromkeys(REFERENCE.values())
+                    for shown in [[c for c in cands if c in ran]] if shown) + ".", "",
           f"| factor | variant | lr | options and flags | seed | final {metric} | rounds to target | "
           + "".join(f"to {lv:g} | " for lv in levels) + "s / round | MB / round |",
           "|---|---|---|---|---|---|---|" + "---|" * len(levels) + "---|---|"]
