@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from ist_kernels import partition
-from ist_kernels.experiments import _common as C, claims
+from ist_kernels.experiments import claims, harness as C
 from ist_kernels.experiments.__main__ import available, main, overview
+from ist_kernels.experiments.harness import analysis as HA, launch as HL, report as HR, tuning as HT, workload as HW
 from ist_kernels.nn import SubnetMLP
 from ist_kernels.train import data, simulated
 
@@ -335,7 +336,8 @@ SCALE_KEYS = {"model", "method", "workers", "bandwidth_bps", "round_time_s", "by
 def test_speed_quick(tmp_path):
     """Real 2-process runs of one method of each kind over loopback (and a 100 Mbit/s emulated link
     where namespaces can be made), the model's prediction beside each, and the scale table."""
-    from ist_kernels.experiments import link, speed
+    from ist_kernels.experiments import speed
+    from ist_kernels.experiments.harness import link
 
     assert main(["speed", "--quick", "--configs", "cnn,mlp", "--out", str(tmp_path)]) == 0  # lm: its own test
     doc = _load_json(tmp_path / "speed.json")
@@ -374,7 +376,7 @@ def test_speed_quick(tmp_path):
     for config, method, S in keys:
         e = tuning[config][method][S]
         w = speed.workload(speed.parse(["--quick"]), config)
-        assert e["grid"] == [e["pick"]] == [speed.base_lr(w, method)] and e["scores"] == [None]
+        assert e["grid"] == [e["pick"]] == [HW.base_lr(w, method)] and e["scores"] == [None]
         assert not e["ran"] and not e["fallback"] and e["multipliers"] == [1.0] and e["holdout"] == 0.2
         assert all(r["lr"] == e["pick"] for r in runs if (r["config"], r["method"], str(r["workers"])) ==
                    (config, method, S))
@@ -417,19 +419,19 @@ def test_speed_time_to_target_lower_is_better_for_bits_per_byte():
 
     secs = [1.0, 2.0, 3.0, 4.0]
     bpb = [5.0, None, 3.3, 3.1]
-    assert speed.time_to_target(secs, bpb, 3.3, higher_is_better=False) == (6.0, 3)  # at the target counts
-    assert speed.time_to_target(secs, bpb, 3.2, higher_is_better=False) == (10.0, 4)
-    assert speed.time_to_target(secs, bpb, 3.0, higher_is_better=False) == (None, None)
-    assert speed.time_to_target(secs, bpb, 6.0, higher_is_better=False) == (1.0, 1)
+    assert HA.time_to_target(secs, bpb, 3.3, higher_is_better=False) == (6.0, 3)  # at the target counts
+    assert HA.time_to_target(secs, bpb, 3.2, higher_is_better=False) == (10.0, 4)
+    assert HA.time_to_target(secs, bpb, 3.0, higher_is_better=False) == (None, None)
+    assert HA.time_to_target(secs, bpb, 6.0, higher_is_better=False) == (1.0, 1)
     acc = [0.5, None, 0.9, 0.8]
-    assert speed.time_to_target(secs, acc, 0.9) == (6.0, 3)
-    assert speed.time_to_target(secs, acc, 0.95) == (None, None)
-    assert speed.time_to_target(secs, acc, None) == (None, None)
+    assert HA.time_to_target(secs, acc, 0.9) == (6.0, 3)
+    assert HA.time_to_target(secs, acc, 0.95) == (None, None)
+    assert HA.time_to_target(secs, acc, None) == (None, None)
     # the targets: local SGD's final accuracy x --target-fraction; its final bits per byte + --lm-margin
     args = speed.parse(["--lm-margin", "0.1"])
     lm, cnn = speed.workload(args, "lm"), speed.workload(args, "cnn")
-    assert speed.target_of(args, lm, 3.2) == pytest.approx(3.3) and speed.target_of(args, lm, None) is None
-    assert speed.target_of(args, cnn, 0.9) == pytest.approx(0.98 * 0.9)
+    assert HA.target_of(args, lm, 3.2) == pytest.approx(3.3) and HA.target_of(args, lm, None) is None
+    assert HA.target_of(args, cnn, 0.9) == pytest.approx(0.98 * 0.9)
     assert speed.parse([]).lm_margin == speed.LM_MARGIN == 0.05
 
 
@@ -443,17 +445,17 @@ def test_speed_lm_workload_runs_every_method_with_adamw():
     assert skipped == []
     assert {c[3] for c in todo} == {"localsgd", "ddp", "diloco", "ist-ffn", "ist-heads", "resist"}
     w = speed.workload(args, "lm")
-    assert w["metric"] == "bits_per_byte" and not speed.higher_is_better(w) and w["lr"] == 1e-3
+    assert w["metric"] == "bits_per_byte" and not HW.higher_is_better(w) and w["lr"] == 1e-3
     for m in {c[3] for c in todo}:
-        f = speed.method_flags(w, m, "none")
+        f = HW.method_flags(w, m, "none")
         val = lambda k: f[f.index(k) + 1]  # noqa: E731
         assert val("--optimizer") == "adamw" and val("--context") == "128" and val("--model") == "gpt_tiny"
         assert val("--lr-schedule") == "cosine" and val("--dataset") == "pycode"
         assert float(val("--lr")) == 1e-3
-        assert val("--method") == speed.trainer_method(w, m)[0]
-    f = speed.method_flags(w, "ist-heads", "none")
+        assert val("--method") == HW.trainer_method(w, m)[0]
+    f = HW.method_flags(w, "ist-heads", "none")
     assert f[f.index("--method") + 1] == "ist" and f[f.index("--option") + 1] == "partition=heads"
-    f = speed.method_flags(w, "ist-ffn", "none")
+    f = HW.method_flags(w, "ist-ffn", "none")
     assert f[f.index("--option") + 1] == "partition=ffn"
     args = speed.parse(["--configs", "lm", "--methods", "ist,loft", "--workers", "2", "--links", "loopback"])
     todo, skipped = speed.cells(args)
@@ -500,7 +502,6 @@ def test_speed_predict_adds_the_wait_for_the_slowest_rank_and_the_busiest_links_
     loopback (set-up, the wait for a slower rank) + the busiest link's bytes at the link's payload
     rate + 2 (S - 1) latencies (DDP: per local step); from loopback: its whole round + the wire."""
     from ist_kernels.distributed import cost
-    from ist_kernels.experiments import speed
 
     link = cost.Link(bandwidth_bps=1e8, latency_s=1e-3)
     rate = 1e8 * 1448 / 1514 / 8  # payload bytes per second
@@ -509,22 +510,22 @@ def test_speed_predict_adds_the_wait_for_the_slowest_rank_and_the_busiest_links_
     loop = {"curve": {"round_s": [0.30, 0.35], "bytes": [8e6, 8e6], "busiest": [3e6, 2e6],
                       "parts": [{"comm": 0.04}, {"comm": 0.07}]}}
     S = 4
-    with_compute, from_loop = speed.predict(run, loop, link, S, "resist", steps=5)
+    with_compute, from_loop = HA.predict(run, loop, link, S, "resist", steps=5)
     wire = [3e6 / rate + 6e-3, 8e6 / S / rate + 6e-3]  # no busiest count: the mean rank's bytes
     assert with_compute == pytest.approx([0.50 - 0.25 + 0.04 + wire[0], 0.40 - 0.10 + 0.07 + wire[1]], rel=1e-12)
     assert from_loop == pytest.approx([0.30 + wire[0], 0.35 + wire[1]], rel=1e-12)
-    ddp, _ = speed.predict(run, loop, link, S, "ddp", steps=5)
+    ddp, _ = HA.predict(run, loop, link, S, "ddp", steps=5)
     assert ddp[0] == pytest.approx(0.50 - 0.25 + 0.04 + 3e6 / rate + 5 * 6e-3, rel=1e-12)
     # with each run's wait for its slowest rank measured: outside + the run's wait + max(the
     # loopback collectives' own work, the wire), the work and the wire overlapping
     run["curve"]["wait"], loop["curve"]["wait"] = [0.05, 0.02], [0.01, 0.065]
-    with_wait, _ = speed.predict(run, loop, link, S, "resist", steps=5)
+    with_wait, _ = HA.predict(run, loop, link, S, "resist", steps=5)
     assert with_wait == pytest.approx([0.25 + 0.05 + max(0.03, wire[0]), 0.30 + 0.02 + max(0.005, wire[1])], rel=1e-12)
     # at 1 Gbit/s the first round's wire time (0.031 s) is shorter than its loopback work (0.04 s)
     loop["curve"]["wait"][0] = 0.0
     fast = cost.Link(bandwidth_bps=1e9, latency_s=1e-3)
     assert 3e6 / (rate * 10) + 6e-3 < 0.04
-    assert speed.predict(run, loop, fast, S, "resist", steps=5)[0][0] == pytest.approx(0.25 + 0.05 + 0.04, rel=1e-12)
+    assert HA.predict(run, loop, fast, S, "resist", steps=5)[0][0] == pytest.approx(0.25 + 0.05 + 0.04, rel=1e-12)
 
 
 def test_transformer_quick(tmp_path):
@@ -587,7 +588,7 @@ def test_transformer_best_within():
 
 def test_speed_pick_rule():
     """The tuning rule: the best held-out score, ties to the smaller lr, unscored points never win."""
-    from ist_kernels.experiments.speed import pick_lr, tune_score
+    from ist_kernels.experiments.harness.tuning import pick_lr, tune_score
 
     assert pick_lr([0.01, 0.03, 0.1, 0.3], [0.5, 0.9, 0.9, None]) == 0.03  # a tie: the smaller lr
     assert pick_lr([0.3, 0.1, 0.03], [0.9, 0.9, 0.2]) == 0.1  # the grid's order does not matter
@@ -628,11 +629,12 @@ def test_speed_tunes_each_method_on_the_holdout_and_runs_it_at_its_pick(tmp_path
                     "time": {"comm": 0.0}} for r in range(rounds + 1)]
         return {"summary": {"lr": lr}, "metrics": metrics}
 
-    monkeypatch.setattr(speed, "launch", fake_launch)
+    monkeypatch.setattr(speed, "launch", fake_launch)  # the comparison runs
+    monkeypatch.setattr(HT, "launch", fake_launch)  # the tuning runs
     args = speed.parse(["--configs", "cnn", "--methods", "localsgd,resist", "--workers", "2", "--links", "loopback",
                         "--compress", "none", "--lr-grid", "1,3,10", "--tune-rounds", "2", "--seeds", "0,1"])
     todo, _ = speed.cells(args)
-    tuning, picks, errors = speed.tune(args, todo, str(tmp_path))
+    tuning, picks, errors = HT.tune(args, todo, str(tmp_path), speed.workloads(args))
     assert errors == []
     tuned = [f for f, _, _ in launched]
     assert len(tuned) == 6 and all("--holdout" in f and f[f.index("--holdout") + 1] == "0.2" for f in tuned)
@@ -649,7 +651,7 @@ def test_speed_tunes_each_method_on_the_holdout_and_runs_it_at_its_pick(tmp_path
     assert len(results) == 4 and all("--holdout" not in f and "--stop-after" not in f for f, _, _ in launched)
     for f, _, _ in launched:
         assert float(f[f.index("--lr") + 1]) == picks[("cnn", f[f.index("--method") + 1], 2)]
-    runs, _ = speed.analyse(args, results)
+    runs, _ = HA.analyse(args, results, speed.workloads(args))
     assert {(r["method"], r["lr"]) for r in runs} == {("resist", 0.15), ("localsgd", 0.5)}
 
 
@@ -657,7 +659,6 @@ def test_speed_runs_dir_keeps_and_reuses_runs(tmp_path, monkeypatch):
     """--runs-dir: every tuning and comparison run is kept as one JSON file; a second call with the
     same arguments launches nothing and gives the same runs, tuning and picks; a call with another
     lr grid runs only what differs; a kept run made with other flags (or a damaged file) is run again."""
-    from ist_kernels.experiments import speed
 
     runs_dir = tmp_path / "runs"
     argv = ["speed", "--quick", "--configs", "lm", "--methods", "localsgd", "--links", "loopback", "--compress",
@@ -670,8 +671,8 @@ def test_speed_runs_dir_keeps_and_reuses_runs(tmp_path, monkeypatch):
     assert kept == [f"lm-2-loopback-localsgd-none-0-lr{pick:g}.json", "tune-lm-2-loopback-localsgd-0.001-0.json",
                     "tune-lm-2-loopback-localsgd-0.003-0.json"]
     launched = []
-    real_wait = speed._wait
-    monkeypatch.setattr(speed, "_wait", lambda procs, timeout: launched.append(len(procs)) or real_wait(procs, timeout))
+    real_wait = HL.wait
+    monkeypatch.setattr(HL, "wait", lambda procs, timeout: launched.append(len(procs)) or real_wait(procs, timeout))
     assert main(argv + ["--out", str(tmp_path / "b")]) == 0
     b = _load_json(tmp_path / "b" / "speed.json")
     assert launched == []  # nothing ran again
@@ -705,7 +706,7 @@ def test_speed_runs_dir_keeps_and_reuses_runs(tmp_path, monkeypatch):
 def test_speed_run_cap_leaves_out_an_emulated_run_the_model_predicts_too_long(tmp_path):
     """--run-cap-s: an emulated-link run whose loopback run the cost model turns into more training
     time than the cap is not run; it is listed (skipped, capped) with the prediction."""
-    from ist_kernels.experiments import link
+    from ist_kernels.experiments.harness import link
 
     if link.unavailable_reason():
         pytest.skip(link.unavailable_reason())
@@ -725,7 +726,6 @@ def test_speed_seed_summary_times_the_seeds_rounds_by_each_links_round_time():
     """The summary per (workload, S, method, compress) and link: every loopback seed's rounds to
     target, their mean only when all reached, the link's mean round time x that mean, its ratio to
     local SGD's on the same link; the link's own runs beside it."""
-    from ist_kernels.experiments import speed
 
     def run(method, link, seed, k, round_s, ttt=None):
         return {"config": "lm", "workers": 4, "method": method, "compress": "none", "link": link, "seed": seed,
@@ -736,8 +736,8 @@ def test_speed_seed_summary_times_the_seeds_rounds_by_each_links_round_time():
     runs += [run("ist-ffn", "loopback", s, k, 1.5) for s, k in ((0, 12), (1, None), (2, 13))]
     runs += [run("localsgd", "10mbit", 0, 10, 5.0, 50.0), run("resist", "10mbit", 0, 12, 2.0, 24.0),
              run("ist-ffn", "10mbit", 0, 12, 3.0, 36.0)]
-    out = {(e["method"], e["link"]): e for e in speed.seed_summary(runs)}
-    assert [(e["method"], e["link"]) for e in speed.seed_summary(runs)][:2] == [("ist-ffn", "loopback"),
+    out = {(e["method"], e["link"]): e for e in HA.seed_summary(runs)}
+    assert [(e["method"], e["link"]) for e in HA.seed_summary(runs)][:2] == [("ist-ffn", "loopback"),
                                                                               ("ist-ffn", "10mbit")]
     b = out[("localsgd", "10mbit")]
     assert b["rounds_to_target"] == [10, 12, 11] and b["mean_rounds_to_target"] == 11
@@ -748,25 +748,24 @@ def test_speed_seed_summary_times_the_seeds_rounds_by_each_links_round_time():
     i = out[("ist-ffn", "10mbit")]
     assert i["reached"] == 2 and i["mean_rounds_to_target"] is None and i["time_to_target_s"] is None
     assert i["vs_localsgd"] is None
-    md = "\n".join(speed.summary_lines(speed.seed_summary(runs)))
+    md = "\n".join(HR.summary_lines(HA.seed_summary(runs)))
     assert "| lm | 4 | ist-ffn | none | 10mbit | 12, —, 13 |" in md and "not reached" in md
 
 
 def test_speed_seed_summary_charges_the_rounds_a_phased_method_takes():
     """A link's time to target from the seeds' mean rounds is its run's own seconds through those
     rounds (LOFT: cheap pre-training rounds, then dearer fine-tuning ones), not mean round x rounds."""
-    from ist_kernels.experiments import speed
 
     round_s = [1.0, 1.0, 1.0, 3.0, 3.0, 3.0]
     runs = [{"config": "cnn", "workers": 2, "method": "loft", "compress": "none", "link": "loopback", "seed": s,
              "rounds_to_target": k, "round_time_s": 2.0, "time_to_target_s": None} for s, k in ((0, 4), (1, 5))]
     runs.append({"config": "cnn", "workers": 2, "method": "loft", "compress": "none", "link": "100mbit", "seed": 0,
                  "rounds_to_target": 4, "round_time_s": 2.0, "time_to_target_s": 6.0, "curve": {"round_s": round_s}})
-    (e,) = [e for e in speed.seed_summary(runs) if e["link"] == "100mbit"]
+    (e,) = [e for e in HA.seed_summary(runs) if e["link"] == "100mbit"]
     assert e["mean_rounds_to_target"] == 4.5 and e["time_to_target_s"] == pytest.approx(1 + 1 + 1 + 3 + 1.5)
-    assert speed.time_through(runs[-1], 6) == pytest.approx(12.0) and speed.time_through(runs[-1], 6.5) is None
-    assert speed.time_through(runs[-1], 0.5) == pytest.approx(0.5)
-    assert speed.time_through({"round_time_s": 2.0}, 3.5) == pytest.approx(7.0)
+    assert HA.time_through(runs[-1], 6) == pytest.approx(12.0) and HA.time_through(runs[-1], 6.5) is None
+    assert HA.time_through(runs[-1], 0.5) == pytest.approx(0.5)
+    assert HA.time_through({"round_time_s": 2.0}, 3.5) == pytest.approx(7.0)
 
 
 def test_speed_workers_and_links_per_workload(capsys):
@@ -799,11 +798,11 @@ def test_speed_lr_grid_per_workload(capsys):
 
     args = speed.parse(["--configs", "lm,cnn", "--lr-grid", "1,3,10", "--lr-grid-of", "cnn=1/3,1,3",
                         "--compress", "none"])
-    assert speed.lr_grid_of(args, "lm") == [1.0, 3.0, 10.0]
-    assert speed.lr_grid_of(args, "cnn") == pytest.approx([1 / 3, 1.0, 3.0])
+    assert HT.lr_grid_of(args, "lm") == [1.0, 3.0, 10.0]
+    assert HT.lr_grid_of(args, "cnn") == pytest.approx([1 / 3, 1.0, 3.0])
     cnn = speed.workload(args, "cnn")
-    assert speed.lr_grid(cnn, "localsgd", speed.lr_grid_of(args, "cnn")) == [0.0166667, 0.05, 0.15]
-    assert speed.lr_grid(speed.workload(args, "lm"), "localsgd", speed.lr_grid_of(args, "lm")) == [1e-3, 3e-3, 1e-2]
+    assert HT.lr_grid(cnn, "localsgd", HT.lr_grid_of(args, "cnn")) == [0.0166667, 0.05, 0.15]
+    assert HT.lr_grid(speed.workload(args, "lm"), "localsgd", HT.lr_grid_of(args, "lm")) == [1e-3, 3e-3, 1e-2]
     for bad, says in ((["--lr-grid-of", "cnn=0,1"], "--lr-grid-of 'cnn=0,1'"),
                       (["--lr-grid-of", "mlp=1,3"], "--lr-grid-of 'mlp=1,3'")):
         with pytest.raises(SystemExit):
@@ -819,12 +818,12 @@ def test_speed_cnn_scores_with_recalibrated_batchnorm():
 
     args = speed.parse(["--configs", "cnn", "--compress", "none"])
     for method in ("localsgd", "loft", "resist"):
-        flags = speed.method_flags(speed.workload(args, "cnn"), method, "none")
+        flags = HW.method_flags(speed.workload(args, "cnn"), method, "none")
         assert flags[flags.index("--eval-bn-batches") + 1] == "20"
     stale = [v for v in speed_ablation.VARIANTS["cnn"] if v[0] == "bn"]
     assert stale and all(v[4] == ("--eval-bn-batches", "0") for v in stale)
     from ist_kernels.train.cli import build_config
-    cfg = build_config(speed.method_flags(speed.workload(args, "cnn"), "loft", "none") + list(stale[0][4]))
+    cfg = build_config(HW.method_flags(speed.workload(args, "cnn"), "loft", "none") + list(stale[0][4]))
     assert cfg.eval_bn_batches == 0
 
 
@@ -871,7 +870,7 @@ def test_claims_cnn_speed_rows_fall_back_to_speed_digits(tmp_path):
     lm["runs"].append(run("resist", 0.25))
     (tmp_path / "speed.json").write_text(json.dumps(lm))
     doc, md = claims._speed_with_cnn(str(tmp_path))
-    assert md == "bench/results/experiments/speed.md" and "S=4: 4.00x" in claims.rows_speed(doc, md)[0][1]
+    assert md == "results/speed.md" and "S=4: 4.00x" in claims.rows_speed(doc, md)[0][1]
 
 
 def test_claims_cnn_speed_rows_from_the_seeds_summary():
@@ -995,7 +994,8 @@ def test_speed_ablation_depth_variants_have_their_own_local_sgd_and_compute(tmp_
     import argparse as ap
 
     from ist_kernels.distributed import cost
-    from ist_kernels.experiments import link as L, speed_ablation as A
+    from ist_kernels.experiments import speed_ablation as A
+    from ist_kernels.experiments.harness import link as L
 
     row = _ablation_row
     rows = [row("localsgd", "baseline", "localsgd", [3.0, 2.8, 2.7], 10.0, 5e6),
@@ -1041,7 +1041,8 @@ def test_speed_ablation_deep_variants_meet_the_strongest_local_sgd_of_the_lr_swe
     import argparse as ap
 
     from ist_kernels.distributed import cost
-    from ist_kernels.experiments import link as L, speed_ablation as A
+    from ist_kernels.experiments import speed_ablation as A
+    from ist_kernels.experiments.harness import link as L
 
     def row(variant, factor, method, seed, values, round_s, busiest):
         return _ablation_row(variant, factor, method, values, round_s, busiest, seed=seed)

@@ -1,4 +1,4 @@
-"""The emulated link (ist_kernels.experiments.link): parsing, the shaped rate in both directions,
+"""The emulated link (ist_kernels.experiments.harness.link): parsing, the shaped rate in both directions,
 torch.distributed through it, and that nothing it made survives any way out of it."""
 import os
 import signal
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ist_kernels.distributed.cost import TCP_EFFICIENCY
-from ist_kernels.experiments import link as L
+from ist_kernels.experiments.harness import link as L
 
 
 def test_parse_rate_and_time():
@@ -113,7 +113,7 @@ def test_removed_after_an_exception():
 
 _HOLDER = textwrap.dedent("""
     import sys, time
-    from ist_kernels.experiments import link as L
+    from ist_kernels.experiments.harness import link as L
     link = L.EmulatedLink(2, 1e8).open()
     print(link.prefix, flush=True)
     try:

@@ -4,7 +4,7 @@
         [--pause 0.05] [--queue-ms 50] [--cc bbr|reno] [--slow-start-after-idle 0|1]
         [--only gloo,recvfirst,allreduce,sendfirst,pairwise,acked,concurrent] [--show-qdisc]
 
-Each rank runs in its own network namespace (``ist_kernels.experiments.link.EmulatedLink``, removed
+Each rank runs in its own network namespace (``ist_kernels.experiments.harness.link.EmulatedLink``, removed
 on every exit path) and times, ``--tries`` times each after a barrier and ``--pause`` seconds idle:
 ``dist.all_to_all_single`` (gloo's: ``gloo``), ``ist_kernels.distributed.group.all_to_all_single``
 (``recvfirst``: every receive posted before any send), a ring ``all_reduce`` that sends the same
@@ -45,7 +45,7 @@ def parse():
     p.add_argument("--queue-ms", type=float, default=50.0, help="the emulated link's queue (tbf latency)")
     p.add_argument("--show-qdisc", action="store_true", help="print every shaper's counters at the end")
     p.add_argument("--cc", default="", help="set net.ipv4.tcp_congestion_control in every rank's namespace (default: the link's own, "
-                        "ist_kernels.experiments.link.CONGESTION_CONTROL)")
+                        "ist_kernels.experiments.harness.link.CONGESTION_CONTROL)")
     p.add_argument("--port", type=int, default=29611)
     return p.parse_args()
 
@@ -66,7 +66,7 @@ def tcp_counters() -> dict:
 
 
 def launch(args) -> int:
-    from ist_kernels.experiments import link as L
+    from ist_kernels.experiments.harness import link as L
 
     reason = L.unavailable_reason()
     if reason:
@@ -97,7 +97,7 @@ def launch(args) -> int:
 
 def rank_main(args) -> int:
     from ist_kernels.distributed.group import all_to_all_single
-    from ist_kernels.experiments import link as L
+    from ist_kernels.experiments.harness import link as L
 
     torch.set_num_threads(1)
     if args.slow_start_after_idle is not None:  # this process's namespace only

@@ -12,12 +12,13 @@ import textwrap
 
 import ist_kernels.experiments as _pkg
 
-from ._common import summary_line
+from .harness.options import summary_line
 
 
 def available():
-    """The experiments: the package's public modules with a parser() (claims.py only reads their JSON)."""
-    names = sorted(m.name for m in pkgutil.iter_modules(_pkg.__path__) if not m.name.startswith("_"))
+    """The experiments: the package's public modules with a parser() (claims.py only reads their JSON; the
+    harness is a package, not an experiment)."""
+    names = sorted(m.name for m in pkgutil.iter_modules(_pkg.__path__) if not m.name.startswith("_") and not m.ispkg)
     return [n for n in names if hasattr(_module(n), "parser")]
 
 

@@ -1,7 +1,7 @@
 """The table "claim → our measurement → holds / does not hold" for papers 000-004, generated from
 the experiments' JSON files (not an experiment itself).
 
-    python -m ist_kernels.experiments.claims [--results bench/results/experiments] [--doc [docs/experiments.md]]
+    python -m ist_kernels.experiments.claims [--results results] [--doc [docs/experiments.md]]
 
 Reads grelu.json, loft.json, masked.json, pruning.json and speed.json from ``--results`` and the byte counts
 of ``bench/bench_bytes.py`` from ``--bytes`` (a missing file gives a row "not run"); paper 003's Table 4
@@ -17,7 +17,8 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import _common as C, link as L
+from . import harness as C
+from .harness import link as L
 from .paper003 import table4_prediction
 
 START, END = "<!-- claims:start -->", "<!-- claims:end -->"
@@ -161,7 +162,7 @@ def rows_grelu(doc: Optional[Dict]) -> List[List[str]]:
     return rows
 
 
-def rows_speed(doc: Optional[Dict], md: str = "bench/results/experiments/speed.md") -> List[List[str]]:
+def rows_speed(doc: Optional[Dict], md: str = "results/speed.md") -> List[List[str]]:
     """Paper 003 Table 4 (ResIST's wall-clock speed-up) and paper 000 (LOFT's pre-training time),
     from the speed experiment's emulated-link runs: time to local SGD's target accuracy."""
     c003 = ("003 Table 4 (time): ResIST trains 3.58-3.81x faster than local SGD to the same accuracy "
@@ -288,7 +289,7 @@ def rows_speed_lm(doc: Optional[Dict]) -> List[List[str]]:
             + (f"; local SGD's final {sum(finals) / len(finals):.3f} bits per byte" if finals else "")
             + (f" (a byte given the previous one: {b:.3f})" if b else "")
             + ("; the others' final: " + ", ".join(f"{m} {sum(v) / len(v):.3f}" for m, v in sorted(others.items()))
-               if others else "") + "; bench/results/experiments/speed.md")
+               if others else "") + "; results/speed.md")
     verdict = ("not reached by any subnetwork method" if best is None
                else f"holds ({best} {reached[best]['vs_localsgd']:.2f}x <= {LM_BAR:g}x)"
                if reached[best]["vs_localsgd"] <= LM_BAR
@@ -368,7 +369,7 @@ def rows_transformer(doc: Optional[Dict]) -> List[List[str]]:
         ratio = mean("ddp", "bytes_per_round") / mean("diloco", "bytes_per_round")
         meas = (f"final test bits per byte, DiLoCo (H={w['local_steps']}) {C.fmt(d, '.3f')} vs DDP "
                 f"{C.fmt(s, '.3f')} after the same steps; DDP sends {ratio:.1f}x DiLoCo's bytes ({where}); "
-                "bench/results/experiments/transformer.md")
+                "results/transformer.md")
         verdict = ("holds at H=" + str(w["local_steps"]) if d["mean"] <= s["mean"] + max(s["std"] or 0.0, 0.01)
                    else "does not hold here")
         out.append([cdil, meas, verdict])
@@ -384,7 +385,7 @@ def rows_transformer(doc: Optional[Dict]) -> List[List[str]]:
                 + "; at the end of the rounds: " + ", ".join(f"{v} {C.fmt(end[v], '.3f')}" for v in subs + tuple(rest))
                 + "; bytes per round / local SGD's: " + ", ".join(
                     f"{v} {mean(v, 'bytes_per_round') / mean('localsgd', 'bytes_per_round'):.2f}" for v in subs)
-                + f" ({where}); bench/results/experiments/transformer.md")
+                + f" ({where}); results/transformer.md")
         at_bytes = all(eb[best]["mean"] <= eb[v]["mean"] for v in rest)
         at_end = min(end[v]["mean"] for v in subs) <= end["localsgd"]["mean"] + max(end["localsgd"]["std"] or 0.0, 0.01)
         verdict = ("holds (best at equal bytes, matches local SGD after the same steps)" if at_bytes and at_end
@@ -427,9 +428,9 @@ def _speed_with_cnn(folder: str) -> Tuple[Optional[Dict], str]:
     the language model's alone)."""
     doc = _load(folder, "speed")
     if doc is not None and any(r.get("workload", r.get("config", "cnn")) == "cnn" for r in doc.get("runs", [])):
-        return doc, "bench/results/experiments/speed.md"
+        return doc, "results/speed.md"
     digits = _load(os.path.join(folder, SPEED_DIGITS), "speed")
-    return (digits, f"bench/results/experiments/{SPEED_DIGITS}/speed.md") if digits else (doc, "—")
+    return (digits, f"results/{SPEED_DIGITS}/speed.md") if digits else (doc, "—")
 
 
 def table(folder: str, bytes_path: Optional[str] = None) -> str:
@@ -473,7 +474,7 @@ update_readme = update_doc  # the former name
 def main(argv: Sequence[str] = ()) -> int:
     p = argparse.ArgumentParser(prog="python -m ist_kernels.experiments.claims", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results", default=os.path.join("bench", "results", "experiments"),
+    p.add_argument("--results", default="results",
                    help="folder of the experiments' JSON files (default %(default)s)")
     p.add_argument("--bytes", default=os.path.join("bench", "results", "bytes.json"),
                    help="bench/bench_bytes.py's JSON, for papers 000 and 003's communication (default %(default)s)")

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..nn import GReLUMLP
 from ..train.data import ackley_data  # noqa: F401  (§6.1 data: defined once, in train/data.py)
-from . import _common as C
+from . import harness as C
 
 
 def parser() -> argparse.ArgumentParser:

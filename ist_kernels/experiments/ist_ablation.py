@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..nn.subnet import SubnetMLP
 from ..train import cli
 from ..train.methods import masked as M
-from . import _common as C
+from . import harness as C
 
 FACTORS = ("lr", "steps", "scale", "repartition", "width", "momentum", "model")
 SUBNET = "localsgd:subnetmlp"  # local SGD on IST's model (subnet_mlp below)

@@ -37,7 +37,7 @@ from ..train.config import TrainConfig
 from ..train.datasets import DATASETS, ShardedData, augment_default, load_dataset
 from ..train.methods import get_method
 from ..train.runner import RunContext, World, evaluate
-from . import _common as C
+from . import harness as C
 
 
 def parser() -> argparse.ArgumentParser:

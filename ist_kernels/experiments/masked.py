@@ -42,7 +42,7 @@ import torch
 from ..nn.subnet import SubnetMLP
 from ..train import simulated
 from ..train.data import communities_regression, diabetes_regression, teacher_regression
-from . import _common as C
+from . import harness as C
 
 ZERO = 1e-6  # an error below this fraction of the initial one counts as at its floor (zero)
 

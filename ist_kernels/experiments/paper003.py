@@ -34,7 +34,7 @@ import torch
 from ..distributed import cost
 from ..models import preact_resnet101_basic
 from ..partition import resist_plan
-from . import _common as C
+from . import harness as C
 from .speed import _split_flops
 
 # ---------------------------------------------------------------- the paper's setting (003_*.txt lines)
@@ -67,7 +67,7 @@ def links(S: int) -> Dict[str, cost.Link]:
     """The links the prediction is made for: ``nvlink`` (every worker a GPU of one instance, line 173;
     NCCL over NVLink 2.0, assumed 100 GB/s per rank and direction, 10 µs), ``network`` (one worker per
     instance over its published network rate, TCP, 50 µs one way: an assumption, the paper states no
-    latency), ``100mbit`` (the emulated link of our own measurement, bench/results/experiments/speed.md)."""
+    latency), ``100mbit`` (the emulated link of our own measurement, results/speed.md)."""
     return {"nvlink": cost.Link(100e9 * 8, 10e-6, efficiency=1.0),
             "network": cost.Link(INSTANCE_NETWORK_BPS[INSTANCE.get(S, "p3.16xlarge")], 50e-6),
             "100mbit": cost.Link(100e6, 50e-6)}

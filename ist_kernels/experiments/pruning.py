@@ -33,7 +33,7 @@ from torch import nn
 from ..partition.neurons import round_generator
 from ..prune import random_prune_
 from ..train.data import signal_noise
-from . import _common as C
+from . import harness as C
 
 
 def parser() -> argparse.ArgumentParser:

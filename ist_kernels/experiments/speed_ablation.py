@@ -66,7 +66,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from tqdm import tqdm
 
 from ..distributed import cost
-from . import _common as C, link as L, speed as SP
+from . import harness as C
+from .harness import link as L
+from .harness.analysis import mean, predict, rounds_to_target, time_through
+from .harness.launch import curve, launch
+from .harness.store import NotStored
+from .harness.workload import base_lr, higher_is_better, method_flags
+from .speed import LM_MARGIN, workload
 
 STALE = ("--eval-bn-batches", "0")  # the bn factor's flags: the running statistics as training left them
 #: the depth factor's model (after the workload's --width / --depth; the last value is the one taken): about
@@ -149,7 +155,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--factors", type=C.names, default=None,
                    help="factors to run beside the baselines (default: all of the workload's: "
                         + "; ".join(f"{w}: {','.join(factors(w))}" for w in sorted(VARIANTS)) + ")")
-    p.add_argument("--speed-json", default=os.path.join("bench", "results", "experiments", "speed.json"),
+    p.add_argument("--speed-json", default=os.path.join("results", "speed.json"),
                    help="speed's output whose tuning gives each method's lr (default %(default)s; missing: the "
                         "workload's lr)")
     p.add_argument("--runs-dir", default=None, metavar="DIR",
@@ -159,7 +165,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--link", default=None,
                    help="the link whose kept runs (in --runs-dir) time the baselines and the variants that change "
                         "only the evaluation (default: lm 10mbit, cnn 100mbit)")
-    p.add_argument("--lm-margin", type=float, default=SP.LM_MARGIN,
+    p.add_argument("--lm-margin", type=float, default=LM_MARGIN,
                    help="lm: target = local SGD's final bits per byte plus this (default %(default)s)")
     p.add_argument("--target-fraction", type=float, default=0.98,
                    help="accuracy: target = this fraction of local SGD's final accuracy (default %(default)s)")
@@ -218,7 +224,7 @@ def variant_flags(w: Dict[str, Any], method: str, options: Sequence[str], extra:
                   lr: float) -> List[str]:
     """speed's comparison-run flags of ``method`` at ``lr`` (so a baseline is speed's own run), with ``options``
     and the ``extra`` flags."""
-    return with_options(SP.method_flags(w, method, "none", lr), options) + list(extra)
+    return with_options(method_flags(w, method, "none", lr), options) + list(extra)
 
 
 def store_name(workload: str, S: int, seed: int, name: str, method: str, lr: float, baseline: bool) -> str:
@@ -229,14 +235,14 @@ def store_name(workload: str, S: int, seed: int, name: str, method: str, lr: flo
 
 
 def _workload(args) -> Dict[str, Any]:
-    return SP.workload(argparse.Namespace(quick=args.quick, rounds=None, local_steps=None), args.workload)
+    return workload(argparse.Namespace(quick=args.quick, rounds=None, local_steps=None), args.workload)
 
 
 def row_of(run: Dict[str, Any], metric: str) -> Dict[str, Any]:
-    c = SP.curve(run)
+    c = curve(run)
     values = c[metric]
     return {"values": values, "round_s": c["round_s"], "final": values[-1] if values else None, "curve": c,
-            "mean_round_s": SP._mean(c["round_s"]), "mb_per_round": SP._mean([b / 1e6 for b in c["bytes"]]),
+            "mean_round_s": mean(c["round_s"]), "mb_per_round": mean([b / 1e6 for b in c["bytes"]]),
             "phase": c["phase"]}
 
 
@@ -252,7 +258,7 @@ def run_variants(args) -> Tuple[List[Dict[str, Any]], Dict[str, float]]:
         bar = tqdm(total=len(todo) * len(args.seeds), desc="speed_ablation", unit="run", file=sys.stderr)
         for seed in args.seeds:
             for factor, name, method, options, extra, mult in todo:
-                lr = float(f"{lrs.get(method, SP.base_lr(w, method)) * mult:.6g}")
+                lr = float(f"{lrs.get(method, base_lr(w, method)) * mult:.6g}")
                 flags = variant_flags(w, method, options, extra, lr)
                 store = None if args.runs_dir is None else os.path.join(
                     args.runs_dir, store_name(args.workload, S, seed, name, method, lr, factor == "baseline") + ".json")
@@ -260,10 +266,10 @@ def run_variants(args) -> Tuple[List[Dict[str, Any]], Dict[str, float]]:
                        "options": list(options), "flags": list(extra), "lr": lr, "seed": seed, "workers": S,
                        "metric": metric}
                 try:
-                    run = SP.launch(flags, S, seed, os.path.join(work, f"{name.replace('/', 'div')}-{seed}"), None,
+                    run = launch(flags, S, seed, os.path.join(work, f"{name.replace('/', 'div')}-{seed}"), None,
                                     store, not args.stored_only)
                     row.update(row_of(run, metric), measured_at=run.get("stored_at"))
-                except SP.NotStored as e:
+                except NotStored as e:
                     row["not_run"] = str(e)
                 except RuntimeError as e:  # a run that failed or timed out: the rest still run
                     row["not_run"] = f"failed: {str(e)[-500:]}"
@@ -277,7 +283,7 @@ def run_variants(args) -> Tuple[List[Dict[str, Any]], Dict[str, float]]:
 
 def target(args, w: Dict[str, Any], local_final: float) -> float:
     """speed's target from local SGD's final (same seed), with this experiment's margin and fraction."""
-    return args.target_fraction * local_final if SP.higher_is_better(w) else local_final + args.lm_margin
+    return args.target_fraction * local_final if higher_is_better(w) else local_final + args.lm_margin
 
 
 def candidates(variant: str) -> Tuple[str, ...]:
@@ -300,7 +306,7 @@ def analyse(args, rows: List[Dict[str, Any]]) -> Tuple[Dict[int, float], List[st
     """Adds each row's target (and the ``reference`` run that sets it), rounds to it (and to the workload's
     LEVELS); returns the targets per seed and the findings."""
     w = _workload(args)
-    higher = SP.higher_is_better(w)
+    higher = higher_is_better(w)
     refs = {c for v in [r["variant"] for r in rows] + ["localsgd"] for c in candidates(v)}
     of = {(r["variant"], r["seed"]): target(args, w, r["final"]) for r in rows
           if r["variant"] in refs and r.get("final") is not None}
@@ -310,15 +316,15 @@ def analyse(args, rows: List[Dict[str, Any]]) -> Tuple[Dict[int, float], List[st
             continue
         r["reference"] = reference_of(rows, r["variant"], r["seed"], higher)
         r["target"] = of.get((r["reference"], r["seed"]))
-        r["rounds_to_target"] = SP.rounds_to_target(r["values"], r["target"], higher)
-        r["rounds_to"] = {f"{lv:g}": SP.rounds_to_target(r["values"], lv, higher) for lv in LEVELS.get(args.workload, ())}
+        r["rounds_to_target"] = rounds_to_target(r["values"], r["target"], higher)
+        r["rounds_to"] = {f"{lv:g}": rounds_to_target(r["values"], lv, higher) for lv in LEVELS.get(args.workload, ())}
     return targets, findings(rows)
 
 
 def link_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Per variant of an EVAL_ONLY factor whose every seed reached the target: its time to target over
     ``--link``, the training seconds of its method's kept run over that link (any seed; their mean)
-    through the variant's mean rounds (``speed.time_through``); ``vs_localsgd``: against local SGD's of
+    through the variant's mean rounds (``harness.analysis.time_through``); ``vs_localsgd``: against local SGD's of
     the same factor (the same evaluation)."""
     if args.runs_dir is None:
         return []
@@ -333,7 +339,7 @@ def link_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         for path in sorted(glob.glob(pattern)):
             with open(path) as f:
                 kept = json.load(f)
-            t = SP.time_through({"curve": SP.curve(kept)}, k) if k is not None and reached == ran else None
+            t = time_through({"curve": curve(kept)}, k) if k is not None and reached == ran else None
             if t is not None:
                 times.append(t)
         out.append({"variant": variant, "factor": r0["factor"], "method": r0["method"], "link": args.link,
@@ -348,7 +354,7 @@ def link_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 def predicted_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Per variant whose every seed reached the target: the cost model's time to target over ``--link``
-    (``speed.predict``: the compute, waits and loopback collectives of its method's baseline run of the
+    (``harness.analysis.predict``: the compute, waits and loopback collectives of its method's baseline run of the
     same seed, so the variants' runs, made on a machine busy with other work, do not carry their own
     slower compute; a variant of a ``MODEL_FACTORS`` factor, on another model, its own), the link's time
     for the variant's own busiest link's bytes; within 15% of every emulated run so far), summed over
@@ -380,7 +386,7 @@ def predicted_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                 (x for x in rows if x["factor"] == "baseline" and x["method"] == r["method"]
                  and x["seed"] == r["seed"] and "curve" in x), r)
             own = {"curve": {**b["curve"], "busiest": r["curve"]["busiest"], "bytes": r["curve"]["bytes"]}}
-            per_round.append(SP.predict(own, b, link, r["workers"], r["method"], w["local_steps"])[0])
+            per_round.append(predict(own, b, link, r["workers"], r["method"], w["local_steps"])[0])
         mb = [b / 1e6 for r in rs for b in r["curve"]["busiest"] if b is not None]
         out.append({"variant": variant, "factor": rs[0]["factor"], "link": args.link,
                     "predicted_time_to_target_s": mean_through(rs, per_round, lambda r: r.get("rounds_to_target")),
@@ -457,7 +463,7 @@ def markdown(args, rows, targets, lines, lrs, times=(), predicted=()) -> str:
     levels = LEVELS.get(args.workload, ())
     metric = "bits per byte" if w["metric"] == "bits_per_byte" else "accuracy"
     ran = {r["variant"] for r in rows if "values" in r}
-    rule = (f"local SGD's final + {args.lm_margin:g} bits per byte" if not SP.higher_is_better(w) else
+    rule = (f"local SGD's final + {args.lm_margin:g} bits per byte" if not higher_is_better(w) else
             f"{args.target_fraction:g} x local SGD's final accuracy")
     md = [f"# What costs the subnetwork methods their time to target (`speed_ablation`, {args.workload})", "",
           f"{w['model']} on {w['dataset']}, S = {args.workers} processes over loopback, {w['rounds']} rounds of "

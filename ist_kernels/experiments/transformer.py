@@ -37,7 +37,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..train.methods import METHODS
-from . import _common as C, link as L, speed
+from . import harness as C
+from .harness import link as L
+from .harness.launch import launch, run_over_links
 
 #: variant -> (method, --option values, extra flags)
 VARIANTS: Dict[str, Tuple[str, List[str], List[str]]] = {
@@ -147,14 +149,14 @@ def curves(run: Dict[str, Any]) -> Dict[str, List[float]]:
 
 
 def run_all(args, todo: List[Tuple[int, str, str, int]], work: str) -> Dict[Tuple, Dict[str, Any]]:
-    """Every (S, link, variant, seed) cell (emulated links through the speed experiment's harness)."""
+    """Every (S, link, variant, seed) cell (emulated links through the harness)."""
     w = workload(args)
 
     def one(c, em):
-        run = speed.launch(flags(w, c[2]), c[0], c[3], os.path.join(work, "-".join(map(str, c)).replace("+", "_")), em)
+        run = launch(flags(w, c[2]), c[0], c[3], os.path.join(work, "-".join(map(str, c)).replace("+", "_")), em)
         return {"curves": curves(run), "summary": run["summary"]}
 
-    return speed.run_over_links(todo, lambda c: (c[1], c[0]), one, "transformer")
+    return run_over_links(todo, lambda c: (c[1], c[0]), one, "transformer")
 
 
 def best_within(cv: Dict[str, List[float]], key: str, budget: float) -> Optional[float]:

@@ -49,7 +49,7 @@ import sys
 import threading
 from typing import Dict, List, Optional, Sequence
 
-from ..distributed.cost import TCP_EFFICIENCY
+from ...distributed.cost import TCP_EFFICIENCY
 
 PREFIX = "istl"
 SUBNET = "10.213.0"
