@@ -2,7 +2,9 @@
 experiments' dependencies, the [hf] extra's transformers (and Triton, absent from a CPU-only
 install) unimportable, as in a fresh `pip install ist_kernels` with no extras; then ``import
 ist_kernels`` and its library subpackages, run every op (forward and backward) against the float64
-references, and check that none of the blocked modules was imported. Prints ``ok <number of ops checked>``."""
+references, and check that none of the blocked modules was imported; ``import ist_kernels.train`` /
+``ist_kernels.experiments`` must fail with one line naming the extra to install, and the ist-train
+entry point must print that line and exit 2. Prints ``ok <number of ops checked>``."""
 import importlib
 import importlib.abc
 import os
@@ -131,6 +133,35 @@ for reduce in ("copy", "sum", "mean"):
     plan.scatter_(targets, updates, reduce)
     for t, exp in zip(targets, want):
         close(t, exp, "slice_plan_scatter_ " + reduce)
+
+# the trainer and the experiments need their extras: one line says which (ist_kernels/_extras.py)
+NEEDS = {"ist_kernels.train": "ist_kernels.train needs numpy: pip install 'ist_kernels[train]'",
+         "ist_kernels.experiments": "ist_kernels.experiments needs numpy, tqdm: pip install 'ist_kernels[experiments]'"}
+for name, line in NEEDS.items():
+    try:
+        importlib.import_module(name)
+    except ImportError as e:
+        if str(e) != line or e.name != name:
+            raise SystemExit(f"import {name}: {e!r}, expected {line!r}")
+    else:
+        raise SystemExit(f"import {name} worked without its extra")
+    if any(m == name or m.startswith(name + ".") for m in sys.modules):
+        raise SystemExit(f"{name} left modules imported: {sorted(m for m in sys.modules if m.startswith(name))}")
+import contextlib  # noqa: E402
+import io  # noqa: E402
+
+from ist_kernels._console import ist_train  # noqa: E402
+
+err = io.StringIO()
+try:
+    with contextlib.redirect_stderr(err):
+        ist_train(["--list-methods"])
+except SystemExit as e:
+    want = "ist-train needs numpy, scikit-learn, tqdm, pyyaml, matplotlib: pip install 'ist_kernels[train]'\n"
+    if e.code != 2 or err.getvalue() != want:
+        raise SystemExit(f"ist-train without its extra: status {e.code}, stderr {err.getvalue()!r}") from None
+else:
+    raise SystemExit("ist-train ran without its extra")
 
 schemas = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
            if n.startswith("ist_kernels::")}  # every op of the library (csrc/ops.cpp)

@@ -167,3 +167,50 @@ import ist_kernels
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode != 0 and last.startswith("ImportError: " + expected), p.stderr
     assert "pip install --no-build-isolation -e ." in last, last
+
+
+def test_extras_table_matches_pyproject_and_entry_point():
+    """ist_kernels/_extras.py names the distributions of pyproject's [train] and [experiments], and
+    ist-train enters through ist_kernels._console.ist_train (the trainer, when they are installed)."""
+    from ist_kernels import _extras
+
+    project = _pyproject()["project"]
+    for extra in ("train", "experiments"):
+        assert set(_extras.EXTRAS[extra].values()) == {_name(r) for r in project["optional-dependencies"][extra]}
+    assert project["scripts"]["ist-train"] == "ist_kernels._console:ist_train"
+    p = _python("from ist_kernels._console import ist_train; ist_train(['--list-methods'])")
+    assert p.returncode == 0 and {"localsgd", "ddp"} <= set(p.stdout.split()), p.stderr
+
+
+BLOCK_NUMPY = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("numpy", "tqdm"):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)", name=name)
+sys.meta_path.insert(0, Block())
+"""
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["-m", "ist_kernels.train", "--list-methods"], "ist_kernels.train needs numpy: pip install 'ist_kernels[train]'"),
+    (["-m", "ist_kernels.experiments", "--help"],
+     "ist_kernels.experiments needs numpy, tqdm: pip install 'ist_kernels[experiments]'"),
+    (["-c", "from ist_kernels._console import ist_train; ist_train()", "--list-methods"],
+     "ist-train needs numpy, tqdm: pip install 'ist_kernels[train]'"),
+])
+def test_trainer_without_its_extra_says_which_in_one_line(tmp_path, argv, line):
+    """numpy and tqdm not installed (a sitecustomize hides them from the interpreter, so `python -m`
+    runs as a user's would): ist-train and python -m of the trainer and the experiments end with the
+    one line naming the extra, no traceback; ist-train with status 2. (python_tests/no_extras_worker.py
+    checks the imports' ImportError with every extra's module hidden.)"""
+    (tmp_path / "sitecustomize.py").write_text(BLOCK_NUMPY)
+    path = os.pathsep.join(p for p in (str(tmp_path), ROOT, os.environ.get("PYTHONPATH")) if p)
+    p = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=path, PYTHONWARNINGS="ignore::UserWarning"))
+    assert "Traceback" not in p.stderr, p.stderr
+    assert p.returncode == (2 if argv[0] == "-c" else 1), p.stderr
+    ours = [ln for ln in p.stderr.splitlines() if "ist_kernels[" in ln]
+    assert len(ours) == 1 and line in ours[0], p.stderr  # python -m: runpy's one line around it
+    if argv[0] == "-c":
+        assert p.stderr.strip() == line

@@ -284,7 +284,7 @@ def test_python_m_entry_point():
     import tomllib
 
     with open("pyproject.toml", "rb") as f:
-        assert tomllib.load(f)["project"]["scripts"]["ist-train"] == "ist_kernels.train.cli:run"
+        assert tomllib.load(f)["project"]["scripts"]["ist-train"] == "ist_kernels._console:ist_train"  # then cli.run
     # a rank under torchrun leaves through exit_worker: its output flushed, its status kept
     rank_env = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     res = subprocess.run([sys.executable, "-m", "ist_kernels.train", "--list-methods"], capture_output=True,

@@ -24,7 +24,8 @@ so the AOTAutograd cache key covers their source. With an older torch (no ``wrap
 the eager kernel is registered: the op stays opaque to Inductor, as before.
 
 Without Triton, :func:`register_composition` registers an ATen composition for CUDA instead
-(the family's ``_aten`` module, e.g. ist_kernels/ops/grelu/_aten.py), chosen at import with one warning.
+(the family's ``_aten`` module, e.g. ist_kernels/ops/grelu/_aten.py), chosen at import with one warning
+(:func:`warn_no_triton`; none where there is no CUDA device).
 
 Every kernel registered here runs with autocast excluded (:func:`never_autocast`), the Python
 counterpart of ``ist::NoAutocast`` (csrc/checks.h): the ops' autocast kernels (csrc/autocast.cpp)
@@ -123,5 +124,10 @@ def register_composition(qualname, kernel):
 
 
 def warn_no_triton(ops, instead):
+    """The one warning at import that ``ops`` run on CUDA as ``instead`` without Triton; only where a
+    CUDA device exists: a CPU-only install (or torch build) never takes that path. ``device_count``
+    asks NVML where it can, so the check initialises no CUDA context (nor poisons a later fork)."""
+    if torch.cuda.device_count() == 0:
+        return
     warnings.warn(f"ist_kernels: triton is not installed, so {', '.join(ops)} run on CUDA as {instead} "
                   f"(pip install triton for the fused kernels)", RuntimeWarning, stacklevel=2)
