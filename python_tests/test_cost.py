@@ -1,5 +1,6 @@
 """The cost model (ist_kernels.distributed.cost) against byte counts from real plans and
 independent arithmetic; the time-to-target bookkeeping."""
+import copy
 import math
 import warnings
 
@@ -120,3 +121,17 @@ def test_step_flops_counts_forward_and_backward_on_meta():
     # forward 2BIO; backward: the weight's gradient 2BIO (the input needs none)
     assert cost.step_flops(model, (I,), B) == 4 * B * I * O
     assert math.isfinite(cost.step_flops(preact_resnet18(10, 3, 4).to("meta"), (3, 8, 8), 2))
+
+
+def test_split_step_flops_splits_the_step_by_partitioned_weights():
+    B, I, H, O = 5, 7, 6, 3
+    model = torch.nn.Sequential(torch.nn.Linear(I, H), torch.nn.ReLU(), torch.nn.Linear(H, O))
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    # layer 0: forward 2BIH + its weight's gradient 2BIH; layer 2: forward, weight and input gradients, 2BHO each
+    part, rest = cost.split_step_flops(model, (I,), B, {"0.weight", "0.bias"})
+    assert (part, rest) == (4 * B * I * H, 6 * B * H * O)
+    assert part + rest == cost.step_flops(copy.deepcopy(model).to("meta"), (I,), B)
+    assert cost.split_step_flops(model, (I,), B, {"2.weight"}) == (6 * B * H * O, 4 * B * I * H)
+    assert cost.split_step_flops(model, (I,), B, set()) == (0.0, part + rest)
+    assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())  # counted on a copy
+    assert all(p.grad is None for p in model.parameters())

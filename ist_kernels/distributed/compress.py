@@ -25,6 +25,9 @@ cut into S chunks; rank k receives every rank's chunk k (encoded), decodes it an
 copies in rank order, divides by S, encodes the mean and sends it to every other rank. A rank sends
 2 (S - 1) / S of the buffer, encoded: the ring all-reduce's bytes at 1/2 (bf16) or about 1/4 (int8).
 The sum in rank order makes the result equal to the simulated one bit for bit.
+
+The byte counts (``COMPRESS``, ``SCALE_BYTES``, :func:`coded`, :func:`slice_bytes`, a codec's
+size) are :mod:`.ledger`'s, imported here under their old names.
 """
 from __future__ import annotations
 
@@ -34,24 +37,9 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-#: the values of ``--compress``
-COMPRESS = ("none", "bf16", "int8")
+from .ledger import COMPRESS, SCALE_BYTES, check, code_bytes, coded, coded_bytes, slice_bytes, two_stage_sent  # noqa: F401
+
 QMAX = 127
-SCALE_BYTES = 4
-
-
-def check(compress: Optional[str], who: str) -> Optional[str]:
-    """``compress`` normalised (None for "none"); ValueError naming ``who`` and the choices."""
-    if compress is None or compress == "none":
-        return None
-    if compress not in COMPRESS:
-        raise ValueError(f"{who}: compress must be one of {', '.join(COMPRESS)}, got {compress!r}")
-    return compress
-
-
-def code_bytes(compress: str) -> int:
-    """Bytes of one encoded value."""
-    return {"bf16": 2, "int8": 1}[compress]
 
 
 def view3(x: Tensor, dim: int) -> Tensor:
@@ -60,18 +48,6 @@ def view3(x: Tensor, dim: int) -> Tensor:
     if not shape:
         return x.view(1, 1, 1)
     return x.view(prod(shape[:dim]), shape[dim], prod(shape[dim + 1:]))
-
-
-def coded(compress: str, slice_numel: int, floating: bool = True) -> bool:
-    """Whether a slice of ``slice_numel`` elements travels encoded (else exactly, in its dtype)."""
-    return floating and slice_numel > 0 and (compress == "bf16" or slice_numel >= 2)
-
-
-def slice_bytes(compress: Optional[str], slice_numel: int, esize: int, floating: bool = True) -> int:
-    """Bytes one slice of ``slice_numel`` elements (``esize`` bytes each) takes on the wire."""
-    if compress is None or not coded(compress, slice_numel, floating):
-        return slice_numel * esize
-    return slice_numel * code_bytes(compress) + (SCALE_BYTES if compress == "int8" else 0)
 
 
 # ---------------------------------------------------------------- int8 per slice / per segment
@@ -144,8 +120,7 @@ def chunk_segments(sizes: Sequence[int], S: int) -> List[List[Tuple[int, int]]]:
 
 def chunk_payload(segs: Sequence[Tuple[int, int]], compress: str) -> int:
     """Bytes of one encoded chunk (int8: every segment's codes and its scale; bf16: 2 per value)."""
-    n = sum(b - a for a, b in segs)
-    return n * code_bytes(compress) + (SCALE_BYTES * len(segs) if compress == "int8" else 0)
+    return coded_bytes(sum(b - a for a, b in segs), compress, scales=len(segs))
 
 
 def padded(nbytes: int) -> int:
@@ -159,8 +134,7 @@ def two_stage_bytes(sizes: Sequence[int], S: int, compress: str) -> List[int]:
     if S < 2:
         return [0] * S
     pay = [chunk_payload(segs, compress) for segs in chunk_segments(sizes, S)]
-    total = sum(pay)
-    return [total - pay[r] + (S - 1) * pay[r] for r in range(S)]
+    return [two_stage_sent(pay, r) for r in range(S)]
 
 
 def _qdq_(x3: Tensor) -> Tensor:

@@ -14,7 +14,8 @@ Plain functions of the plans (their byte counts) and of measured compute, no pro
   ``Exchange``, from ``plan_bytes``) and, for thousands of workers where building plans is too
   costly, :func:`subnet_round_bytes` from the plan's state split (what every subnetwork holds whole
   vs what it partitions) and the owners per slice; :func:`rank_state_bytes` for memory.
-- :func:`predict_round` adds compute (local steps x a measured or FLOP-derived step time),
+- :func:`predict_round` adds compute (local steps x a measured or FLOP-derived step time: the FLOP
+  model is :func:`step_flops` and, per part of the model, :func:`split_step_flops`),
   fixed per-round work (plans, packing; measured) and the communication; :func:`time_to_target`
   reads a run's curve.
 
@@ -24,6 +25,9 @@ all-to-all entries); :func:`subnet_round_bytes` and :func:`localsgd_round_bytes`
 :func:`wire_fraction` (bf16 1/2, int8 1/4; int8's fp32 scale per slice or segment is left out: under
 1% for slices of 400 values or more).
 
+The byte formulas (the ring all-reduce's 2 (S - 1) / S, the per-rank round bytes, the held state,
+:func:`wire_fraction`) are :mod:`.ledger`'s, imported here under the same names.
+
 Everything is in bytes and seconds. What the model leaves out: compute and communication never
 overlap (true of the subnetwork methods and local SGD here; DDP overlaps its bucketed all-reduces
 with the backward pass, so its prediction is an upper bound), and the CPU time of the network
@@ -31,6 +35,7 @@ stack itself (it competes with compute when ranks share cores).
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -38,9 +43,15 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from .compress import COMPRESS
 from .exchange import plan_bytes
-from .quantize import CODEC_BYTES
+from .ledger import (  # noqa: F401  (the byte formulas, the ledger's, under the cost model's names)
+    diloco_round_bytes,
+    localsgd_round_bytes,
+    rank_state_bytes,
+    ring_all_reduce_bytes,
+    subnet_round_bytes,
+    wire_fraction,
+)
 
 #: payload / line rate of TCP over IPv4 on Ethernet at MTU 1500 with TCP timestamps: 1448 / 1514
 TCP_EFFICIENCY = 1448 / 1514
@@ -70,21 +81,7 @@ class Link:
         return 8.0 * nbytes / (self.bandwidth_bps * self.efficiency)
 
 
-def wire_fraction(compress: Optional[str] = "none") -> float:
-    """Bytes on the wire per fp32 byte under ``--compress`` (int8's scales left out)."""
-    if compress is None:
-        return 1.0
-    if compress not in COMPRESS:
-        raise ValueError(f"wire_fraction: compress must be one of {', '.join(COMPRESS)}, got {compress!r}")
-    return {"none": 1.0, "bf16": 0.5, "int8": 0.25}[compress]
-
-
 # ---------------------------------------------------------------- collectives
-
-def ring_all_reduce_bytes(nbytes: float, S: int) -> float:
-    """Bytes a rank sends (and receives) in a ring all-reduce of an ``nbytes`` buffer."""
-    return 2.0 * (S - 1) / S * nbytes if S > 1 else 0.0
-
 
 def ring_all_reduce_s(nbytes: float, S: int, link: Link) -> float:
     """Reduce-scatter then all-gather around a ring: 2 (S - 1) steps of n / S each way."""
@@ -130,50 +127,6 @@ def exchange_bytes(current, next, spec, *, storage: str = "decentralized",
              st.all_to_all_bytes_received + st.average_bytes_received, st.all_reduce_bytes)
             for st in plan_bytes(current, next, spec, storage=storage, shared=shared,
                                  compress=None if compress == "none" else compress)]
-
-
-def subnet_round_bytes(partitioned: float, shared: float, S: int, owners: float = 1.0,
-                       compress: Optional[str] = "none") -> Dict[str, float]:
-    """Per rank, one decentralized round of subnetworks cut from a state of ``partitioned`` bytes
-    (dealt among the S subnetworks, each slice to ``owners`` of them) and ``shared`` bytes (held
-    whole by all): a rank holds partitioned * owners / S of the partitioned state and sends each of
-    its slices to that slice's next owners except itself (owners (1 - 1/S) of them on average),
-    then the shared state goes through a ring all-reduce.
-
-    Returns ``all_to_all`` (sent = received, on average), ``all_reduce`` (the buffer) and ``wire``
-    (what the rank sends). With owners = 1 (LOFT, IST: every slice has one owner) the all-to-all is
-    partitioned (S - 1) / S^2; with owners k > 1 (ResIST once S x min_depth exceeds the blocks)
-    it is partitioned k^2 (S - 1) / S^2: owner averaging sends every copy to every next owner.
-    ``compress``: every byte times :func:`wire_fraction` (the compressed average of the shared
-    state sends what the ring all-reduce sends, encoded)."""
-    if S < 1 or owners < 1 or owners > S:
-        raise ValueError(f"subnet_round_bytes: need 1 <= owners <= S, got S={S}, owners={owners}")
-    f = wire_fraction(compress)
-    a2a = partitioned * owners * owners * (S - 1) / S ** 2 * f
-    return {"all_to_all": a2a, "all_reduce": float(shared) * f, "wire": a2a + ring_all_reduce_bytes(shared, S) * f}
-
-
-def localsgd_round_bytes(state: float, S: int, compress: Optional[str] = "none") -> float:
-    """Per rank, local SGD's round: one ring all-reduce of the whole averaged state (``compress``:
-    the two-stage compressed average, the same 2 (S - 1) / S of it, encoded)."""
-    return ring_all_reduce_bytes(state, S) * wire_fraction(compress)
-
-
-def diloco_round_bytes(state: float, S: int, outer_grad: str = "fp32") -> float:
-    """Per rank, a DiLoCo round: local SGD's bytes (one ring all-reduce of the ``state`` bytes of
-    float32 parameters) times the pseudo-gradient's element size over float32's (``outer_grad``
-    fp32 / bf16 / int8: 4 / 2 / 1 bytes; int8 also sends one 4-byte scale per chunk, left out)."""
-    if outer_grad not in CODEC_BYTES:
-        raise ValueError(f"diloco_round_bytes: outer_grad must be one of {', '.join(CODEC_BYTES)}, got {outer_grad!r}")
-    return localsgd_round_bytes(state, S) * CODEC_BYTES[outer_grad] / 4
-
-
-def rank_state_bytes(partitioned: float, shared: float, S: int, owners: float = 1.0,
-                     optimizer_copies: float = 1.0) -> float:
-    """Memory a rank holds for its subnetwork: its share of the partitioned state plus the shared
-    state, times (1 + ``optimizer_copies``) for parameters that carry optimizer state (SGD with
-    momentum: 1 buffer; Adam: 2); pass the parameter bytes, buffers count once."""
-    return (partitioned * min(owners, S) / S + shared) * (1.0 + optimizer_copies)
 
 
 def resist_owners(S: int, partitioned_blocks: int, min_depth: int) -> float:
@@ -238,19 +191,42 @@ def rounds_to_target(accuracies: Iterable[Optional[float]], target: float) -> Op
     return None
 
 
+def _step_counter(model, x: torch.Tensor) -> FlopCounterMode:
+    """torch's FLOP counter over one training step of ``model`` on ``x`` (forward, cross-entropy on
+    zero labels, backward)."""
+    with FlopCounterMode(display=False) as fc:
+        out = model(x)
+        y = torch.zeros(out.shape[0], dtype=torch.long, device=out.device)
+        torch.nn.functional.cross_entropy(out, y).backward()
+    return fc
+
+
 def step_flops(model, input_shape: Sequence[int], batch: int) -> int:
     """FLOPs of one training step (forward + backward, cross-entropy on random labels) of
     ``model`` on a batch of ``batch`` inputs of ``input_shape``, counted by torch's FlopCounterMode
     (matrix products and convolutions; elementwise work is not counted). A model on the meta
     device is counted without computing anything."""
     p = next(model.parameters())
-    x = torch.randn(batch, *input_shape, device=p.device, dtype=p.dtype)
-    with FlopCounterMode(display=False) as fc:
-        out = model(x)
-        y = torch.zeros(out.shape[0], dtype=torch.long, device=out.device)
-        torch.nn.functional.cross_entropy(out, y).backward()
+    fc = _step_counter(model, torch.randn(batch, *input_shape, device=p.device, dtype=p.dtype))
     model.zero_grad(set_to_none=True)
     return int(fc.get_total_flops())
+
+
+def split_step_flops(model, input_shape: Sequence[int], batch: int, partitioned) -> Tuple[float, float]:
+    """(FLOPs of a training step in the leaf modules whose weight is in ``partitioned``, a set of
+    parameter names such as a plan's partitioned tensors; FLOPs of the rest): :func:`step_flops`
+    counted per module, on a copy of ``model`` on the meta device (shapes only, nothing computed;
+    ``model`` is left as it is)."""
+    meta = copy.deepcopy(model).to("meta")
+    fc = _step_counter(meta, torch.randn(batch, *input_shape, device="meta"))
+    total = float(fc.get_total_flops())
+    leaf = {n for n, m in meta.named_modules() if not list(m.children())}
+    part = 0.0
+    for key, ops in fc.get_flop_counts().items():
+        name = key.split(".", 1)[1] if "." in key else ""  # "<RootClass>.<module path>"
+        if name in leaf and f"{name}.weight" in partitioned:
+            part += float(sum(ops.values()))
+    return part, total - part
 
 
 def speedup(baseline_s: Optional[float], method_s: Optional[float]) -> Optional[float]:

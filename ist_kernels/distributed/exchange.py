@@ -37,6 +37,7 @@ from ..partition.aggregate import aggregate_slices_
 from ..partition.plan import SlicePlan
 from . import compress as C, quantize as Q
 from .group import all_to_all_single, collective_timeout, wait_collective
+from .ledger import all_reduce_wire_bytes, normalise_spec as _normalise_spec, two_stage_sent
 from .routing import (
     Entry,
     Routing,
@@ -86,8 +87,7 @@ class CommStats:
     def all_reduce_wire_bytes(self) -> int:
         """Bytes a rank sends (and receives) in a bandwidth-optimal (ring) all-reduce of the buffer:
         2 (S - 1) / S of it."""
-        S = self.world_size
-        return (2 * (S - 1) * self.all_reduce_bytes) // S if S > 0 else 0
+        return all_reduce_wire_bytes(self.all_reduce_bytes, self.world_size)
 
     @property
     def bytes_sent(self) -> int:
@@ -96,17 +96,6 @@ class CommStats:
     @property
     def bytes_received(self) -> int:
         return self.all_to_all_bytes_received + self.all_reduce_wire_bytes + self.average_bytes_received
-
-
-def _normalise_spec(spec: Spec) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
-    out = {}
-    for name, v in spec.items():
-        if isinstance(v, Tensor):
-            out[name] = (tuple(v.shape), v.dtype)
-        else:
-            shape, dtype = v
-            out[name] = (tuple(shape), dtype)
-    return out
 
 
 def _functional():
@@ -477,8 +466,8 @@ def _compressed_mean_(tensors: List[Tensor], compress: str, *, name: str, round,
         torch._foreach_copy_(ts, [v.view(t.shape) for v, t in zip(views, ts)])
         stats.collective_seconds[name] = stats.collective_seconds.get(name, 0.0) + secs
         stats.collectives += 2
-        stats.average_bytes_sent += sum(pay) - pay[r] + (S - 1) * pay[r]
-        stats.average_bytes_received += (S - 1) * pay[r] + sum(pay) - pay[r]
+        stats.average_bytes_sent += two_stage_sent(pay, r)
+        stats.average_bytes_received += two_stage_sent(pay, r)
         stats.unpack_seconds += time.perf_counter() - t_unpack + mid
 
 
@@ -638,39 +627,6 @@ def gather_bytes(plan: SlicePlan, spec: Spec, *, dst: int = 0, reduce: str = "co
     diag = M.diagonal()
     sent, recv = (M.sum(1) - diag).tolist(), (M.sum(0) - diag).tolist()
     return [CommStats(None, S, 1 if entries else 0, int(sent[r]), int(recv[r]), 0) for r in range(S)]
-
-
-def ps_bytes(plan: SlicePlan, spec: Spec, *, download: Optional[SlicePlan] = None,
-             names: Optional[Sequence[str]] = None, compress: Optional[str] = None) -> List[int]:
-    """The papers' parameter-server count of one round (paper 000 Table 1, paper 003 Table 1): per
-    worker, the bytes of the floating tensors it uploads (its subnetwork under ``plan``: its slices of
-    the partitioned tensors, the shared ones whole) plus those it downloads (its subnetwork under
-    ``download``, default ``plan``). Local SGD moves 2 full models per worker by this count.
-    Integer tensors (step counters) are not counted, as local SGD does not average them.
-    ``compress``: the values encoded as the exchange encodes them (int8: a scale per slice of a
-    partitioned tensor, one per shared tensor; a one-element slice stays fp32)."""
-    spec = _normalise_spec(spec)
-    compress = C.check(compress, "ps_bytes")
-    chosen = set(names if names is not None else plan.names())
-
-    def held(p: SlicePlan) -> List[int]:
-        out = [0] * p.num_subnetworks
-        for t in p.tensors:
-            shape, dtype = spec[t.name]
-            if t.name not in chosen or not dtype.is_floating_point:
-                continue
-            esize = torch.empty(0, dtype=dtype).element_size()
-            for s in range(p.num_subnetworks):
-                if t.shared:
-                    out[s] += C.slice_bytes(compress, prod(shape), esize)
-                elif t.owners[s].numel():
-                    out[s] += (C.slice_bytes(compress, prod(shape) // shape[t.dim], esize) * t.owners[s].numel()
-                               if shape else C.slice_bytes(compress, 1, esize))
-        return out
-
-    up = held(plan)
-    down = up if download is None else held(download)
-    return [a + b for a, b in zip(up, down)]
 
 
 class Exchange:

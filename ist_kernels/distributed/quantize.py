@@ -14,6 +14,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .ledger import CODEC_BYTES  # noqa: F401  (wire bytes per element of each outer-gradient codec)
+
 QMAX = 127
 
 
@@ -54,8 +56,6 @@ def dequantize_(views: Sequence[Tensor], seg_scales: Tensor) -> None:
 
 
 # ---- whole buffers of an averaged gradient (DiLoCo's outer gradient, ``outer_grad``)
-#: wire bytes per element of each outer-gradient codec
-CODEC_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
 
 
 def encode(x: Tensor, codec: str):

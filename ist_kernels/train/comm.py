@@ -11,7 +11,7 @@ Byte conventions (those of ``ist_kernels.distributed.CommStats``): ``sent`` is w
 workers put on the wire: all-to-all bytes to other ranks plus the ring all-reduce's 2 (S - 1) / S
 of each all-reduced buffer; ``gathered``: assembling the full model for evaluation or saving,
 counted apart; the parameter-server count of the papers is a model of traffic, not traffic, and
-comes from :meth:`ps_bytes`.
+comes from :meth:`ps_bytes`. Every formula behind these counts is :mod:`ist_kernels.distributed.ledger`'s.
 
 Compression (``--compress bf16|int8``, :mod:`ist_kernels.distributed.compress`): what a worker
 sends is encoded and its receivers decode it; the worker's own copy is replaced by the decoded
@@ -31,16 +31,11 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from ..distributed import Exchange, average_model_, compress as C, gather_bytes, gather_full_model, plan_bytes, ps_bytes
+from ..distributed import Exchange, average_model_, compress as C, gather_bytes, gather_full_model, ledger, plan_bytes
 from ..distributed.group import all_to_all_single, collective_timeout, wait_collective
+from ..distributed.ledger import all_reduce_wire_bytes  # noqa: F401  (ring all_reduce bytes, as before)
 from ..distributed.quantize import decode, encode
 from .timing import Clock
-
-
-def all_reduce_wire_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes one rank sends in a bandwidth-optimal (ring) all_reduce of an ``nbytes`` buffer:
-    2 (S - 1) / S of it (``CommStats.all_reduce_wire_bytes``)."""
-    return (2 * (world_size - 1) * nbytes) // world_size if world_size > 0 else 0
 
 
 class Comm:
@@ -165,19 +160,24 @@ class Comm:
         (each uploads its subnetwork and downloads its next one, or ``download``'s part), encoded
         as ``compress`` encodes them."""
         with self.clock("metrics"):
-            per = ps_bytes(plan, spec, names=names, download=download, compress=compress)
+            per = ledger.ps_bytes(plan, spec, names=names, download=download, compress=compress)
             return sum(per[s] for s in self.local_workers)
 
     def ps_bytes_of(self, plan, spec, worker: int, *, names: Optional[Sequence[str]] = None) -> int:
         """:meth:`ps_bytes` of one worker."""
         with self.clock("metrics"):
-            return ps_bytes(plan, spec, names=names)[worker]
+            return ledger.ps_bytes(plan, spec, names=names)[worker]
+
+    def subnet_bytes_of(self, plan, spec, worker: int, *, names: Optional[Sequence[str]] = None) -> int:
+        """The bytes of ``worker``'s subnetwork under ``plan`` (its slices of the partitioned tensors,
+        the shared ones whole; floating tensors only): half of :meth:`ps_bytes_of`."""
+        with self.clock("metrics"):
+            return ledger.subnet_bytes(plan, spec, names=names)[worker]
 
     def model_ps_bytes(self, tensors: Sequence[Tensor]) -> int:
         """The parameter-server bytes of one worker that uploads and downloads ``tensors`` (local
         SGD), encoded as the run's ``--compress`` encodes them (int8: one scale per tensor)."""
-        return 2 * sum(C.slice_bytes(self.compress, t.numel(), t.element_size(), t.is_floating_point())
-                       for t in tensors)
+        return ledger.ps_model_bytes(tensors, self.compress)
 
     # ---- compression of the simulated rounds ------------------------------------------------------
     @torch.no_grad()
@@ -305,10 +305,8 @@ class Comm:
             return
         if codec not in ("bf16", "int8"):
             raise ValueError(f"Comm.average_coded_: codec must be bf16 or int8, got {codec!r}")
-        elsize = 2 if codec == "bf16" else 1
-        scale_bytes = 4 if codec == "int8" else 0
         n = sum(t.numel() for t in copies[0])
-        sizes = [c.numel() for c in torch.empty(n).tensor_split(S)]
+        sizes = ledger.split_evenly(n, S)  # torch.tensor_split's chunks
         if self.distributed:
             (ts,) = copies
             with self.clock("pack"):
@@ -321,8 +319,7 @@ class Comm:
             with self.clock("unpack"):
                 flat = torch.cat(chunks)
                 torch._foreach_copy_(list(ts), [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in ts]), ts)])
-            r = self.rank
-            self._sent((n - sizes[r]) * elsize + (S - 1) * sizes[r] * elsize + 2 * (S - 1) * scale_bytes)
+            self._sent(ledger.coded_average_bytes(n, S, self.rank, codec))
             return
         with self.clock("pack"):
             coded = [[encode(c, codec) for c in torch.cat([t.reshape(-1).float() for t in ts]).split(sizes)]
@@ -338,7 +335,7 @@ class Comm:
             for ts in copies:
                 torch._foreach_copy_(list(ts), [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in ts]), ts)])
         for s in self.local_workers:
-            self._sent((n - sizes[s]) * elsize + (S - 1) * sizes[s] * elsize + 2 * (S - 1) * scale_bytes, [s])
+            self._sent(ledger.coded_average_bytes(n, S, s, codec), [s])
 
     def _all_to_all(self, out: Tensor, inp: Tensor, out_splits, in_splits, what: str, round: int) -> None:
         """One all_to_all_single under the run's timeout (bf16, which gloo does not move, travels as
@@ -422,9 +419,8 @@ class Comm:
     def count_sent(self, nbytes: int) -> None:
         """Count bytes a collective outside this object sent (e.g. DDP's buffer broadcast), shared
         evenly by the local workers."""
-        n = len(self.local_workers)
-        for i, s in enumerate(self.local_workers):
-            self._sent(nbytes // n + (1 if i < nbytes % n else 0), [s])
+        for s, part in zip(self.local_workers, ledger.split_evenly(nbytes, len(self.local_workers))):
+            self._sent(part, [s])
 
 
 class _BucketTimes:
