@@ -35,7 +35,6 @@ from ..distributed import cost
 from ..models import preact_resnet101_basic
 from ..partition import resist_plan
 from . import harness as C
-from .speed import _split_flops
 
 # ---------------------------------------------------------------- the paper's setting (003_*.txt lines)
 
@@ -87,7 +86,7 @@ def _meta_model() -> torch.nn.Module:
 def model_counts(S: int, min_depth: int = MIN_DEPTH, batch: int = BATCH, seed: int = 0) -> Dict[str, Any]:
     """FLOPs of a training step (batch ``batch``) and bytes (fp32 parameters and buffers) of the
     preact ResNet-101 and of the sub-ResNets of one ``resist_plan`` of it for ``S`` workers:
-    ``full_flops``, ``partitioned_flops`` / ``shared_flops`` (speed.py's ``_split_flops``: the
+    ``full_flops``, ``partitioned_flops`` / ``shared_flops`` (``cost.split_step_flops``: the
     convolutions of the blocks ResIST deals out vs the rest), ``sub_flops`` (each sub-ResNet,
     counted on its own module), ``sub_blocks`` (its partitioned blocks), ``blocks`` (P),
     ``owners`` (mean sub-ResNets per partitioned block), ``state_bytes`` (what local SGD
@@ -99,7 +98,7 @@ def model_counts(S: int, min_depth: int = MIN_DEPTH, batch: int = BATCH, seed: i
         model = _meta_model()
         plan = resist_plan(model, S, min_depth, torch.Generator().manual_seed(seed))
         partitioned = {t.name for t in plan.slices.tensors if not t.shared}
-        pf, sf = _split_flops(model, INPUT, batch, partitioned)
+        pf, sf = cost.split_step_flops(model, INPUT, batch, partitioned)
         subs = plan.build()
         sub_flops = [float(cost.step_flops(s.module, INPUT, batch)) for s in subs]
     sizes = {n: t.numel() * t.element_size() for n, t in model.state_dict().items()}

@@ -56,7 +56,6 @@ of a step (torch's FLOP counter, of the full model and of a subnetwork) at ``--d
 what a subnetwork of a few units per worker does to accuracy is not modelled).
 """
 import argparse
-import copy
 import math
 import os
 import shutil
@@ -68,12 +67,11 @@ import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from ..distributed import cost
+from ..distributed.ledger import state_split
 from ..models import preact_resnet18, preact_resnet101_basic
 from ..partition import loft_plan, resist_plan
-from ..train.engine import state_split
 from ..train.methods import METHODS
 from . import harness as C
 from .harness import link as L
@@ -391,24 +389,6 @@ SCALE_WORKERS = [2 ** k for k in range(1, 11)]
 SCALE_GBPS = [1, 10, 100]
 
 
-def _split_flops(model: torch.nn.Module, input_shape, batch: int, partitioned: set) -> Tuple[float, float]:
-    """(FLOPs of a training step in modules whose weight the plan partitions, FLOPs of the rest),
-    counted on a copy of the model on the meta device (shapes only, nothing computed)."""
-    meta = copy.deepcopy(model).to("meta")
-    x = torch.randn(batch, *input_shape, device="meta")
-    with FlopCounterMode(display=False) as fc:
-        out = meta(x)
-        torch.nn.functional.cross_entropy(out, torch.zeros(batch, dtype=torch.long, device="meta")).backward()
-    total = float(fc.get_total_flops())
-    leaf = {n for n, m in meta.named_modules() if not list(m.children())}
-    part = 0.0
-    for key, ops in fc.get_flop_counts().items():
-        name = key.split(".", 1)[1] if "." in key else ""  # "<RootClass>.<module path>"
-        if name in leaf and f"{name}.weight" in partitioned:
-            part += float(sum(ops.values()))
-    return part, total - part
-
-
 def _mlp(inputs: int, hidden: int, classes: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(inputs, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, classes))
 
@@ -445,7 +425,7 @@ def scale_models(args) -> List[Dict[str, Any]]:
                 sizes = {n: t.numel() * t.element_size() for n, t in model.state_dict().items()}
                 split = {"partitioned_state_bytes": sum(2 * sizes[n] for n in partitioned),
                          "shared_state_bytes": 2 * sizes["2.bias"]}
-            pf, sf = _split_flops(model, shape, args.scale_batch, partitioned)
+            pf, sf = cost.split_step_flops(model, shape, args.scale_batch, partitioned)
             state = split["partitioned_state_bytes"] + split["shared_state_bytes"]
             params = sum(p.numel() * p.element_size() for p in model.parameters())
             out.append({"method": method, "model": name, "dataset": data, "split": split, "state_bytes": state,
