@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed import ledger
 from .comm import Comm
 from .config import DEFAULT_MOMENTUM, HyperParams, default_lr
 from .datasets import ShardedData, _mix
@@ -183,10 +184,7 @@ class RunContext:
         """Parameters, buffers and the optimizer's state of the whole ``model`` (SGD with momentum: a
         buffer per parameter; AdamW: two moments and a 0-dim float32 step per parameter): what one
         worker training all of it holds."""
-        tensors = list({id(t): t for t in model.state_dict(keep_vars=True).values()}.values())  # tied: once
-        params = [p for p in model.parameters() if p.requires_grad]
-        step = 4 * len(params) if self._cfg.optimizer == "adamw" else 0
-        return sum(t.numel() * t.element_size() for t in tensors + params * self.param_state_tensors) + step
+        return ledger.full_state_bytes(model, self.param_state_tensors, 4 if self._cfg.optimizer == "adamw" else 0)
 
     def make_optimizer(self, params) -> torch.optim.Optimizer:
         """The local optimizer of ``params`` (--optimizer): torch.optim.SGD (--momentum, --nesterov,
