@@ -155,7 +155,7 @@ def test_coded_average_is_within_the_codes_error():
     (["--method", "diloco", "--option", "lookahead=1"], "options.lookahead"),
     (["--method", "diloco", "--outer-optimizer", "nesterov"], "outer_optimizer"),
     (["--method", "ddp", "--outer-optimizer", "nesterov"], "outer_optimizer"),
-    (["--method", "ist", "--outer-optimizer", "adam"], "outer_optimizer"),
+    (["--method", "ist", "--outer-optimizer", "lamb"], "outer_optimizer"),
     (["--method", "ist", "--outer-optimizer", "nesterov", "--outer-lr", "-1"], "outer_lr"),
     (["--method", "ist", "--outer-optimizer", "nesterov", "--outer-momentum", "1"], "outer_momentum"),
 ])
@@ -171,7 +171,7 @@ def test_listed_and_in_help(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     out = capsys.readouterr().out
-    assert "--outer-optimizer {none,nesterov}" in out and "--outer-lr" in out and "diloco" in out
+    assert "--outer-optimizer {none,nesterov,sgd,adam}" in out and "--outer-lr" in out and "diloco" in out
 
 
 # ---------------------------------------------------------------- --outer-optimizer nesterov

@@ -172,3 +172,78 @@ def test_engine_with_a_callable_and_no_dataset(tmp_path):
     assert seen == ["Sequential"] * 3 and summary["rounds"] == 2 and summary["bytes_per_round"] > 0
     with pytest.raises(Exception, match="dataset"):
         Engine("mlp", workers=2)
+
+
+# ---------------------------------------------------------------- failures, wherever they happen
+class _Injected(Exception):
+    pass
+
+
+def _fail(*a, **k):
+    raise _Injected("injected")
+
+
+@pytest.mark.parametrize("stage", ["plan", "hand-over", "exchange", "scoring", "checkpoint"])
+def test_a_failure_at_any_stage_raises_in_the_loop_at_once(tmp_path, monkeypatch, stage):
+    """A failure injected into each stage of a round raises in the user's loop as that exception,
+    within seconds (no thread to wait on), and the engine refuses to continue."""
+    import time as _time
+
+    from ist_kernels.train import checkpoint
+    from ist_kernels.train.library import Worker
+
+    engine = Engine("mlp", workers=2, out_dir=str(tmp_path / "lib"), checkpoint_interval=1, **SETTINGS)
+    ctx = engine._run.ctx
+    if stage == "plan":
+        monkeypatch.setattr(engine._run.method, "begin_round", _fail)
+    elif stage == "hand-over":
+        monkeypatch.setattr(Worker, "batches", _fail)
+    elif stage == "exchange":
+        monkeypatch.setattr(ctx.comm, "count_exchange", _fail)
+    elif stage == "scoring":
+        monkeypatch.setattr(engine._run.method, "evaluate", _fail)
+    else:
+        monkeypatch.setattr(checkpoint, "save", _fail)
+    t0 = _time.perf_counter()
+    with pytest.raises(_Injected):
+        user_loop(engine)
+    assert _time.perf_counter() - t0 < 30
+    with pytest.raises(RuntimeError, match="a round failed"):
+        next(iter(engine.rounds()))
+
+
+def test_run_phases_are_checked(tmp_path):
+    """Run.end_round needs its begin_round, with one loss per turn; a round is begun once."""
+    engine = Engine("mlp", workers=2, out_dir=str(tmp_path / "lib"), **SETTINGS)
+    run_ = engine._run
+    run_.begin()
+    with pytest.raises(RuntimeError, match="not begun"):
+        run_.end_round(0, [0.0, 0.0])
+    turns = run_.begin_round(0)
+    assert [t.worker for t in turns] == [0, 1] and all(t.batch_workers == (t.worker,) for t in turns)
+    with pytest.raises(RuntimeError, match="begun and not ended"):
+        run_.begin_round(1)
+    with pytest.raises(ValueError, match="2 turns"):
+        run_.end_round(0, [0.0])
+    rec = run_.end_round(0, [run_.ctx.train(t, 0) for t in turns])
+    assert rec["round"] == 1 and rec["train_loss"] > 0
+
+
+def test_engine_trains_ddp_as_ist_train_does(tmp_path):
+    """ddp's turn is one synchronous model over every worker's batches (simulated): a user's loop over
+    worker.batches() gives ist-train's model and metrics."""
+    settings = {**SETTINGS, "method": "ddp"}
+    cli_args = [a if a != "ist" else "ddp" for a in CLI]
+    _, want, want_hist = run(tmp_path / "cli", "--model", "mlp", "--simulate", "2", *cli_args, base=[])
+    engine = Engine("mlp", workers=2, out_dir=str(tmp_path / "lib"), **settings)
+    for rnd in engine.rounds():
+        workers = list(rnd)
+        assert len(workers) == 1
+    engine.close()
+    _, got, got_hist = outputs(tmp_path / "lib")
+    assert not all(torch.equal(got[k], want[k]) for k in got)  # the loop above trained nothing
+    summary = user_loop(Engine("mlp", workers=2, out_dir=str(tmp_path / "lib2"), **settings))
+    _, got, got_hist = outputs(tmp_path / "lib2")
+    assert_equal_states(got, want)
+    assert untimed(got_hist) == untimed(want_hist)
+    assert summary["rounds"] == 3

@@ -153,14 +153,14 @@ def _dying_rank(rank, S, args, port, outdir):
     from ist_kernels.train.methods.masked import Masked
 
     if rank == S - 1:
-        original = Masked.run_round
+        original = Masked.begin_round
 
-        def run_round(self, r):
+        def begin_round(self, r):
             if r == 1:
                 os._exit(0)
             return original(self, r)
 
-        Masked.run_round = run_round
+        Masked.begin_round = begin_round
     # this process is one rank, as torchrun starts it
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(S), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))

@@ -248,9 +248,12 @@ def test_method_registry_extension_point(tmp_path, monkeypatch):
     class Worker0Only(LocalSGD):
         options = {"scale": methods.Option(1.0, float, "lr scale", check=lambda v: v > 0, expected="> 0")}
 
-        def run_round(self, r):  # worker 0 trains, nobody communicates
-            loss = self.ctx.train_local(self.models[0], self.optimizers[0], 0, r)
-            return methods.RoundResult(loss_sum=loss, steps=self.ctx.local_steps, extra={"scale": self.ctx.options["scale"]})
+        def begin_round(self, r):  # worker 0 trains, nobody communicates
+            return [methods.WorkerTurn(0, self.models[0], self.optimizers[0])]
+
+        def end_round(self, r, losses):
+            return methods.RoundResult(loss_sum=losses[0], steps=self.ctx.local_steps,
+                                       extra={"scale": self.ctx.options["scale"]})
 
     try:
         assert "zz_test_worker0" in methods.available_methods()

@@ -13,7 +13,7 @@ from .neurons import (  # noqa: F401
     round_generator,
     round_seed,
 )
-from .plan import SlicePlan, TensorSlices, positions  # noqa: F401
+from .plan import RoundPlan, SlicePlan, TensorSlices, positions  # noqa: F401
 from .resist import ResistPlan, resist_plan  # noqa: E402,F401
 from .structure import FFN, Attention, Structure, find_structure  # noqa: F401
 from .transformer import (  # noqa: F401

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from .. import functional as F
 from .aggregate import aggregate_slices_
-from .plan import SlicePlan, TensorSlices
+from .plan import RoundPlan, SlicePlan, TensorSlices
 
 
 def _off_device(state: Tensor, param: Tensor) -> bool:
@@ -108,7 +108,7 @@ class _Tree:
         return clones
 
 
-class SubnetworkPlan:
+class SubnetworkPlan(RoundPlan):
     """Base of the CNN plans. Subclasses pass ``partitioned`` (name -> (dim, owned indices per
     subnetwork, None where not held)) and override ``_edit`` to shape subnetwork ``s``'s cloned
     structure (narrower convs, fewer blocks)."""

@@ -102,3 +102,67 @@ def positions(held: Tensor, owned: Tensor) -> Tensor:
     """Where each of ``owned`` (sorted indices, a subset of ``held``) sits in ``held`` (sorted): the
     positions of a subnetwork's slices inside the compact tensor of a rank that holds more."""
     return torch.searchsorted(held, owned)
+
+
+class RoundPlan:
+    """What the round engine (:class:`ist_kernels.train.engine.SubnetRounds`) reads of one round's
+    plan, with its defaults. Every plan it runs subclasses this: the CNN and transformer plans
+    (:class:`~ist_kernels.partition.SubnetworkPlan`), ``masked``'s neuron plans and GReLU's row plans.
+
+    - ``slices``: the round's :class:`SlicePlan` (what each subnetwork trains; the parameter-server
+      count and replicated storage read it); ``storage_slices`` (default ``slices``): what each rank
+      stores under decentralized storage; ``ps_download`` (default None: the next subnetwork): what
+      each worker downloads in the parameter-server count;
+    - simulated and replicated storage: ``build(optimizer)`` cuts this process's subnetworks from the
+      global model (indexable by worker; each with ``index``, ``module`` and ``optimizer``),
+      ``aggregate(subnetworks, optimizer)`` puts them back owner-averaged, ``after_aggregate(model)``
+      (e.g. ResIST's residual scales; default: nothing);
+    - decentralized storage: ``part(s)`` cuts rank s's stored tensors from the global model,
+      ``attach(s, tensors)`` builds its subnetwork around them, ``tensors_of(sub, detach=True)`` is
+      what it stores after training;
+    - ``compact(sub)`` (default ``tensors_of``): a subnetwork's tensors in the plan's view (what a
+      compressed exchange codes); ``held(sub, optimizer, extra)`` (default the module, the
+      optimizer and ``extra``): what a worker holds while it trains, for the byte ledger (modules,
+      optimizers, tensors, containers of them, or ints: bytes counted from the plan);
+      ``reusable`` (default True): the engine may keep the compact module and its optimizer across
+      rounds of equal shapes.
+    """
+
+    slices: SlicePlan
+    ps_download: Optional[SlicePlan] = None
+    reusable: bool = True
+
+    @property
+    def storage_slices(self) -> SlicePlan:
+        return self.__dict__.get("_storage_slices", self.slices)
+
+    @storage_slices.setter
+    def storage_slices(self, value: SlicePlan) -> None:
+        self.__dict__["_storage_slices"] = value
+
+    def _missing(self, what: str):
+        return NotImplementedError(f"{type(self).__name__} has no {what}: the round engine needs it for this storage")
+
+    def build(self, optimizer=None):
+        raise self._missing("build(optimizer)")
+
+    def aggregate(self, subnetworks, optimizer=None) -> None:
+        raise self._missing("aggregate(subnetworks, optimizer)")
+
+    def after_aggregate(self, model=None) -> None:
+        return None
+
+    def part(self, s: int) -> Dict[str, Tensor]:
+        raise self._missing("part(s)")
+
+    def attach(self, s: int, tensors: Dict[str, Tensor]):
+        raise self._missing("attach(s, tensors)")
+
+    def tensors_of(self, sub, detach: bool = True) -> Dict[str, Tensor]:
+        raise self._missing("tensors_of(sub)")
+
+    def compact(self, sub) -> Dict[str, Tensor]:
+        return self.tensors_of(sub)
+
+    def held(self, sub, optimizer, extra: Sequence = ()) -> tuple:
+        return (sub.module, optimizer, *extra)

@@ -174,6 +174,12 @@ class Comm:
         with self.clock("metrics"):
             return ledger.subnet_bytes(plan, spec, names=names)[worker]
 
+    @staticmethod
+    def coded_bytes(numel: int, codec: str, scales: int = 1) -> int:
+        """Bytes of ``numel`` values coded as ``codec`` (fp32, bf16, int8 with ``scales`` scales): the
+        ledger's :func:`~ist_kernels.distributed.ledger.coded_bytes`, for methods."""
+        return ledger.coded_bytes(numel, codec, scales)
+
     def model_ps_bytes(self, tensors: Sequence[Tensor]) -> int:
         """The parameter-server bytes of one worker that uploads and downloads ``tensors`` (local
         SGD), encoded as the run's ``--compress`` encodes them (int8: one scale per tensor)."""

@@ -19,15 +19,15 @@ from .checkpoint import check_resumable
 from .datasets import check_dataset, is_external
 from .errors import ConfigError
 from .models import check_model, load_model_spec
+from .outer import OUTER_OPTIMIZERS
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "cosine", "step")
 BACKENDS = ("auto", "gloo", "nccl")
 STORAGES = ("decentralized", "replicated")
 SHARED = ("all_reduce", "exact")
-OUTER_OPTIMIZERS = ("none", "nesterov")
 OPTIMIZERS = ("sgd", "adamw")
-#: the default --lr: by optimizer; diloco (its inner optimizer is AdamW whatever --optimizer says) takes AdamW's
+#: the default --lr: by the local optimizer (a method's ``inner_optimizer`` where it has one, else --optimizer)
 DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
 DEFAULT_MOMENTUM = 0.9  # SGD's
 DEFAULT_BETAS = (0.9, 0.999)
@@ -115,12 +115,13 @@ class TrainConfig:
                         "(every rank holds the full model; for testing)")
     shared: str = _opt("all_reduce", "how the shared tensors are averaged between rounds: all_reduce (ring; "
                        "equals --simulate to a few ulps) or exact (through the all-to-all; bit for bit, more bytes)")
-    outer_optimizer: str = _opt("none", "ist, masked, loft, resist, localsgd: an outer optimizer after each round's "
-                                "aggregation: nesterov (outer gradient = the previous model - the aggregate, SGD with "
-                                "Nesterov momentum, --outer-lr, --outer-momentum; decentralized storage: a slice's "
-                                "momentum travels with it to its next owner) or none")
-    outer_lr: float = _opt(0.7, "--outer-optimizer nesterov: outer learning rate (DiLoCo's 0.7)")
-    outer_momentum: float = _opt(0.9, "--outer-optimizer nesterov: outer momentum (DiLoCo's 0.9)")
+    outer_optimizer: str = _opt("none", "the methods that take one (ist, masked, loft, resist, localsgd): an outer "
+                                "optimizer step after each round's aggregation, on the pseudo-gradient (the previous "
+                                "model - the aggregate): nesterov (SGD with Nesterov momentum, DiLoCo's), sgd (heavy-"
+                                "ball momentum), adam (torch.optim.Adam at --outer-lr) or none; decentralized storage: "
+                                "a slice's outer state travels with it to its next owner")
+    outer_lr: float = _opt(0.7, "--outer-optimizer: outer learning rate (DiLoCo's 0.7)")
+    outer_momentum: float = _opt(0.9, "--outer-optimizer nesterov / sgd: outer momentum (DiLoCo's 0.9)")
     compress: str = _opt("none", "encode what the rounds send: none, bf16 (2 bytes a value) or int8 (1 byte a "
                          "value and a fp32 scale per slice / segment); the exchanges of the subnetwork methods "
                          "and the averages of local SGD (not ddp's gradients); simulated and distributed runs "
@@ -300,12 +301,6 @@ class TrainConfig:
             raise ConfigError("outer_momentum", f"must be in [0, 1), got {self.outer_momentum}")
         if self.compress not in COMPRESS:
             raise ConfigError("compress", f"--compress must be one of {', '.join(COMPRESS)}, got {self.compress!r}")
-        if self.compress != "none" and self.method == "ddp":
-            raise ConfigError("compress", f"--compress {self.compress}: ddp averages gradients inside torch's "
-                              "DistributedDataParallel, which sends them uncompressed; use --compress none")
-        if self.compress != "none" and self.method == "diloco":
-            raise ConfigError("compress", f"--compress {self.compress}: diloco codes its pseudo-gradients itself; "
-                              "use --option outer_grad=bf16 or outer_grad=int8 (and --compress none)")
         if self.compress != "none" and self.outer_optimizer != "none":
             raise ConfigError("compress", f"--compress {self.compress} with --outer-optimizer {self.outer_optimizer}: "
                               "not supported together (the outer step would act on coded values in one launch mode "
@@ -393,12 +388,21 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) if under_torchrun() else 0
 
 
+def inner_optimizer(method: str) -> Optional[str]:
+    """The local optimizer ``method`` always uses whatever --optimizer says (its class's
+    ``inner_optimizer``, e.g. diloco's AdamW), or None; None too for a name no method has."""
+    try:
+        return methods.get_method(method).inner_optimizer
+    except ConfigError:
+        return None
+
+
 def default_lr(method: str, optimizer: str) -> float:
     """The --lr a run of ``method`` with ``optimizer`` gets when none is given: 0.05 for SGD, 1e-3
-    for AdamW, and 1e-3 for diloco (its inner optimizer is always AdamW: AdamW's step is about lr per
+    for AdamW, by the method's own local optimizer where it has one (AdamW's step is about lr per
     coordinate whatever the gradient's scale, so SGD's 0.05 throws a transformer's weights, of std
     0.02, far away in one step)."""
-    return DEFAULT_LR["adamw" if method == "diloco" else optimizer]
+    return DEFAULT_LR[inner_optimizer(method) or optimizer]
 
 
 def _resolve_optimizer(cfg) -> None:
@@ -406,7 +410,12 @@ def _resolve_optimizer(cfg) -> None:
     resolved values are the config's: the checkpoint and summary.json store them). Idempotent."""
     if cfg.optimizer not in OPTIMIZERS:
         raise ConfigError("optimizer", f"must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}")
-    if cfg.optimizer == "adamw" and cfg.method != "diloco":
+    inner = inner_optimizer(cfg.method)
+    if inner is not None and (tuple(cfg.betas) != DEFAULT_BETAS or cfg.eps != 1e-8):
+        raise ConfigError("betas" if tuple(cfg.betas) != DEFAULT_BETAS else "eps",
+                          f"{cfg.method}'s inner {inner} takes its own options (--option NAME=VALUE), "
+                          "not --betas / --eps")
+    if cfg.optimizer == "adamw" and inner is None:
         if cfg.momentum is not None:
             raise ConfigError("momentum", f"--momentum {cfg.momentum} is SGD's; --optimizer adamw takes --betas B1,B2 "
                               "(the first is its momentum)")
@@ -416,9 +425,6 @@ def _resolve_optimizer(cfg) -> None:
         raise ConfigError("betas", f"expected two numbers in [0, 1) (B1,B2), got {list(cfg.betas)}")
     if not (cfg.eps > 0 and math.isfinite(cfg.eps)):
         raise ConfigError("eps", f"must be a finite number > 0, got {cfg.eps}")
-    if cfg.method == "diloco" and (tuple(cfg.betas) != DEFAULT_BETAS or cfg.eps != 1e-8):
-        raise ConfigError("betas" if tuple(cfg.betas) != DEFAULT_BETAS else "eps",
-                          "diloco's inner AdamW takes --option beta1=..., beta2=..., eps=...")
     if cfg.lr is None:
         cfg.lr = default_lr(cfg.method, cfg.optimizer)
     if cfg.momentum is None and cfg.optimizer == "sgd":

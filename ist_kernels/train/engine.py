@@ -45,24 +45,27 @@ bytes counted too). A 0-dim state (AdamW's step: the same count on every worker,
 ``local_steps`` steps a round) is not sent: under decentralized storage a rank gives the slices it
 receives the step of the ones it trained (the simulated run's owner mean of equal counts).
 
-Outer optimizer (``--outer-optimizer nesterov``, DiLoCo's outer step for the methods that take it):
-after a round's aggregation A, the parameters become θ_prev - lr (g + μ b) with g = θ_prev - A and
-b = μ b + g (:func:`outer_from_previous_`). ``SubnetRounds`` keeps b per plan tensor: simulated and
-replicated, whole; decentralized, for the slices this rank stores: a partitioned slice takes the
-step on the rank that trained it and goes to its next owners with its momentum (one more exchange),
-the shared tensors take it after their average. ``LocalModels`` keeps one b of the whole model.
+Outer optimizer (``--outer-optimizer``: :class:`ist_kernels.train.outer.OuterOptimizer`, DiLoCo's
+outer step for every method that takes one): after a round's aggregation A, one optimizer step from
+θ_prev with the pseudo-gradient g = θ_prev - A. ``SubnetRounds`` keeps its state per plan tensor:
+simulated and replicated, whole; decentralized, for the slices this rank stores: a partitioned slice
+takes the step on the rank that trained it and goes to its next owners with its state (one more
+exchange per state tensor of its shape), the shared tensors take it after their average.
+``LocalModels`` keeps one state of the whole model.
 """
 from __future__ import annotations
 
 import copy
-import math
 import warnings
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from .methods import Option, RoundResult, held_bytes
+from ..distributed import ledger
+from ..distributed.ledger import payoff, state_split  # noqa: F401  (the engine's: methods import them here)
+from .methods import Option, RoundResult, WorkerTurn, held_bytes, summed
+from .outer import OuterOptimizer
 
 MOMENTUM_STATES = ("reset", "aggregate")
 MOMENTUM_OPTION = Option("reset", str, "subnetwork momentum across rounds: reset (fresh optimizer state each "
@@ -166,40 +169,6 @@ def momentum_of(named_params, optimizer) -> Dict[str, Tensor]:
     return out
 
 
-@torch.no_grad()
-def outer_step_(params: List[Tensor], grads: List[Tensor], bufs: List[Tensor], lr: float, momentum: float,
-                nesterov: bool = True) -> None:
-    """One outer SGD step with momentum (DiLoCo's outer optimizer; ``--outer-optimizer nesterov``):
-    b = momentum b + g, then p -= lr (g + momentum b) (Nesterov) or p -= lr b: torch.optim.SGD's
-    update without dampening, its buffer starting at zero. Every product and sum is its own
-    correctly rounded op (no fused multiply-add), so a compact slice and the full tensor it was cut
-    from give the same bits. ``grads`` is overwritten."""
-    if not params:
-        return
-    torch._foreach_mul_(bufs, momentum)
-    torch._foreach_add_(bufs, grads)
-    if nesterov:
-        mb = torch._foreach_mul(bufs, momentum)
-        torch._foreach_add_(grads, mb)
-    else:
-        torch._foreach_copy_(grads, bufs)
-    torch._foreach_mul_(grads, lr)
-    torch._foreach_sub_(params, grads)
-
-
-@torch.no_grad()
-def outer_from_previous_(tensors: List[Tensor], previous: List[Tensor], bufs: List[Tensor], lr: float,
-                         momentum: float) -> None:
-    """``--outer-optimizer nesterov`` on tensors that hold the round's aggregate A, ``previous``
-    the model before the round: g = previous - A, then A becomes previous after a Nesterov step on g
-    (:func:`outer_step_`)."""
-    if not tensors:
-        return
-    g = torch._foreach_sub(previous, tensors)
-    torch._foreach_copy_(tensors, previous)
-    outer_step_(tensors, g, bufs, lr, momentum)
-
-
 def phase_rounds(rounds: int, fraction: float) -> int:
     """Rounds of the first phase: ``fraction`` of ``rounds`` (rounded), at least 1 when fraction > 0."""
     if fraction <= 0:
@@ -209,36 +178,6 @@ def phase_rounds(rounds: int, fraction: float) -> int:
 
 def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def state_split(plan, spec, param_names, momentum) -> Dict[str, int]:
-    """The whole model's state (parameters, buffers, and ``momentum`` optimizer state tensors of its
-    shape per parameter: ``ctx.param_state_tensors``; True counts as 1) split into what every
-    subnetwork holds whole (``shared_state_bytes``) and what the
-    plan partitions (``partitioned_state_bytes``): a worker of S holds about shared + partitioned / S."""
-    params = set(param_names)
-    out = {"shared_state_bytes": 0, "partitioned_state_bytes": 0}
-    for t in plan.tensors:
-        shape, dtype = spec[t.name]
-        n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        key = "shared_state_bytes" if t.shared else "partitioned_state_bytes"
-        out[key] += n * (1 + int(momentum) if t.name in params else 1)
-    return out
-
-
-def payoff(split: Dict[str, int], num_workers: int) -> Tuple[float, float]:
-    """(the partitioned fraction of the state, the bytes a round of decentralized subnetworks sends
-    relative to local SGD's ring all-reduce of the whole state), from :func:`state_split`: a rank
-    sends about the partitioned state's (S - 1) / S^2 (its slices to their next owners) plus the
-    ring all-reduce of the shared state, 2 (S - 1) / S of it; local SGD sends 2 (S - 1) / S of
-    everything."""
-    total = split["shared_state_bytes"] + split["partitioned_state_bytes"]
-    S = num_workers
-    if total == 0 or S < 2:
-        return 0.0, 1.0
-    frac = split["partitioned_state_bytes"] / total
-    sub = split["partitioned_state_bytes"] * (S - 1) / S ** 2 + split["shared_state_bytes"] * 2 * (S - 1) / S
-    return frac, sub / (total * 2 * (S - 1) / S)
 
 
 class PartitionPayoffWarning(UserWarning):
@@ -271,20 +210,9 @@ def warn_payoff(split: Dict[str, int], num_workers: int, method: str, where: str
 class SubnetRounds:
     """Trains rounds of ``plan_of(t)`` (round t's plan, the same on every rank) on ``model``.
 
-    A plan is what :class:`ist_kernels.partition.SubnetworkPlan` is (LOFT, ResIST; a method can
-    bring its own, e.g. ``masked``'s neuron plans):
-
-    - ``slices``: the round's :class:`~ist_kernels.partition.SlicePlan` (what each subnetwork
-      trains; the parameter-server count and replicated storage use it); ``storage_slices``
-      (optional, default ``slices``): what each rank stores under decentralized storage;
-    - ``build(optimizer)``: this process's subnetworks cut from the global model (indexable by
-      worker; each with ``index``, ``module`` and ``optimizer``), ``aggregate(subnetworks,
-      optimizer)`` puts them back owner-averaged, ``after_aggregate(model=None)``;
-    - ``part(s)``: rank s's stored tensors cut from the global model, ``attach(s, tensors)``: its
-      subnetwork around them, ``tensors_of(sub, detach=True)``: what it stores after training;
-    - optional: ``held_bytes(sub, optimizer, extra)`` (the state a worker holds; default: the
-      module's tensors, the optimizer's state and ``extra``) and ``reusable`` (default True: the
-      compact module may be kept across rounds of equal shapes).
+    A plan is a :class:`ist_kernels.partition.RoundPlan` (LOFT's, ResIST's and the transformer
+    plans, ``masked``'s neuron plans, GReLU's row plans): its contract and defaults are written
+    there, once.
 
     ``spec`` (default: the model's tensors) gives the plans' tensors' global shapes; ``tensors()``
     (default: the model's tensors) the global model's tensors as the plans state them; ``assemble(
@@ -325,12 +253,13 @@ class SubnetRounds:
         self._plans: Dict[int, object] = {}
         # decentralized: the compact module, its optimizer and tensors, kept while the shapes hold
         self._kept: Optional[Tuple[tuple, object, torch.optim.Optimizer, Dict[str, Tensor]]] = None
-        # --outer-optimizer nesterov: name -> outer momentum (decentralized: of this rank's stored slices)
-        self.outer_on = ctx.hp.outer_optimizer == "nesterov"
-        self.outer: Dict[str, Tensor] = {}
+        # --outer-optimizer: its state by plan name (decentralized: of this rank's stored slices)
+        self.outer = OuterOptimizer.of(ctx.hp.outer_optimizer, ctx.hp.outer_lr, ctx.hp.outer_momentum)
+        self.outer_on = self.outer is not None
         self.compress = ctx.comm.compress if ctx.num_workers > 1 else None
+        self._open: Optional[dict] = None  # the round begun and not yet ended (begin -> end)
 
-    # ---- the outer optimizer (--outer-optimizer nesterov)
+    # ---- the outer optimizer (--outer-optimizer)
     def _outer_names(self, plan) -> Tuple[List[str], List[str]]:
         """(partitioned, shared) floating parameters of the stored plan: what the outer step updates."""
         params = set(self.param_names)
@@ -340,14 +269,15 @@ class SubnetRounds:
                 (shared if t.shared else part).append(t.name)
         return part, shared
 
+    def _stored_names(self, plan, s: int, names) -> List[str]:
+        """Which of ``names`` worker s stores a slice of under decentralized storage."""
+        stored = {t.name: t for t in self.stored(plan).tensors}
+        return [n for n in names if n in stored and (stored[n].shared or stored[n].owners[s].numel() > 0)]
+
     def _outer_(self, tensors: Dict[str, Tensor], previous: Dict[str, Tensor], names) -> None:
         """The outer step on ``tensors[n]`` (the aggregate, or a worker's trained slice) from
-        ``previous[n]`` with the momentum ``self.outer[n]``, for ``names`` held here."""
-        names = [n for n in names if n in tensors]
-        bufs = [self.outer.setdefault(n, torch.zeros_like(previous[n])) for n in names]
-        hp = self.ctx.hp
-        outer_from_previous_([tensors[n] for n in names], [previous[n] for n in names], bufs, hp.outer_lr,
-                             hp.outer_momentum)
+        ``previous[n]``, for ``names`` held here."""
+        self.outer.step_(tensors, previous, names)
 
     # ---- plans (the last two are kept: this round's and the next)
     def plan(self, r: int):
@@ -361,7 +291,17 @@ class SubnetRounds:
     @staticmethod
     def stored(plan):
         """The plan's slices as the ranks store them (decentralized storage)."""
-        return getattr(plan, "storage_slices", plan.slices)
+        return plan.storage_slices
+
+    def open(self, r: int, method: str, where: str = "", momentum=0) -> Dict[str, int]:
+        """What every subnetwork method does before its first subnetwork round, once: round r's
+        plan's state split (:func:`state_split`, ``momentum`` optimizer tensors per parameter), the
+        payoff warning when the plan partitions too little (:func:`warn_payoff`, as
+        ``method + where``), then :meth:`start` at r. Returns the split (for summary.json)."""
+        split = state_split(self.plan(r).slices, self.spec, self.param_names, momentum)
+        warn_payoff(split, self.ctx.num_workers, method, where)
+        self.start(r)
+        return split
 
     def start(self, r: int) -> None:
         """Hold round ``r``'s plan; decentralized: cut this rank's part, drop the rest of the model."""
@@ -371,31 +311,57 @@ class SubnetRounds:
                 self.part = self.plan(r).part(self.ctx.rank)
                 to_meta_(self.model)
 
-    # ---- one round
-    def run(self, r: int, last: bool, phase: Optional[int] = None) -> RoundResult:
-        """Round r of plan r, aggregated and cut by plan r+1 (``last``: by plan r again)."""
+    # ---- one round, in two phases
+    def begin(self, r: int, last: bool, phase: Optional[int] = None) -> List[WorkerTurn]:
+        """Round r of plan r (aggregated and cut by plan r+1 at :meth:`end`; ``last``: by plan r
+        again): the turns of this process's subnetworks, each with its optimizer."""
         if self.held != r:
             raise RuntimeError(f"SubnetRounds: holds round {self.held}'s plan, asked to train round {r}")
+        if self._open is not None:
+            raise RuntimeError(f"SubnetRounds: round {self._open['r']} was begun and not ended")
         plan = self.plan(r)
         nxt = plan if last else self.plan(r + 1)
         ctx = self.ctx
         with ctx.clock("metrics"):
-            ps = (ctx.comm.ps_bytes(plan.slices, self.spec, download=getattr(plan, "ps_download", None),
+            ps = (ctx.comm.ps_bytes(plan.slices, self.spec, download=plan.ps_download,
                                     compress=self.compress) if ctx.num_workers > 1 else 0)
             if self.aggregate_momentum and ctx.num_workers > 1:  # each state tensor of a parameter's shape
                 ps += ctx.comm.ps_bytes(plan.slices, self.spec, names=self.param_names) * \
-                    getattr(ctx, "param_state_tensors", 1)
+                    ctx.param_state_tensors
             if self.outer_on and self.storage == "decentralized" and ctx.num_workers > 1:
-                ps += ctx.comm.ps_bytes(self.stored(plan), self.spec, names=self._outer_names(plan)[0])
-        loss, state = self._decentral(plan, nxt, r) if self.decentral else self._global(plan, nxt, r)
-        self.held = r if last else r + 1
-        return RoundResult(loss, len(ctx.local_workers) * ctx.local_steps, extra=None if phase is None else
-                           {"phase": phase}, ps_bytes=ps, state_bytes=state)
+                ps += ctx.comm.ps_bytes(self.stored(plan), self.spec, names=self._outer_names(plan)[0]) * \
+                    self.outer.tensors_per_param
+        state = dict(r=r, plan=plan, nxt=nxt, last=last, phase=phase, ps=ps)
+        turns = self._decentral_begin(plan, state) if self.decentral else self._global_begin(plan, state)
+        self._open = state
+        return turns
+
+    def end(self, r: int, losses: Sequence) -> RoundResult:
+        """Round r after its local steps (``losses``: each turn's summed loss): the exchange (or the
+        simulated aggregation), the outer step, and the round's result."""
+        state = self._open
+        if state is None or state["r"] != r:
+            raise RuntimeError(f"SubnetRounds: round {r} was not begun")
+        self._open = None
+        if len(losses) != len(state["turns"]):
+            raise ValueError(f"SubnetRounds: {len(state['turns'])} turns in round {r}, got {len(losses)} losses")
+        held = self._decentral_end(state) if self.decentral else self._global_end(state)
+        ctx = self.ctx
+        self.held = r if state["last"] else r + 1
+        phase = state["phase"]
+        return RoundResult(summed(losses), len(ctx.local_workers) * ctx.local_steps,
+                           extra=None if phase is None else {"phase": phase}, ps_bytes=state["ps"], state_bytes=held)
+
+    def run(self, r: int, last: bool, phase: Optional[int] = None) -> RoundResult:
+        """:meth:`begin`, the built-in local steps, :meth:`end`."""
+        turns = self.begin(r, last, phase)
+        return self.end(r, [self.ctx.train(t, r) for t in turns])
 
     @staticmethod
     def _held_bytes(plan, sub, opt, extra=()) -> int:
-        hook = getattr(plan, "held_bytes", None)
-        return hook(sub, opt, extra) if hook is not None else held_bytes(sub.module, opt, *extra)
+        """The ledger's count of what the plan says a worker holds (ints: bytes the plan counted)."""
+        things = plan.held(sub, opt, extra)
+        return sum(x for x in things if isinstance(x, int)) + held_bytes(*(x for x in things if not isinstance(x, int)))
 
     def _compact(self, plan, s: int):
         """This rank's subnetwork and optimizer for ``plan``, around ``self.part``: the kept ones
@@ -411,10 +377,10 @@ class SubnetRounds:
         sub = plan.attach(s, self.part)
         opt = self.ctx.make_optimizer(sub.module.parameters())
         mine = plan.tensors_of(sub, detach=False)
-        self._kept = (key, sub, opt, mine) if getattr(plan, "reusable", True) else None
+        self._kept = (key, sub, opt, mine) if plan.reusable else None
         return sub, opt, mine
 
-    def _decentral(self, plan, nxt, r):
+    def _decentral_begin(self, plan, state) -> List[WorkerTurn]:
         ctx, s = self.ctx, self.ctx.rank
         with ctx.clock("plan"):
             sub, opt, params = self._compact(plan, s)
@@ -423,30 +389,37 @@ class SubnetRounds:
                     opt.state[params[name]][key] = buf
                     for k, v in self.scalars.items():  # (AdamW's step: all of a parameter's state or none)
                         opt.state[params[name]].setdefault(k, v.clone())
-            if self.outer_on:  # the model before the round, and the momentum of every slice held
+            if self.outer_on:  # the model before the round, and the outer state of every slice held
                 part_names, shared_names = self._outer_names(plan)
                 prev = {n: self.part[n].detach().clone() for n in part_names + shared_names if n in self.part}
-                for n, t in prev.items():
-                    self.outer.setdefault(n, torch.zeros_like(t))
-        loss = ctx.train_local(sub.module, opt, s, r)
+                self.outer.init_state_(prev)
+                state.update(prev=prev, part_names=part_names, shared_names=shared_names)
+        state.update(sub=sub, opt=opt, params=params, turns=[WorkerTurn(s, sub.module, opt)])
+        return state["turns"]
+
+    def _decentral_end(self, state) -> Dict[int, int]:
+        ctx, s = self.ctx, self.ctx.rank
+        plan, nxt, r, sub, opt, params = (state[k] for k in ("plan", "nxt", "r", "sub", "opt", "params"))
         with ctx.clock("metrics"):
-            state = self._held_bytes(plan, sub, opt)
+            held = self._held_bytes(plan, sub, opt)
             if self.outer_on:
-                state += held_bytes(self.outer, prev)
+                held += held_bytes(self.outer.tensors(), state["prev"])
         with ctx.clock("plan"):
             trained = plan.tensors_of(sub)
             if self.outer_on:
+                prev, part_names, shared_names = state["prev"], state["part_names"], state["shared_names"]
                 # a partitioned slice takes its outer step where it was trained and goes to its next
                 # owners with its momentum (the step is linear: the owners' mean of the stepped slices
                 # and momenta is the step of their mean); shared tensors take it after their average
                 self._outer_(trained, prev, part_names)
             self.part = ctx.comm.exchange(self.stored(plan), self.stored(nxt), self.spec, trained, round=r + 1,
                                           compress=self.compress)
-            if self.outer_on:
-                moved = ctx.comm.exchange(self.stored(plan), self.stored(nxt), self.spec,
-                                          {n: self.outer[n] for n in part_names if n in self.outer},
-                                          names=part_names, round=r + 1)
-                self.outer = {**moved, **{n: self.outer[n] for n in shared_names if n in self.outer}}
+            if self.outer_on:  # every rank moves the same state keys, in the same order
+                held_states = self.outer.param_states(part_names, prev)
+                moved = {key: ctx.comm.exchange(self.stored(plan), self.stored(nxt), self.spec,
+                                                held_states.get(key, {}), names=part_names, round=r + 1)
+                         for key in self.outer.state_keys or ()}
+                self.outer.set_param_states(moved, part_names)
                 self._outer_(self.part, prev, shared_names)
             if self.aggregate_momentum:
                 names = set(self.param_names)
@@ -459,36 +432,45 @@ class SubnetRounds:
                 self.momentum = {key: ctx.comm.exchange(plan.slices, nxt.slices, self.spec, bufs,
                                                         names=self.param_names, round=r + 1)
                                  for key, bufs in states.items()}
-        return loss, {s: state}
+        return {s: held}
 
-    def _global(self, plan, nxt, r):
+    def _global_begin(self, plan, state) -> List[WorkerTurn]:
         ctx = self.ctx
         if self.outer_on:
             with ctx.clock("plan"):
                 part_names, shared_names = self._outer_names(plan)
                 now = self.tensors()
                 prev = {n: now[n].detach().clone() for n in part_names + shared_names}
-                outer_state = held_bytes(prev, *(self.outer.setdefault(n, torch.zeros_like(t)) for n, t in prev.items()))
+                self.outer.init_state_(prev)
+                outer_state = held_bytes(prev, self.outer.tensors())
+                state.update(prev=prev, part_names=part_names, shared_names=shared_names, outer_state=outer_state)
         with ctx.clock("pack"):
             subs = plan.build(self.optimizer)
         mine = [subs[s] for s in ctx.local_workers]
-        loss, state = 0.0, {}
+        with ctx.clock("plan"):
+            turns = [WorkerTurn(sub.index, sub.module, sub.optimizer if self.optimizer is not None
+                                else ctx.make_optimizer(sub.module.parameters())) for sub in mine]
+        state.update(mine=mine, turns=turns)
+        return turns
+
+    def _global_end(self, state) -> Dict[int, int]:
+        ctx = self.ctx
+        plan, nxt, r, mine, turns = (state[k] for k in ("plan", "nxt", "r", "mine", "turns"))
         # replicated storage: a worker also holds the global model (and its optimizer state)
         replicated = self.storage == "replicated"
         extra = (self.model, self.optimizer) if replicated else ()
-        for sub in mine:
-            with ctx.clock("plan"):
-                opt = sub.optimizer if self.optimizer is not None else ctx.make_optimizer(sub.module.parameters())
-            loss += ctx.train_local(sub.module, opt, sub.index, r)
-            with ctx.clock("metrics"):
-                state[sub.index] = self._held_bytes(plan, sub, opt, extra)
-                if self.outer_on:  # the momentum and the previous model of what the worker stores
-                    state[sub.index] += (outer_state if replicated else ctx.comm.ps_bytes_of(
-                        self.stored(plan), self.spec, sub.index, names=part_names + shared_names))
+        held = {}
+        with ctx.clock("metrics"):
+            for sub, turn in zip(mine, turns):
+                held[sub.index] = self._held_bytes(plan, sub, turn.optimizer, extra)
+                if self.outer_on:  # the outer state and the previous model of what the worker stores
+                    names = state["part_names"] + state["shared_names"]
+                    held[sub.index] += (state["outer_state"] if replicated else ctx.comm.ps_bytes_of(
+                        self.stored(plan), self.spec, sub.index, names=names) // 2 * (1 + self.outer.tensors_per_param)
+                        + self.outer.scalar_bytes(self._stored_names(plan, sub.index, names)))
         shared_means = {}
         if self.compress is not None and not ctx.distributed:  # what the compressed exchange delivers
-            compact = getattr(plan, "compact", None) or plan.tensors_of
-            shared_means = ctx.comm.compress_contributions(plan.slices, [compact(sub) for sub in mine])
+            shared_means = ctx.comm.compress_contributions(plan.slices, [plan.compact(sub) for sub in mine])
         with ctx.clock("unpack"):
             plan.aggregate(mine, self.optimizer)
         model = self.tensors()
@@ -499,6 +481,7 @@ class SubnetRounds:
             if not replicated:
                 ctx.comm.compress_held(plan.slices, self.stored(plan), model)
         states = param_states_of(self.model.named_parameters(), self.optimizer) if self.optimizer is not None else {}
+        outer_names = state.get("part_names", []) + state.get("shared_names", [])
         if ctx.distributed:  # replicated storage
             with ctx.clock("plan"):
                 ctx.comm.exchange(plan.slices, None, None, model, storage="replicated", round=r + 1,
@@ -508,19 +491,21 @@ class SubnetRounds:
                                       round=r + 1)
                 plan.after_aggregate()  # e.g. ResIST's full-model residual scales (already set; cheap)
                 if self.outer_on:
-                    self._outer_(self.tensors(), prev, part_names + shared_names)
-            return loss, state
+                    self._outer_(self.tensors(), state["prev"], outer_names)
+            return held
         if self.outer_on:
             with ctx.clock("plan"):
-                self._outer_(self.tensors(), prev, part_names + shared_names)
+                self._outer_(self.tensors(), state["prev"], outer_names)
         cur = plan.slices if replicated else self.stored(plan)
         for names, comp in [(list(model), self.compress)] + [(list(mom), None) for mom in states.values()]:
             # the optimizer's state tensors have their parameters' shapes: the model is the spec for all
             ctx.comm.count_exchange(cur, self.stored(nxt), self.spec, storage=self.storage, names=names,
                                     compress=comp)
-        if self.outer_on and self.storage == "decentralized":  # partitioned slices' momentum moves with them
-            ctx.comm.count_exchange(cur, self.stored(nxt), self.spec, storage=self.storage, names=part_names)
-        return loss, state
+        if self.outer_on and self.storage == "decentralized":  # partitioned slices' outer state moves with them
+            for _ in range(self.outer.tensors_per_param):
+                ctx.comm.count_exchange(cur, self.stored(nxt), self.spec, storage=self.storage,
+                                        names=state["part_names"])
+        return held
 
     # ---- the full model
     def _assemble(self, full: Dict[str, Tensor]) -> nn.Module:
@@ -544,20 +529,27 @@ class SubnetRounds:
         self.part = self.momentum = None
         self.scalars = {}
         self._kept = None
-        self.outer = {}
+        self._open = None
+        if self.outer is not None:
+            self.outer.state = {}
 
     # ---- resume: decentralized, this rank's part; otherwise the global model
     def state_dict(self):
         if self.decentral:
             return {"held": self.held, "part": self.part, "momentum": self.momentum, "scalars": self.scalars,
-                    "outer": self.outer}
+                    "outer": self._outer_state()}
         return {"held": self.held, "model": self.model.state_dict(),
-                "optimizer": None if self.optimizer is None else self.optimizer.state_dict(), "outer": self.outer}
+                "optimizer": None if self.optimizer is None else self.optimizer.state_dict(), "outer": self._outer_state()}
+
+    def _outer_state(self):
+        return {} if self.outer is None else self.outer.state_dict()
 
     def load_state_dict(self, state):
         self.held = state["held"]
         self._kept = None
-        self.outer = dict(state.get("outer") or {})
+        self._open = None
+        if self.outer is not None:
+            self.outer.load_state_dict(state.get("outer") or {})
         if self.decentral:
             self.part, self.momentum = state["part"], dict(state.get("momentum") or {})
             if any(isinstance(v, Tensor) for v in self.momentum.values()):  # a checkpoint of SGD momentum only
@@ -577,16 +569,16 @@ def averaged_tensors(model: nn.Module) -> List[Tensor]:
 
 
 def flat_bytes(tensors: List[Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(ledger.tensor_bytes(t) for t in tensors)
 
 
 class LocalModels:
     """This process's workers' copies of one model and their optimizers, trained with local SGD:
     ``run(r)`` is one round (local steps on every local worker, then the average of ``tensors``
     of every copy: by default parameters and floating buffers). Momentum buffers stay local.
-    ``--outer-optimizer nesterov`` (``outer=True``): after the average, a Nesterov step on the
-    parameters with the previous model minus the average as the gradient (one momentum per process,
-    the same on every rank). ``reset_state``: every optimizer's state is cleared after each average
+    ``--outer-optimizer`` (``outer=True``): after the average, an outer step on the parameters with
+    the previous model minus the average as the gradient (:class:`ist_kernels.train.outer.OuterOptimizer`,
+    one state per process, the same on every rank). ``reset_state``: every optimizer's state is cleared after each average
     (what a fresh optimizer has, as the subnetwork methods' ``momentum_state=reset``: local SGD's
     ``momentum_state=reset``, an ablation)."""
 
@@ -599,50 +591,75 @@ class LocalModels:
         self.tensors = tensors
         self.optimizers = {s: ctx.make_optimizer(m.parameters()) for s, m in models.items()}
         self._averaged = {s: tensors(m) for s, m in models.items()}
-        self.outer_on = outer and ctx.hp.outer_optimizer == "nesterov"
+        hp = ctx.hp
+        self.outer = OuterOptimizer.of(hp.outer_optimizer, hp.outer_lr, hp.outer_momentum) if outer else None
+        self.outer_on = self.outer is not None
         self._params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in models.items()}
-        self.outer: List[Tensor] = ([torch.zeros_like(p) for p in self._params[min(models)]]
-                                    if self.outer_on else [])
+        self._names = [str(i) for i in range(len(self._params[min(models)]))]  # the outer state's names
+        if self.outer_on:
+            self.outer.init_state_(dict(zip(self._names, self._params[min(models)])))
+        self._open: Optional[tuple] = None  # (round, phase, the model before it) between begin and end
 
     @property
     def model(self) -> nn.Module:
         """The first local worker's copy (after a round all copies are equal)."""
         return self.models[min(self.models)]
 
-    def run(self, r: int, phase: Optional[int] = None) -> RoundResult:
-        """The round's result: the local workers' summed loss, the papers' parameter-server bytes
-        (each worker up- and downloads the averaged tensors) and the state each worker held;
-        ``phase`` tags it (``extra["phase"]``). The average's bytes go through ``ctx.comm``."""
-        ctx = self.ctx
+    def begin(self, r: int, phase: Optional[int] = None) -> List[WorkerTurn]:
+        """Round r's turns: every local worker's copy and optimizer; ``phase`` tags the round's result
+        (``extra["phase"]``)."""
+        if self._open is not None:
+            raise RuntimeError(f"LocalModels: round {self._open[0]} was begun and not ended")
         workers = sorted(self.models)
         prev = [p.detach().clone() for p in self._params[workers[0]]] if self.outer_on else []
-        loss = sum(ctx.train_local(self.models[s], self.optimizers[s], s, r) for s in workers)
+        self._open = (r, phase, prev)
+        return [WorkerTurn(s, self.models[s], self.optimizers[s]) for s in workers]
+
+    def end(self, r: int, losses: Sequence) -> RoundResult:
+        """The round's result: the local workers' summed loss, the papers' parameter-server bytes
+        (each worker up- and downloads the averaged tensors) and the state each worker held. The
+        average's bytes go through ``ctx.comm``."""
+        if self._open is None or self._open[0] != r:
+            raise RuntimeError(f"LocalModels: round {r} was not begun")
+        _, phase, prev = self._open
+        self._open = None
+        ctx = self.ctx
+        workers = sorted(self.models)
+        if len(losses) != len(workers):
+            raise ValueError(f"LocalModels: {len(workers)} turns in round {r}, got {len(losses)} losses")
         with ctx.clock("metrics"):
-            state = {s: held_bytes(self.models[s], self.optimizers[s], self.outer, prev) for s in workers}
+            outer = self.outer.tensors() if self.outer_on else ()
+            state = {s: held_bytes(self.models[s], self.optimizers[s], outer, prev) for s in workers}
         ctx.comm.average_models_([self._averaged[s] for s in workers], round=r + 1)
         if self.outer_on:
             with ctx.clock("plan"), torch.no_grad():
                 first = self._params[workers[0]]
-                hp = ctx.hp
-                outer_from_previous_(first, prev, self.outer, hp.outer_lr, hp.outer_momentum)
+                self.outer.step_(dict(zip(self._names, first)), dict(zip(self._names, prev)), self._names)
                 for s in workers[1:]:
                     torch._foreach_copy_(self._params[s], first)
         if self.reset_state:
             for s in workers:
                 self.optimizers[s].state.clear()
         ps = sum(ctx.comm.model_ps_bytes(self._averaged[s]) for s in workers) if ctx.num_workers > 1 else 0
-        return RoundResult(loss, len(workers) * ctx.local_steps, extra=None if phase is None else
+        return RoundResult(summed(losses), len(workers) * ctx.local_steps, extra=None if phase is None else
                            {"phase": phase}, ps_bytes=ps, state_bytes=state)
+
+    def run(self, r: int, phase: Optional[int] = None) -> RoundResult:
+        """:meth:`begin`, the built-in local steps, :meth:`end`."""
+        turns = self.begin(r, phase)
+        return self.end(r, [self.ctx.train(t, r) for t in turns])
 
     def state_dict(self):
         return {"models": {s: m.state_dict() for s, m in self.models.items()},
                 "optimizers": {s: o.state_dict() for s, o in self.optimizers.items()},
-                "outer": list(self.outer)}
+                "outer": self.outer.state_dict() if self.outer_on else {}}
 
     def load_state_dict(self, state):
         for s in self.models:
             self.models[s].load_state_dict(state["models"][s])
             self.optimizers[s].load_state_dict(state["optimizers"][s])
         if self.outer_on and state.get("outer"):
-            with torch.no_grad():
-                torch._foreach_copy_(self.outer, list(state["outer"]))
+            outer = state["outer"]
+            if isinstance(outer, (list, tuple)):  # an older checkpoint: the SGD momentum by position
+                outer = dict(zip(self._names, outer))
+            self.outer.load_state_dict(outer)

@@ -55,7 +55,8 @@ def resolve_device(cfg: TrainConfig, local_rank: int, processes: int, spawned: b
         return torch.device("cpu")
     if processes > 1:  # one GPU per process
         return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device(d if ":" in d else "cuda")
+    # an index always: torch.cuda.set_device and the device's streams need one ("cuda" alone is the current device)
+    return torch.device(d) if ":" in d else torch.device("cuda", torch.cuda.current_device())
 
 
 def resolve_backend(cfg: TrainConfig, device: torch.device) -> str:

@@ -31,18 +31,18 @@ none). Every other keyword is an ``ist-train`` option by its config name (``lr``
 ``options={"partition": "heads"}``, ``storage``, ``out_dir``, ``checkpoint_interval``, ``resume``,
 ``seed``, ``timeout_s``, ...): ``Engine.options()`` lists them.
 
-How it works: a method's round calls its worker view's ``train_local(model, optimizer, worker, r)``
-once per local worker. The engine runs the round on a helper thread and, at each such call, hands the
-subnetwork and optimizer to your loop on the calling thread and waits (the two threads never run at
-once: no locks are needed and collectives run on one thread at a time); when your loop asks for the
-next worker, the round continues. The time your loop spends is the round's ``local`` time.
+How it works: a method's round has two phases (:mod:`ist_kernels.train.methods`): entering a round
+runs the first (``Run.begin_round``: the plan, the subnetworks and their optimizers, the workers'
+turns), iterating it hands you the turns one after another, and leaving the iteration runs the second
+(``Run.end_round``: exchange, aggregation, outer step, scores, metrics, checkpoint). Everything runs in
+your thread, in your loop's order: no thread, no queue; an exception raises where it happens (in the
+engine's phases, out of the ``for`` statement that entered or left them). The time your loop spends
+with a worker is the round's ``local`` time.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-import queue
-import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch
@@ -53,43 +53,47 @@ from .config import TrainConfig, under_torchrun
 from .datasets import ShardedData, augment_default, load_dataset, register_factory
 from .errors import ConfigError
 from .launch import resolve_backend, resolve_device, set_threads
+from .methods import WorkerTurn
 from .runner import Run, World
-
-_DONE = object()  # the round finished (engine -> loop)
-_ABORT = object()  # the loop stopped before the round's end (loop -> engine)
-
-
-class _Aborted(BaseException):
-    """Raised inside the engine's round when the user's loop left it early (not an Exception, so
-    no method's ``except Exception`` swallows it)."""
 
 
 class Worker:
     """One worker's turn in a round: ``model`` (its subnetwork, or the whole model for local-SGD
     methods), ``optimizer`` (over ``model``'s parameters, built by the engine from the config: SGD
-    with ``lr``, ``momentum``, ``weight_decay``, or AdamW with ``optimizer="adamw"``), ``index`` (the worker, 0..S-1), ``round`` (r)."""
+    with ``lr``, ``momentum``, ``weight_decay``, or AdamW with ``optimizer="adamw"``), ``index`` (the
+    worker, 0..S-1), ``round`` (r)."""
 
-    def __init__(self, engine: "Engine", model: nn.Module, optimizer, index: int, r: int):
-        self.model, self.optimizer, self.index, self.round = model, optimizer, index, r
+    def __init__(self, engine: "Engine", turn: WorkerTurn, r: int):
+        self.model, self.optimizer, self.index, self.round = turn.model, turn.optimizer, turn.worker, r
+        self._turn = turn
         self._engine = engine
-        self.loss_sum = 0.0
+        self.loss_sum: Union[float, torch.Tensor] = 0.0
         self.steps = 0
 
     def add_loss(self, loss: Union[float, torch.Tensor], steps: int = 1) -> None:
-        """Count a local step's loss into the round's ``train_loss`` (metrics.jsonl)."""
-        self.loss_sum += float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        """Count a local step's loss into the round's ``train_loss`` (metrics.jsonl); a tensor stays
+        on its device (no host synchronisation)."""
+        weight = len(self._turn.batch_workers)  # (simulated ddp: one step on every worker's batch)
+        if isinstance(loss, torch.Tensor):
+            v = loss.detach().double()
+            self.loss_sum = self.loss_sum + (v * weight if weight > 1 else v)
+        else:
+            self.loss_sum = self.loss_sum + float(loss) * weight
         self.steps += steps
 
     def batches(self) -> Iterator:
         """The ``local_steps`` batches ``(x, y)`` ``ist-train`` would give this worker in this round
-        (needs ``dataset``); before each, the optimizer's learning rate is set from the schedule."""
+        (needs ``dataset``); before each, the optimizer's learning rate is set from the schedule, and
+        after each step the method's per-step hook runs (ddp: its gradient all-reduce's count)."""
         ctx = self._engine._run.ctx
         if ctx.data is None:
             raise RuntimeError("Worker.batches(): the engine has no dataset; pass Engine(dataset=...) or bring "
                                "your own batches")
         for i in range(ctx.local_steps):
             ctx.set_lr(self.optimizer, self.round, i)
-            yield ctx.batch(self.index, self.round, i)
+            yield ctx.turn_batch(self._turn, self.round, i)
+            if self._turn.on_step is not None:
+                self._turn.on_step()
 
     def loss(self, out, y) -> torch.Tensor:
         """``ist-train``'s loss for the dataset's task (cross-entropy on logits, or on ``.logits``)."""
@@ -111,57 +115,27 @@ class Round:
             raise RuntimeError(f"round {self.index} was iterated already")
         self._used = True
         eng = self.engine
-        to_loop: "queue.Queue" = queue.Queue()
-        to_engine: "queue.Queue" = queue.Queue()
-        device = eng._world.device
-
-        def train_local(model, optimizer, worker, r):
-            to_loop.put((model, optimizer, worker))
-            msg = to_engine.get()
-            if msg is _ABORT:
-                raise _Aborted()
-            return msg
-
-        def body():
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            try:
-                to_loop.put((_DONE, eng._run.round(self.index)))
-            except BaseException as e:  # noqa: B902 - handed to the loop's thread, which raises it
-                to_loop.put((_DONE, e))
-
-        eng._train_local = train_local
-        thread = threading.Thread(target=body, name=f"ist-engine-round-{self.index}", daemon=True)
-        thread.start()
-        current: Optional[Worker] = None
+        run, clock = eng._run, eng._run.ctx.clock
         finished = False
         try:
-            while True:
-                msg = to_loop.get()
-                if msg[0] is _DONE:
-                    finished = True
-                    if isinstance(msg[1], _Aborted):
-                        raise RuntimeError(f"round {self.index} was left before its end")
-                    if isinstance(msg[1], BaseException):
-                        eng._broken = msg[1]
-                        raise msg[1]
-                    self.record = msg[1]
-                    return
-                model, optimizer, index = msg
-                current = Worker(eng, model, optimizer, index, self.index)
-                yield current
-                eng._losses.append((current.loss_sum, current.steps))
-                to_engine.put(current.loss_sum)
-                current = None
+            turns = run.begin_round(self.index)
+            losses = []
+            for turn in turns:
+                worker = Worker(eng, turn, self.index)
+                with clock("local"):
+                    yield worker
+                losses.append(worker.loss_sum)
+            self.record = run.end_round(self.index, losses)
+            finished = True
+        except BaseException as e:  # noqa: B902 - re-raised: the engine is broken from here on
+            eng._broken = e if isinstance(e, Exception) else RuntimeError(
+                f"round {self.index} did not finish (the training loop left it); the engine cannot continue: "
+                f"resume from its last checkpoint")
+            raise
         finally:
-            if not finished:  # the loop stopped early (break, an exception): unwind the engine's round
-                to_engine.put(_ABORT)
-                thread.join()
+            if not finished and eng._broken is None:  # the loop left the round early (break, close())
                 eng._broken = RuntimeError(f"round {self.index} did not finish (the training loop left it); "
                                            f"the engine cannot continue: resume from its last checkpoint")
-            else:
-                thread.join()
-            eng._train_local = None
 
 
 class Engine:
@@ -170,6 +144,8 @@ class Engine:
     def __init__(self, model: Union[Callable[[], nn.Module], str], *, method: str = "ist",
                  workers: Optional[int] = None, dataset: Optional[str] = None,
                  evaluate: Optional[Callable[[nn.Module], Dict[str, float]]] = None, **config: Any):
+        if isinstance(config.get("device"), torch.device):  # a torch.device as the string the config takes
+            config["device"] = str(config["device"])
         if "simulate" in config or "model" in config:
             raise TypeError("Engine: pass the model as the first argument and the worker count as workers=")
         unknown = sorted(set(config) - {f.name for f in dataclasses.fields(TrainConfig)})
@@ -216,13 +192,10 @@ class Engine:
         if dataset is not None:
             data = ShardedData(load_dataset(cfg), cfg.num_workers, cfg.batch_size, cfg.seed, device,
                                augment_default(cfg))
-        self._train_local: Optional[Callable] = None
-        self._losses: List = []
         self._broken: Optional[BaseException] = None
         self._summary: Optional[Dict[str, Any]] = None
         self._closed = False
-        self._run = Run(cfg, self._world, data=data,
-                        train_local=lambda *a: self._dispatch(*a), scores=evaluate)
+        self._run = Run(cfg, self._world, data=data, scores=evaluate, load_data=False)
         self._begun = False
 
     # -- what the engine is
@@ -249,11 +222,6 @@ class Engine:
         return self._run.history
 
     # -- the rounds
-    def _dispatch(self, model, optimizer, worker, r):
-        if self._train_local is None:
-            raise RuntimeError("Engine: a round's local steps were asked for outside Engine.rounds()")
-        return self._train_local(model, optimizer, worker, r)
-
     def _check(self) -> None:
         if self._closed:
             raise RuntimeError("Engine: closed")
@@ -266,7 +234,11 @@ class Engine:
         each; iterate each round's workers before asking for the next round."""
         self._check()
         if not self._begun:
-            self._run.begin()
+            try:
+                self._run.begin()
+            except Exception as e:
+                self._broken = e
+                raise
             self._begun = True
         for r in self._run.pending():
             self._check()

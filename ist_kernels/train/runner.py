@@ -11,18 +11,19 @@ import math
 import os
 import socket
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..distributed import ledger
 from ..distributed.group import collective_timeout, wait_collective
 from . import checkpoint
 from .checkpoint import atomic_json, atomic_torch_save
 from .config import restart_count, under_torchrun
 from .datasets import ShardedData, augment_default, load_dataset
 from .errors import ConfigError, RankStateError
-from .methods import get_method
+from .methods import WorkerTurn, get_method
 from .output import MetricsLog, bytes_by_phase, progress_bar, time_by_phase
 from .timing import PARTS, TRAIN_PARTS
 from .worker import AUTOCAST_DTYPES, RunContext, World, evaluate, lr_at  # noqa: F401  (the trainer's API)
@@ -89,30 +90,31 @@ class Run:
     """One run of one config on this process, a round at a time: the round engine as a library.
 
     ``Run(cfg, world)`` sets the run up (data shards, the method, a checkpoint to resume from);
-    :meth:`begin` scores round 0 (a fresh run), :meth:`round` runs round r (the method's round:
-    plan, subnetworks, local steps, exchange, outer step) with its evaluation, metrics and
-    checkpoint, and :meth:`finish` writes the outputs (rank 0) and returns the summary. ``ist-train``
-    is ``for r in run.pending(): run.round(r)`` between the two (:func:`train`); a user's own loop
-    (:mod:`ist_kernels.train.library`) runs the same object with its own local steps
-    (``train_local``) and scores (``scores``) in place of the data set's.
+    :meth:`begin` scores round 0 (a fresh run); a round is :meth:`begin_round` (the method plans it
+    and cuts this process's workers' subnetworks: their :class:`~ist_kernels.train.methods.WorkerTurn`
+    s), the turns' local steps, then :meth:`end_round` (the method's exchange, aggregation and outer
+    step, then the round's evaluation, metrics and checkpoint); :meth:`finish` writes the outputs
+    (rank 0) and returns the summary. ``ist-train`` is ``for r in run.pending(): run.round(r)``
+    between the two (:func:`train`; :meth:`round` trains the turns with the built-in local steps);
+    a user's own loop (:mod:`ist_kernels.train.library`) trains the turns itself, with its own
+    scores (``scores``) in place of the data set's.
 
     ``data``: the sharded data the built-in local steps and scores read (default: the config's data
-    set); ``model_factory``: builds the global model (default: the config's model); ``train_local``:
-    ``fn(model, optimizer, worker, r) -> summed loss`` replacing the built-in local steps;
-    ``scores``: ``fn(model) -> dict`` replacing the built-in test-set scores.
+    set, unless ``load_data`` is False: a user's loop that brings its own batches); ``model_factory``:
+    builds the global model (default: the config's model); ``scores``: ``fn(model) -> dict``
+    replacing the built-in test-set scores.
     """
 
-    def __init__(self, cfg, world: World, *, data=None, model_factory=None, train_local=None, scores=None):
+    def __init__(self, cfg, world: World, *, data=None, model_factory=None, scores=None, load_data: bool = True):
         t_setup = time.perf_counter()
         _warm_up()
         self.cfg, self.world = cfg, world
         method_cls = get_method(cfg.method)
-        if data is None and train_local is None:
+        if data is None and load_data:
             dataset = load_dataset(cfg)
             data = ShardedData(dataset, cfg.num_workers, cfg.batch_size, cfg.seed, world.device, augment_default(cfg))
         self.rounds = resolve_rounds(cfg, data.shard_size if data is not None else 0)
-        self.ctx = ctx = RunContext(cfg, world, data, self.rounds, model_factory=model_factory,
-                                    train_local=train_local, evaluate=scores)
+        self.ctx = ctx = RunContext(cfg, world, data, self.rounds, model_factory=model_factory, evaluate=scores)
         self.method = method_cls(ctx)
         self.rank0 = world.rank == 0
         self.out_dir = cfg.resolved_out_dir()
@@ -139,6 +141,7 @@ class Run:
         self.cap = None if cfg.max_rank_state_mb is None else cfg.max_rank_state_mb * 1e6
         self.bar = None
         self.scored = {rec["round"] for rec in history if "test_loss" in rec}  # rounds whose model was scored
+        self._open = None  # (round, its start, its turns) between begin_round and end_round
 
     @property
     def history(self):
@@ -216,15 +219,40 @@ class Run:
                                 desc=f"{cfg.method} S={cfg.num_workers}")
 
     def round(self, r: int) -> Dict[str, Any]:
-        """Round r: the method's round, then its scores (every ``eval_interval`` rounds and the
-        last), the metrics summed over the ranks, a checkpoint when one is due; returns the round's
-        record (metrics.jsonl's line; rank 0's carries the scores)."""
+        """Round r with the built-in local steps: :meth:`begin_round`, ``ctx.train`` of every turn,
+        :meth:`end_round`; returns the round's record."""
+        turns = self.begin_round(r)
+        return self.end_round(r, [self.ctx.train(turn, r) for turn in turns])
+
+    def begin_round(self, r: int) -> List[WorkerTurn]:
+        """Round r's first phase: the method plans it and cuts this process's workers' (sub)models;
+        returns their turns (train each, then call :meth:`end_round`)."""
+        if self._open is not None:
+            raise RuntimeError(f"Run: round {self._open[0]} was begun and not ended")
+        if r not in self.pending():
+            raise RuntimeError(f"Run: round {r} is not pending (rounds left: {self.start}..{self.end - 1})")
+        _crash_for_tests(r, self.world)
+        t0 = time.perf_counter()
+        _delay_for_tests(self.world)
+        turns = self.method.begin_round(r)
+        self._open = (r, t0, len(turns))
+        return turns
+
+    def end_round(self, r: int, losses: Sequence) -> Dict[str, Any]:
+        """Round r's second phase, after its turns' local steps (``losses``: each turn's summed
+        loss, a float or a 0-dim tensor, in the turns' order): the method's exchange, aggregation
+        and outer step, then its scores (every ``eval_interval`` rounds and the last), the metrics
+        summed over the ranks, a checkpoint when one is due; returns the round's record
+        (metrics.jsonl's line; rank 0's carries the scores)."""
+        if self._open is None or self._open[0] != r:
+            raise RuntimeError(f"Run: round {r} was not begun (begin_round first)")
+        _, t0, n_turns = self._open
+        if len(losses) != n_turns:
+            raise ValueError(f"Run.end_round: round {r} handed out {n_turns} turns, got {len(losses)} losses")
+        self._open = None
         ctx, cfg, world, method, S = self.ctx, self.cfg, self.world, self.method, self.cfg.num_workers
         comm, clock = ctx.comm, ctx.clock
-        _crash_for_tests(r, world)
-        t0 = time.perf_counter()
-        _delay_for_tests(world)
-        res = method.run_round(r)
+        res = method.end_round(r, list(losses))
         if world.device.type == "cuda":
             torch.cuda.synchronize(world.device)
         self.train_time += time.perf_counter() - t0
@@ -232,8 +260,8 @@ class Run:
         taken = comm.take()
         sent = taken["sent"] + res.bytes_sent
         sent_by_worker, link_by_worker = [0] * S, [0] * S
-        for i, s in enumerate(ctx.local_workers):  # what the method reported apart, shared evenly
-            apart = res.bytes_sent // len(ctx.local_workers) + (1 if i < res.bytes_sent % len(ctx.local_workers) else 0)
+        # what the method reported apart, shared evenly
+        for s, apart in zip(ctx.local_workers, ledger.split_evenly(res.bytes_sent, len(ctx.local_workers))):
             sent_by_worker[s] = taken["sent_by_worker"][s] + apart
             link_by_worker[s] = taken["link_by_worker"][s] + apart
         scores = {}
@@ -245,7 +273,7 @@ class Run:
             for s, b in (res.state_bytes or {}).items():
                 per_worker[s] = b
             entered = taken["entered"]
-            stats = self._sum_over_ranks([res.loss_sum, res.steps, sent, res.ps_bytes, comm.take()["gathered"],
+            stats = self._sum_over_ranks([float(res.loss_sum), res.steps, sent, res.ps_bytes, comm.take()["gathered"],
                                           *per_worker, *sent_by_worker, *link_by_worker,
                                           len(entered), len(entered) ** 2], "the round's metrics", r)
             loss_sum, steps, bytes_sent, ps, gathered = stats[:5]
@@ -334,8 +362,8 @@ def _write_outputs(cfg, world, method, model, hist, final_gather, rounds, out_di
         "method": cfg.method, "model": cfg.model, "dataset": cfg.dataset, "workers": S,
         "mode": "simulated" if world.simulated else ("distributed" if world.distributed else "single"),
         "storage": cfg.storage, "shared": cfg.shared, "compress": cfg.compress,
-        # the local optimizer and its resolved base learning rate (diloco's inner optimizer is AdamW)
-        "optimizer": "adamw" if cfg.method == "diloco" else cfg.optimizer, "lr": cfg.lr,
+        # the local optimizer (a method's own, e.g. diloco's AdamW, else --optimizer) and its resolved base lr
+        "optimizer": method.inner_optimizer or cfg.optimizer, "lr": cfg.lr,
         "rounds": final["round"], "finished": final["round"] == rounds,
         "accuracy": final.get("accuracy"), "test_loss": final.get("test_loss"),
         # the split those scores read: "test", or "holdout" (--holdout: a part of the training set)

@@ -9,11 +9,14 @@ A method gets, through ``ctx``:
   :class:`HyperParams`; ``local_steps`` and ``rounds`` directly);
 - building blocks: ``build_model(factory=None)`` (seeded, identical on every rank),
   ``generator(*tags)`` (the round's generator: plans are derived, never sent),
-  ``make_optimizer(params)``, ``train_local(model, optimizer, worker, r)`` (the local steps, timed
-  as ``local``), ``evaluate(model)``, ``full_state_bytes(model)``;
+  ``make_optimizer(params)``, ``evaluate(model)``, ``full_state_bytes(model)``;
 - ``comm`` (:class:`ist_kernels.train.comm.Comm`): moves slices, averages shared tensors, gathers
   the full model, and counts the bytes and the time of all of it;
 - ``clock`` (:class:`ist_kernels.train.timing.Clock`): where the round's time goes.
+
+A method never runs local steps: its ``begin_round`` hands out :class:`WorkerTurn`s and whoever
+drives the run trains them; ``train(turn, r)`` is the built-in local steps (``ist-train``'s),
+timed as ``local``.
 
 The trainer (:mod:`.runner`) builds one per process and owns everything else: data, the schedule,
 evaluation, metrics, checkpoints, launching.
@@ -36,6 +39,7 @@ from .comm import Comm
 from .config import DEFAULT_MOMENTUM, HyperParams, default_lr
 from .datasets import ShardedData, _mix
 from .errors import ConfigError
+from .methods import WorkerTurn
 from .models import build_model, load_model_spec
 from .timing import Clock
 
@@ -86,11 +90,9 @@ class RunContext:
 
     def __init__(self, cfg, world: World, data: Optional[ShardedData], rounds: int, *,
                  model_factory: Optional[Callable[[], nn.Module]] = None,
-                 train_local: Optional[Callable[..., float]] = None,
                  evaluate: Optional[Callable[[nn.Module], Dict[str, float]]] = None):
         """``data``: the shards the built-in local steps and scores read (None when a user's loop
-        brings its own: ``train_local`` and ``evaluate`` then replace them, see
-        :mod:`ist_kernels.train.library`); ``model_factory``: builds the global model in place of
+        brings its own batches and ``evaluate`` its scores, see :mod:`ist_kernels.train.library`); ``model_factory``: builds the global model in place of
         the config's."""
         self._cfg = cfg
         self.hp = HyperParams(cfg)
@@ -100,7 +102,6 @@ class RunContext:
         self._model_factory = model_factory
         #: --model-spec: what the partitions take where a model's structure is not found (None: find it)
         self.model_spec = load_model_spec(cfg.model_spec)
-        self._user_train_local = train_local
         self._user_evaluate = evaluate
         self.rounds = rounds
         self.options: Dict[str, Any] = cfg.options
@@ -284,25 +285,41 @@ class RunContext:
         """Batch of local step i of round r for ``worker`` (the same in every launch mode)."""
         return self.data.batch(worker, r * self.local_steps + i)
 
-    def train_local(self, model: nn.Module, optimizer, worker: int, r: int, steps: Optional[int] = None) -> float:
-        """``steps`` (default local_steps) SGD steps of ``worker`` in round r; returns the summed loss.
-        A user's loop (``train_local`` given to the context) trains instead, timed the same."""
-        if self._user_train_local is not None:
-            with self.clock("local"):
-                return float(self._user_train_local(model, optimizer, worker, r))
+    def turn_batch(self, turn, r: int, i: int):
+        """Batch of local step i of round r for a :class:`~ist_kernels.train.methods.WorkerTurn`: its
+        worker's batch, or its ``batch_workers``' batches concatenated (simulated DDP)."""
+        if len(turn.batch_workers) == 1:
+            return self.batch(turn.batch_workers[0], r, i)
+        batches = [self.batch(s, r, i) for s in turn.batch_workers]
+        return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+
+    def train(self, turn, r: int, steps: Optional[int] = None) -> torch.Tensor:
+        """The built-in local steps of ``turn`` (a :class:`~ist_kernels.train.methods.WorkerTurn`)
+        in round r: ``steps`` (default local_steps) steps on its batches with the learning rate
+        schedule, timed as ``local``. Returns the summed loss as a float64 0-dim tensor on the
+        device (no host synchronisation per step); a turn over several workers' batches (simulated
+        DDP) counts each step's loss once per worker."""
+        model, optimizer = turn.model, turn.optimizer
+        weight = len(turn.batch_workers)
         with self.clock("local"):
             model.train()
             total = torch.zeros((), device=self.device, dtype=torch.float64)
             for i in range(self.local_steps if steps is None else steps):
                 self.set_lr(optimizer, r, i)
-                x, y = self.batch(worker, r, i)
+                x, y = self.turn_batch(turn, r, i)
                 optimizer.zero_grad(set_to_none=True)
                 with self.autocast():
                     out = model(x)
                 loss = self.loss(out, y)
-                self.backward_step(loss, optimizer, worker)
-                total += loss.detach()
-            return float(total)
+                self.backward_step(loss, optimizer, turn.worker)
+                if turn.on_step is not None:
+                    turn.on_step()
+                total += loss.detach() * weight if weight > 1 else loss.detach()
+            return total
+
+    def train_local(self, model: nn.Module, optimizer, worker: int, r: int, steps: Optional[int] = None) -> float:
+        """:meth:`train` of ``worker``'s ``model`` and ``optimizer``, its summed loss as a float."""
+        return float(self.train(WorkerTurn(worker, model, optimizer), r, steps))
 
     @property
     def scored_on(self) -> Optional[str]:

@@ -2,7 +2,7 @@
 
 A method is one file in this package plus one line in :data:`METHODS`::
 
-    from . import Method, Option, RoundResult, register_method
+    from . import Method, Option, RoundResult, WorkerTurn, register_method
 
     @register_method("name")
     class Name(Method):
@@ -13,21 +13,30 @@ A method is one file in this package plus one line in :data:`METHODS`::
         def validate(cls, hp): ...            # optional; hp: the read-only hyper-parameters;
                                               #   raise ConfigError(option, why)
         def __init__(self, ctx): ...          # setup on every rank: models, optimizers
-        def run_round(self, r): ...           # tau local steps + aggregation -> RoundResult
+        def begin_round(self, r): ...         # plan, cut the subnetworks -> [WorkerTurn] (this process's)
+        def end_round(self, r, losses): ...   # exchange, aggregation, outer step -> RoundResult
         def global_model(self): ...           # the full model; every rank calls it (may gather)
         def state_dict(self): ...             # all resume needs for this process's workers:
         def load_state_dict(self, state): ... #   models, optimizer states, plan generator states
         def evaluate(self, model): ...        # optional; default: ctx.evaluate (test loss, accuracy)
         def summary(self): ...                # optional; extra entries for summary.json
 
+A round is split in two phases and the method never runs the local steps itself:
+``begin_round(r)`` returns the workers this process trains in round r, each a :class:`WorkerTurn`
+(its (sub)model and optimizer); whoever drives the run (``ist-train``'s loop, a user's loop through
+:class:`ist_kernels.train.Engine`, an experiment) runs their local steps; ``end_round(r, losses)``
+takes the turns' summed losses (in the turns' order) and finishes the round. No thread, no
+callback: an exception raises where it happens. :meth:`Method.run_round` is the whole round with
+the built-in local steps (``ctx.train``), for scripts and tests.
+
 ``ctx`` is the worker view (:class:`ist_kernels.train.worker.RunContext`): S, rank, the local
 workers, device, the resolved options, the read-only hyper-parameters (``ctx.hp``), a model
 factory (``ctx.build_model``), the round's generator (``ctx.generator(TAG, r)``: plans are derived
-on every rank, never sent), ``ctx.make_optimizer``, ``ctx.train_local(model, optimizer, worker, r)``,
-and ``ctx.comm`` (:class:`ist_kernels.train.comm.Comm`), which moves slices, averages shared
-tensors, gathers the full model and counts the bytes and time of it all. The round engine
+on every rank, never sent), ``ctx.make_optimizer``, and ``ctx.comm``
+(:class:`ist_kernels.train.comm.Comm`), which moves slices, averages shared tensors, gathers the
+full model and counts the bytes and time of it all. The round engine
 (:mod:`ist_kernels.train.engine`) runs subnetwork rounds (plan -> compact state -> local steps ->
-exchange) and local-SGD rounds for every launch mode and storage.
+exchange) and local-SGD rounds for every launch mode and storage, in the same two phases.
 
 The rules that keep methods independent: a method never reads the trainer's config (only
 ``ctx.hp`` and its options), never imports ``ist_kernels.distributed`` (only ``ctx.comm``), never
@@ -44,10 +53,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import torch
 
+from ...distributed.ledger import held_bytes  # noqa: F401  (what methods count held state with)
 from ..errors import ConfigError
 
 #: name -> the module of this package that registers it (one line per method)
@@ -110,6 +120,37 @@ class RoundResult:
     state_bytes: Optional[Dict[int, int]] = None
 
 
+@dataclass
+class WorkerTurn:
+    """One worker's local steps in a round, as :meth:`Method.begin_round` hands them out:
+    ``worker`` (0..S-1), ``model`` (its subnetwork, or the whole model for local-SGD methods) and
+    ``optimizer`` (over ``model``'s parameters). ``batch_workers``: whose batches a step trains on,
+    concatenated (default: ``(worker,)``; simulated DDP: every worker's, one synchronous step);
+    ``on_step``: called after every optimizer step (DDP counts its gradient all-reduce there)."""
+
+    worker: int
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    batch_workers: Tuple[int, ...] = ()
+    on_step: Optional[Callable[[], None]] = None
+
+    def __post_init__(self):
+        if not self.batch_workers:
+            self.batch_workers = (self.worker,)
+
+
+#: a turn's summed training loss: a float or a 0-dim tensor (kept on the device: no host sync per step)
+Loss = Union[float, torch.Tensor]
+
+
+def summed(losses: Sequence[Loss]) -> Loss:
+    """The sum of the turns' losses, as a float64 0-dim tensor where any is a tensor (no host sync)."""
+    total: Loss = 0.0
+    for v in losses:
+        total = total + (v.detach().double() if isinstance(v, torch.Tensor) else float(v))
+    return total
+
+
 class Method:
     name: str = ""
     #: bytes of parameters, buffers and optimizer state of the whole model (what one local-SGD
@@ -121,6 +162,13 @@ class Method:
     allows_single_worker: bool = True
     #: the method applies ``--outer-optimizer`` (the round engine's outer step after aggregation)
     outer_optimizer: bool = False
+    #: the local optimizer the method always uses whatever ``--optimizer`` says (diloco: "adamw"), or
+    #: None: the config decides its default ``--lr`` and the summary's ``optimizer`` by it
+    inner_optimizer: Optional[str] = None
+    #: ``--compress`` codes what this method sends (False: it sends something the codecs do not apply to)
+    compresses: bool = True
+    #: why not, for the error of ``--compress`` with it (names what to do instead)
+    compress_refusal: str = ""
     #: names of the values of ``RoundResult.extra["phase"]`` (e.g. pretrain, finetune); the summary
     #: splits the bytes (both ways) by them
     phases: Tuple[str, ...] = ()
@@ -159,15 +207,31 @@ class Method:
         if not cls.allows_single_worker and hp.num_workers < 2:
             raise ConfigError("workers", f"method {cls.name!r} needs at least 2 workers, got {hp.num_workers}")
         if getattr(hp, "outer_optimizer", "none") != "none" and not cls.outer_optimizer:
+            takes = ", ".join(n for n in available_methods() if _has_module(n) and get_method(n).outer_optimizer)
             raise ConfigError("outer_optimizer", f"method {cls.name!r} takes no outer optimizer (methods that do: "
-                              "ist, masked, loft, resist, localsgd)")
+                              f"{takes})")
+        if getattr(hp, "compress", "none") != "none" and not cls.compresses:
+            raise ConfigError("compress", f"--compress {hp.compress}: {cls.compress_refusal or cls.name + ' sends what the codecs do not code'}")
 
     # ---- training ----
     def __init__(self, ctx):
         self.ctx = ctx
 
-    def run_round(self, r: int) -> RoundResult:
+    def begin_round(self, r: int) -> List[WorkerTurn]:
+        """Round r's first phase: plan it and cut this process's workers' (sub)models; returns their
+        turns, in the order the local steps run (``ctx.local_workers``' order)."""
         raise NotImplementedError
+
+    def end_round(self, r: int, losses: Sequence[Loss]) -> RoundResult:
+        """Round r's second phase, after every turn's local steps: exchange, aggregation, outer
+        step; ``losses``: each turn's summed training loss, in the turns' order."""
+        raise NotImplementedError
+
+    def run_round(self, r: int) -> RoundResult:
+        """The whole round with the built-in local steps (``ctx.train``): what ``ist-train`` does
+        between the two phases."""
+        turns = self.begin_round(r)
+        return self.end_round(r, [self.ctx.train(turn, r) for turn in turns])
 
     def global_model(self):
         """The full model for evaluation and the final save; every rank calls it (it may be a
@@ -189,33 +253,6 @@ class Method:
     def summary(self) -> Dict[str, Any]:
         """Extra entries for the final summary (e.g. the pruned model's size); optional."""
         return {}
-
-
-def held_bytes(*things) -> int:
-    """Bytes of the distinct tensors in ``things``: modules (parameters and buffers), optimizers
-    (their state), tensors, mappings and sequences of those. A tensor met twice (also as a
-    Parameter wrapping it) counts once."""
-    seen, total = set(), 0
-    stack = list(things)
-    while stack:
-        x = stack.pop()
-        if x is None:
-            continue
-        if isinstance(x, torch.Tensor):
-            key = (x.untyped_storage().data_ptr(), x.storage_offset(), x.numel(), x.dtype) if x.numel() else id(x)
-            if key not in seen:
-                seen.add(key)
-                total += x.numel() * x.element_size()
-        elif isinstance(x, torch.nn.Module):
-            stack.extend(x.parameters())
-            stack.extend(x.buffers())
-        elif isinstance(x, torch.optim.Optimizer):
-            stack.extend(v for st in x.state.values() for v in st.values() if isinstance(v, torch.Tensor))
-        elif isinstance(x, Mapping):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-    return total
 
 
 def register_method(name: str):
@@ -256,4 +293,4 @@ def get_method(name: str) -> Type[Method]:
 
 
 def _has_module(name: str) -> bool:
-    return importlib.util.find_spec(f"{__name__}.{METHODS[name]}") is not None
+    return name in _REGISTRY or importlib.util.find_spec(f"{__name__}.{METHODS[name]}") is not None

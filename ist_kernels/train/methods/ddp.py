@@ -5,13 +5,17 @@ batches concatenated (the same gradient up to float rounding; BatchNorm statisti
 S-fold batch instead of rank 0's batch)."""
 from __future__ import annotations
 
-import torch
+from typing import List
 
-from . import Method, RoundResult, held_bytes, register_method
+from . import Method, RoundResult, WorkerTurn, held_bytes, register_method, summed
 
 
 @register_method("ddp")
 class DDP(Method):
+    compresses = False
+    compress_refusal = ("ddp averages gradients inside torch's DistributedDataParallel, which sends them "
+                        "uncompressed; use --compress none")
+
     def __init__(self, ctx):
         super().__init__(ctx)
         self.model = ctx.build_model()
@@ -30,29 +34,22 @@ class DDP(Method):
         self._ps_per_step = 2 * self._grads if S > 1 else 0
         self.full_state_bytes = ctx.full_state_bytes(self.model)
 
-    def run_round(self, r: int) -> RoundResult:
+    def begin_round(self, r: int) -> List[WorkerTurn]:
+        """One turn: the (DDP-wrapped) model, each step on the local workers' batches (simulated: all
+        S concatenated, one synchronous step); the all-reduces the backward pass hides are in its
+        local time, every step counted (``gradient_step_done``)."""
+        ctx = self.ctx
+        return [WorkerTurn(ctx.local_workers[0], self.net, self.optimizer, batch_workers=tuple(ctx.local_workers),
+                           on_step=ctx.comm.gradient_step_done)]
+
+    def end_round(self, r: int, losses) -> RoundResult:
         ctx, tau = self.ctx, self.ctx.local_steps
-        with ctx.clock("local"):  # the all-reduces the backward pass hid are in here; the rest is comm
-            self.net.train()
-            total = torch.zeros((), dtype=torch.float64, device=ctx.device)
-            for i in range(tau):
-                ctx.set_lr(self.optimizer, r, i)
-                batches = [ctx.batch(s, r, i) for s in ctx.local_workers]
-                x = torch.cat([b[0] for b in batches])
-                y = torch.cat([b[1] for b in batches])
-                self.optimizer.zero_grad(set_to_none=True)
-                with ctx.autocast():
-                    out = self.net(x)
-                loss = ctx.loss(out, y)
-                ctx.backward_step(loss, self.optimizer, worker=ctx.local_workers[0])
-                ctx.comm.gradient_step_done()
-                total += loss.detach() * len(batches)  # the mean of the workers' losses, once per worker
         n = len(ctx.local_workers)
         ctx.comm.count_all_reduce(self._grads, times=tau)
         if ctx.rank == 0:
             ctx.comm.count_sent(tau * self._buffers)
         state = held_bytes(self.model, self.optimizer)
-        return RoundResult(loss_sum=float(total), steps=n * tau, ps_bytes=n * tau * self._ps_per_step,
+        return RoundResult(loss_sum=summed(losses), steps=n * tau, ps_bytes=n * tau * self._ps_per_step,
                            state_bytes={s: state for s in ctx.local_workers})
 
     def global_model(self):

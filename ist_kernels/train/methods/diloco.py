@@ -18,16 +18,14 @@ uploads its Δ and downloads the mean, coded).
 from __future__ import annotations
 
 import math
-from typing import Dict
+from typing import Dict, List
 
 import torch
 
-from ..engine import outer_step_
-from . import ConfigError, Method, Option, RoundResult, boolean, held_bytes, register_method
+from ..outer import OuterOptimizer
+from . import ConfigError, Method, Option, RoundResult, WorkerTurn, boolean, held_bytes, register_method, summed
 
-OUTER_GRADS = ("fp32", "bf16", "int8")
-#: bytes per element of the pseudo-gradient on the wire
-OUTER_GRAD_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
+OUTER_GRADS = ("fp32", "bf16", "int8")  # the pseudo-gradient's codecs (their sizes: the byte ledger's)
 
 
 def _finite_positive(v) -> bool:
@@ -53,6 +51,11 @@ class DiLoCo(Method):
                              expected="fp32, bf16 or int8"),
     }
 
+    inner_optimizer = "adamw"
+    compresses = False
+    compress_refusal = "diloco codes its pseudo-gradients itself; use --option outer_grad=bf16 or outer_grad=int8 " \
+        "(and --compress none)"
+
     @classmethod
     def validate(cls, hp):
         super().validate(hp)
@@ -72,12 +75,15 @@ class DiLoCo(Method):
                                                 eps=o["eps"], weight_decay=o["weight_decay"])
                            for s, m in self.models.items()}
         self.theta = [p for p in self.model.parameters() if p.requires_grad]
-        self.momentum = [torch.zeros_like(p) for p in self.theta]
+        # the outer step: the round engine's outer optimizer (SGD with Nesterov momentum by default)
+        self.outer = OuterOptimizer.of("nesterov" if o["nesterov"] else "sgd", self.outer_lr, self.outer_momentum)
+        self._names = [str(i) for i in range(len(self.theta))]
+        self.outer.init_state_(dict(zip(self._names, self.theta)))
         self._params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in self.models.items()}
         self._buffers = {s: [b for b in m.buffers() if b.is_floating_point()] for s, m in self.models.items()}
         self._theta_buffers = [b for b in self.model.buffers() if b.is_floating_point()]
         pbytes = sum(p.numel() * p.element_size() for p in self.theta)
-        self._grad_bytes = sum(p.numel() for p in self.theta) * OUTER_GRAD_BYTES[self.codec]
+        self._numel = sum(p.numel() for p in self.theta)
         self._buffer_bytes = sum(b.numel() * b.element_size() for b in self._theta_buffers)
         # a worker holds θ, its model, AdamW's two moments and the outer momentum
         self.full_state_bytes = 2 * sum(t.numel() * t.element_size() for t in self.model.state_dict().values()) \
@@ -99,24 +105,33 @@ class DiLoCo(Method):
         if self._buffer_bytes:
             comm.average_models_([self._buffers[s] for s in self.workers], round=r + 1)
 
-    def run_round(self, r: int) -> RoundResult:
+    def begin_round(self, r: int) -> List[WorkerTurn]:
+        return [WorkerTurn(s, self.models[s], self.optimizers[s]) for s in self.workers]
+
+    def end_round(self, r: int, losses) -> RoundResult:
         ctx = self.ctx
-        loss = sum(ctx.train_local(self.models[s], self.optimizers[s], s, r) for s in self.workers)
         with ctx.clock("metrics"):
-            state = {s: held_bytes(self.models[s], self.optimizers[s], self.model, self.momentum)
+            state = {s: held_bytes(self.models[s], self.optimizers[s], self.model, self.outer.tensors())
                      for s in self.workers}
         self._average(r)
         with ctx.clock("plan"), torch.no_grad():
             first = self.workers[0]
             delta = [d.clone() for d in self._params[first]]
-            outer_step_(self.theta, delta, self.momentum, self.outer_lr, self.outer_momentum, self.nesterov)
+            self.outer.step_grad_(self.theta, delta, self._names)
             if self._theta_buffers:
                 torch._foreach_copy_(self._theta_buffers, self._buffers[first])
             for s in self.workers:  # every worker starts the next round from θ
                 torch._foreach_copy_(self._params[s], self.theta)
-        ps = 2 * (self._grad_bytes + self._buffer_bytes + (4 if self.codec == "int8" else 0)) * len(self.workers) \
+        # parameter-server: each worker uploads its coded pseudo-gradient (int8: one scale) and buffers,
+        # and downloads the same
+        ps = 2 * (ctx.comm.coded_bytes(self._numel, self.codec) + self._buffer_bytes) * len(self.workers) \
             if ctx.num_workers > 1 else 0
-        return RoundResult(loss, len(self.workers) * ctx.local_steps, ps_bytes=ps, state_bytes=state)
+        return RoundResult(summed(losses), len(self.workers) * ctx.local_steps, ps_bytes=ps, state_bytes=state)
+
+    @property
+    def momentum(self) -> List[torch.Tensor]:
+        """The outer momentum of θ's parameters (the outer optimizer's ``momentum_buffer``)."""
+        return [self.outer.state[n]["momentum_buffer"] for n in self._names]
 
     def global_model(self):
         return self.model

@@ -26,10 +26,10 @@ from torch import nn
 
 from ...nn.grelu import GReLUMLP
 from ...partition.neurons import categorical_partition
-from ...partition.plan import SlicePlan, TensorSlices
+from ...partition.plan import RoundPlan, SlicePlan, TensorSlices
 from ..engine import LocalModels, SubnetRounds
 from ..errors import ConfigError
-from . import Method, Option, RoundResult, boolean, held_bytes, register_method
+from . import Method, Option, RoundResult, boolean, register_method
 
 PLAN = 0x6E1D  # generator tag of the round's row partition
 
@@ -75,7 +75,7 @@ class _RowSub:
         self.index, self.module, self.optimizer = index, module, None
 
 
-class RowPlan:
+class RowPlan(RoundPlan):
     """One round's row partition of W_1..W_L in the round engine's plan protocol
     (:class:`ist_kernels.train.engine.SubnetRounds`, replicated storage: a worker's forward reads
     every row, so every rank holds every row; each uploads its rows and downloads all of them)."""
@@ -102,11 +102,8 @@ class RowPlan:
                 for n, rows in sub.module.rows.items():
                     full[n].index_copy_(0, rows, sub.module.compact[n].detach())
 
-    def after_aggregate(self, model=None):
-        pass
-
-    def held_bytes(self, sub, opt, extra) -> int:
-        return held_bytes(self.model, sub.module.compact, opt)
+    def held(self, sub, opt, extra=()) -> tuple:
+        return (self.model, sub.module.compact, opt)
 
 
 @register_method("grelu")
@@ -158,10 +155,13 @@ class GReLU(Method):
                 for n, p in model.named_parameters()}
         return RowPlan(model, rows, self.workers)
 
-    def run_round(self, r: int) -> RoundResult:
+    def begin_round(self, r: int):
         if not self.subnetworks:
-            return self.local.run(r)
-        return self.rounds.run(r, last=r == self.ctx.rounds - 1)
+            return self.local.begin(r)
+        return self.rounds.begin(r, last=r == self.ctx.rounds - 1)
+
+    def end_round(self, r: int, losses) -> RoundResult:
+        return (self.rounds if self.subnetworks else self.local).end(r, losses)
 
     def global_model(self):
         return next(iter(self.models.values()))

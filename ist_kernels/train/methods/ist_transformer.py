@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ...models.gpt import gpt_shape
 from ...partition import PARTITIONS, check_ist, transformer_ist_plan
-from ..engine import SubnetRounds, state_split, warn_payoff
+from ..engine import SubnetRounds
 from . import ConfigError, Method, RoundResult
 
 PLAN = 0x157F  # generator tag of the round's plan
@@ -70,16 +70,17 @@ class TransformerIST(Method):
         self.rounds = SubnetRounds(ctx, self.model, ctx.options.get("momentum_state", "reset"), self.plan)
         first = self.rounds.plan(0)
         first.scale_outputs(self.model)  # the full model is scored as the mean of the subnetworks from round 0
-        self.split = state_split(first.slices, self.rounds.spec, self.rounds.param_names, False)
-        warn_payoff(self.split, ctx.num_workers, "ist", f" (partition={self.partition}) on {ctx.hp.model}")
-        self.rounds.start(0)
+        self.split = self.rounds.open(0, "ist", f" (partition={self.partition}) on {ctx.hp.model}", False)
 
     def plan(self, r: int):
         return transformer_ist_plan(self.model, self.ctx.num_workers, self.partition, self.ctx.generator(PLAN, r),
                                     spec=self.spec)
 
-    def run_round(self, r: int) -> RoundResult:
-        return self.rounds.run(r, last=r == self.ctx.rounds - 1)
+    def begin_round(self, r: int):
+        return self.rounds.begin(r, last=r == self.ctx.rounds - 1)
+
+    def end_round(self, r: int, losses) -> RoundResult:
+        return self.rounds.end(r, losses)
 
     def global_model(self):
         return self.rounds.global_model()

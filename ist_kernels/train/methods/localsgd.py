@@ -72,11 +72,14 @@ class LocalSGD(Method):
         self.local = LocalModels(self.ctx, {s: prune_filters(self.dense, ratio) for s in self.ctx.local_workers},
                                  outer=True, reset_state=self.reset_state)
 
-    def run_round(self, r: int):
+    def begin_round(self, r: int):
         if self.prunes and r >= self.pretrain_rounds and self.dense is None:
             with self.ctx.clock("plan"):
                 self._prune()
-        return self.local.run(r, phase=int(self.dense is not None) if self.prunes else None)
+        return self.local.begin(r, phase=int(self.dense is not None) if self.prunes else None)
+
+    def end_round(self, r: int, losses):
+        return self.local.end(r, losses)
 
     def global_model(self):
         return self.local.model

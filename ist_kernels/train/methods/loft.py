@@ -28,7 +28,7 @@ from ...partition import loft_plan
 from ...partition._resnet import find_resnet
 from ...partition.loft import LoftPlan
 from ...prune import filter_norms, keep_largest, kept_filters_by_block, prune_filters
-from ..engine import MOMENTUM_OPTION, LocalModels, SubnetRounds, count_params, phase_rounds, state_split, warn_payoff
+from ..engine import MOMENTUM_OPTION, LocalModels, SubnetRounds, count_params, phase_rounds
 from ..models import is_external_model, probe_model
 from . import ConfigError, Method, Option, register_method
 
@@ -74,10 +74,7 @@ class Loft(Method):
         self.full_params = count_params(self.model)
         self.full_state_bytes = ctx.full_state_bytes(self.model)
         self.rounds = SubnetRounds(ctx, self.model, o["momentum_state"], self.plan)
-        self.split = state_split(self.rounds.plan(0).slices, self.rounds.spec, self.rounds.param_names,
-                                 ctx.param_state_tensors)
-        warn_payoff(self.split, ctx.num_workers, "loft", f" on {ctx.hp.model}")
-        self.rounds.start(0)
+        self.split = self.rounds.open(0, "loft", f" on {ctx.hp.model}", ctx.param_state_tensors)
         self.finetune = None  # localsgd.LocalModels of the pruned model, once fine-tuning started
         self.kept = None  # block -> kept filters (decentralized: rebuilds the pruned structure on resume)
 
@@ -132,13 +129,16 @@ class Loft(Method):
         comm.count_all_reduce(8 * norms)
         comm.count_exchange(plan.slices, pruned.slices, rounds.spec, names=[t.name for t in plan.partitioned])
 
-    def run_round(self, r: int):
+    def begin_round(self, r: int):
         if r < self.pretrain_rounds:
-            return self.rounds.run(r, last=r == self.pretrain_rounds - 1, phase=0)
+            return self.rounds.begin(r, last=r == self.pretrain_rounds - 1, phase=0)
         if self.finetune is None:
             with self.ctx.clock("plan"):
                 self._prune(r)
-        return self.finetune.run(r, phase=1)
+        return self.finetune.begin(r, phase=1)
+
+    def end_round(self, r: int, losses):
+        return (self.rounds if r < self.pretrain_rounds else self.finetune).end(r, losses)
 
     def global_model(self):
         return self.rounds.global_model() if self.finetune is None else self.finetune.model

@@ -53,7 +53,7 @@ from torch import nn
 
 from ...nn.subnet import SubnetMLP
 from ...partition import PARTITIONS
-from ...partition.plan import positions
+from ...partition.plan import RoundPlan, positions
 from ..engine import MOMENTUM_OPTION, SubnetRounds
 from ..errors import ConfigError
 from ..models import is_external_model, language_models, load_model_spec, probe_model
@@ -104,7 +104,7 @@ class _Sub:
         self.optimizer = None
 
 
-class NeuronPlan:
+class NeuronPlan(RoundPlan):
     """One round of neuron subnetworks in the round engine's plan protocol
     (:class:`ist_kernels.train.engine.SubnetRounds`): ``slices`` is what each subnetwork trains,
     ``storage_slices`` what each rank stores (every unowned neuron kept, untrained, by one holder)."""
@@ -133,9 +133,6 @@ class NeuronPlan:
 
     def aggregate(self, subs, optimizer=None):
         self.method.net.aggregate_([sub.params for sub in subs], [sub.neurons for sub in subs])
-
-    def after_aggregate(self, model=None):
-        pass
 
     # decentralized storage: a rank holds its stored tensors only
     def part(self, s: int):
@@ -168,13 +165,13 @@ class NeuronPlan:
                 sub.part[name].index_copy_(dim, pos, compact)
         return {n: t.detach() if detach else t for n, t in sub.part.items()}
 
-    def held_bytes(self, sub, opt, extra) -> int:
+    def held(self, sub, opt, extra=()) -> tuple:
         m = self.method
         if sub.part is not None:  # decentralized: measured
-            return held_bytes(sub.part, sub.params, opt, m.fixed)
+            return (sub.part, sub.params, opt, m.fixed)
         if extra or not m.ctx.decentralized:  # replicated: the whole model too
-            return held_bytes(m.net, sub.params, opt)
-        return self._decentral_state(sub.index) + held_bytes(opt)
+            return (m.net, sub.params, opt)
+        return (self._decentral_state(sub.index), opt)
 
     def _decentral_state(self, s: int) -> int:
         """What worker s holds under decentralized storage, from the plans (simulated runs report
@@ -275,8 +272,11 @@ class Masked(Method):
         net.load_state_dict({**self.fixed, **{n: t.view(shapes[n]) for n, t in full.items()}}, assign=True)
         return FullModel(net, self.keep)
 
-    def run_round(self, r: int) -> RoundResult:
-        return self.rounds.run(r, last=r == self.ctx.rounds - 1)
+    def begin_round(self, r: int):
+        return self.rounds.begin(r, last=r == self.ctx.rounds - 1)
+
+    def end_round(self, r: int, losses) -> RoundResult:
+        return self.rounds.end(r, losses)
 
     def global_model(self):
         return self.rounds.global_model()

@@ -122,13 +122,16 @@ class ResIST(Method):
         self.split = state_split(self.rounds.plan(self.warmup_rounds).slices, self.rounds.spec,
                                  self.rounds.param_names, self.ctx.param_state_tensors)
 
-    def run_round(self, r: int):
+    def begin_round(self, r: int):
         if r < self.warmup_rounds:
-            return self.warmup.run(r, phase=0)
+            return self.warmup.begin(r, phase=0)
         if self.rounds is None:
             self._start_resist()
             self.rounds.start(r)
-        return self.rounds.run(r, last=r == self.ctx.rounds - 1, phase=1)
+        return self.rounds.begin(r, last=r == self.ctx.rounds - 1, phase=1)
+
+    def end_round(self, r: int, losses):
+        return (self.warmup if r < self.warmup_rounds else self.rounds).end(r, losses)
 
     def global_model(self):
         return self.model if self.rounds is None else self.rounds.global_model()
