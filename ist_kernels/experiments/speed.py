@@ -394,8 +394,12 @@ def _mlp(inputs: int, hidden: int, classes: int) -> torch.nn.Module:
 
 
 def scale_models(args) -> List[Dict[str, Any]]:
-    """The papers' models: their state split (partitioned / shared, SGD momentum included) and step
-    FLOPs split alike, from a plan at small S (the split does not depend on S)."""
+    """The papers' models: their state split (partitioned / shared, SGD momentum included), from a
+    plan at small S (the split does not depend on S), and the FLOPs of a step of ``--scale-batch``:
+    the full model's (``cost.model_step_flops``) and, per S, a worker's subnetwork's
+    (``cost.subnetwork_step_flops``: the method's plan at that S, its compact subnetworks counted; the
+    mean over the S workers, as the table's bytes and owners are: a ResIST round at S = 4 deals 6, 6,
+    5 and 5 of the 22 blocks, 5.5 on average)."""
     out = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -419,18 +423,20 @@ def scale_models(args) -> List[Dict[str, Any]]:
                 limit = 4096
             if plan is not None:
                 split = state_split(plan, spec, pnames, True)
-                partitioned = {t.name for t in plan.tensors if not t.shared}
             else:  # IST: every hidden unit's row of layer 0 (weight, bias) and column of layer 2 partitioned
                 partitioned = {"0.weight", "0.bias", "2.weight"}
                 sizes = {n: t.numel() * t.element_size() for n, t in model.state_dict().items()}
                 split = {"partitioned_state_bytes": sum(2 * sizes[n] for n in partitioned),
                          "shared_state_bytes": 2 * sizes["2.bias"]}
-            pf, sf = cost.split_step_flops(model, shape, args.scale_batch, partitioned)
+            x = torch.randn(args.scale_batch, *shape, device="meta")
+            options = {"min_depth": min_depth} if method == "resist" else None
+            sub_flops = {S: sum(cost.subnetwork_step_flops(model, method, S, options, x)) / S
+                         for S in SCALE_WORKERS if limit is None or S <= limit}
             state = split["partitioned_state_bytes"] + split["shared_state_bytes"]
             params = sum(p.numel() * p.element_size() for p in model.parameters())
             out.append({"method": method, "model": name, "dataset": data, "split": split, "state_bytes": state,
-                        "param_bytes": params, "partitioned_flops": pf, "shared_flops": sf, "limit": limit,
-                        "blocks": blocks, "min_depth": min_depth})
+                        "param_bytes": params, "full_flops": cost.model_step_flops(model, x), "sub_flops": sub_flops,
+                        "limit": limit, "blocks": blocks, "min_depth": min_depth})
     return out
 
 
@@ -442,14 +448,14 @@ def scale_table(args, models: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     for m in models:
         part, shared = m["split"]["partitioned_state_bytes"], m["split"]["shared_state_bytes"]
         fixed = args.step_overhead_ms / 1e3
-        full_step = fixed + (m["partitioned_flops"] + m["shared_flops"]) / rate
+        full_step = fixed + m["full_flops"] / rate
         # local SGD averages the parameters and buffers (not the momentum): half the param part of the state
         avg_bytes = m["state_bytes"] - m["param_bytes"]
         for S in SCALE_WORKERS:
             fits = m["limit"] is None or S <= m["limit"]
             k = cost.resist_owners(S, m["blocks"], m["min_depth"]) if m["method"] == "resist" else 1.0
             # the exchange sends weights only (momentum reset each round): the param half of the split
-            sub_step = fixed + (m["shared_flops"] + m["partitioned_flops"] * k / S) / rate
+            sub_step = fixed + m["sub_flops"][S] / rate if fits else None
             for g, comp in ((g, comp) for comp in args.compress for g in SCALE_GBPS):
                 wb = cost.subnet_round_bytes(part / 2, shared / 2, S, k, compress=comp) if fits else None
                 link = cost.Link(g * 1e9, 0.0)
