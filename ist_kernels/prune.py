@@ -5,8 +5,8 @@ import torch
 from torch import Tensor, nn
 
 from .nn.masked import MaskedConv2d, MaskedLinear
-from .partition._resnet import loft_blocks
 from .partition.loft import LoftPlan
+from .partition.resnet_blocks import loft_blocks
 
 # ---- Filter pruning by L2 norm (paper 000 §2, §6) ------------------------------------------------
 

@@ -11,7 +11,7 @@ from ist_kernels.distributed import cost
 from ist_kernels.models import preact_resnet18, preact_resnet101_basic
 from ist_kernels.partition import loft_plan, resist_plan
 from ist_kernels.train.comm import all_reduce_wire_bytes
-from ist_kernels.train.engine import payoff, state_split
+from ist_kernels.train.rounds import payoff, state_split
 
 
 def _spec(model):

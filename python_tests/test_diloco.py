@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from ist_kernels.distributed import cost
 from ist_kernels.train import cli
 from ist_kernels.train.config import ConfigError
+from ist_kernels.train.context import RunContext, World
 from ist_kernels.train.datasets import ShardedData, load_dataset
 from ist_kernels.train.methods import get_method
-from ist_kernels.train.worker import RunContext, World
 
 from train_helpers import TINY_MLP, assert_equal_states, run as _run, untimed
 

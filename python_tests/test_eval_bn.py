@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from ist_kernels.train import cli, datasets
+from ist_kernels.train.context import RunContext, World
 from ist_kernels.train.errors import ConfigError
-from ist_kernels.train.worker import RunContext, World
 
 from train_helpers import run as _run, untimed
 

@@ -14,7 +14,7 @@ from ist_kernels.experiments import claims, harness as C
 from ist_kernels.experiments.__main__ import available, main, overview
 from ist_kernels.experiments.harness import analysis as HA, launch as HL, report as HR, tuning as HT, workload as HW
 from ist_kernels.nn import SubnetMLP
-from ist_kernels.train import data, simulated
+from ist_kernels.train import paper001 as simulated, paper_data as data
 
 EXPERIMENTS = ["grelu", "loft", "masked", "pruning"]
 

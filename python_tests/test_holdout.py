@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from ist_kernels.train import cli, datasets
 from ist_kernels.train.config import ConfigError, TrainConfig
-from ist_kernels.train.models import build_model
+from ist_kernels.train.model_registry import build_model
 
 from train_helpers import TINY_MLP, run as _run
 

@@ -190,7 +190,7 @@ def test_a_failure_at_any_stage_raises_in_the_loop_at_once(tmp_path, monkeypatch
     import time as _time
 
     from ist_kernels.train import checkpoint
-    from ist_kernels.train.library import Worker
+    from ist_kernels.train.engine import Worker
 
     engine = Engine("mlp", workers=2, out_dir=str(tmp_path / "lib"), checkpoint_interval=1, **SETTINGS)
     ctx = engine._run.ctx

@@ -11,7 +11,7 @@ from torch import nn
 from ist_kernels import partition
 from ist_kernels.nn import MaskedConv2d, MaskedLinear, SubnetMLP
 from ist_kernels.prune import random_prune_
-from ist_kernels.train import simulated
+from ist_kernels.train import paper001 as simulated
 
 import reference as ref
 from conftest import DEVICES

@@ -120,7 +120,7 @@ def test_adamw_moments_travel_and_are_counted(tmp_path):
 
 def _gpt_parameters():
     from ist_kernels.train import datasets
-    from ist_kernels.train.models import build_model
+    from ist_kernels.train.model_registry import build_model
 
     cfg = cli.build_config(GPT).validate()
     return build_model(cfg, datasets.load_dataset(cfg)).parameters()
@@ -174,7 +174,7 @@ def test_localsgd_keeps_each_workers_adamw_state_across_rounds(tmp_path, state):
     cfg = cli.build_config([*GPT, "--method", "localsgd", "--optimizer", "adamw", "--simulate", "2",
                             "--rounds", "2", "--option", f"momentum_state={state}"]).validate()
     from ist_kernels.train import datasets
-    from ist_kernels.train.worker import RunContext, World
+    from ist_kernels.train.context import RunContext, World
 
     data = datasets.ShardedData(datasets.load_dataset(cfg), 2, cfg.batch_size, cfg.seed, "cpu")
     ctx = RunContext(cfg, World(simulated=True), data, rounds=2)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from ist_kernels.train import cli
+from ist_kernels.train.context import RunContext, World
 from ist_kernels.train.datasets import ShardedData, load_dataset
 from ist_kernels.train.methods import get_method
 from ist_kernels.train.outer import ExactSGD, OuterOptimizer
-from ist_kernels.train.worker import RunContext, World
 
 from train_helpers import TINY_MLP, resumed_distributed_equals_simulated, run as _run
 

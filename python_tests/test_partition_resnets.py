@@ -12,8 +12,8 @@ from torch import nn
 
 import ist_kernels.models as M
 from ist_kernels.partition import loft_plan, resist_plan
-from ist_kernels.partition._resnet import find_resnet
 from ist_kernels.partition.resist import residual_scales, set_residual_scales
+from ist_kernels.partition.resnet_blocks import find_resnet
 from ist_kernels.prune import filters_to_keep, prune_filters
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ist_kernels.train import cli
-from ist_kernels.train.engine import PartitionPayoffWarning, payoff
+from ist_kernels.train.rounds import PartitionPayoffWarning, payoff
 from ist_kernels.train.timing import PARTS, TRAIN_PARTS, Clock
 
 from train_helpers import TINY_MLP, outputs

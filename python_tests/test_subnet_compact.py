@@ -6,7 +6,7 @@ import torch
 from ist_kernels.nn import SubnetMLP
 from ist_kernels.nn.subnet import CompactSubnetMLP
 from ist_kernels.partition import categorical_partition, round_generator
-from ist_kernels.train import simulated
+from ist_kernels.train import paper001 as simulated
 
 
 def make(depth, bias, train_output, width=24, S=3, seed=0):

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from ist_kernels.partition import transformer_ist_plan, transformer_resist_plan
-from ist_kernels.partition._subnetworks import SubnetworkPlan
-from ist_kernels.train.engine import assign_tensors_, model_tensors, tied_names, to_meta_
+from ist_kernels.partition.subnetworks import SubnetworkPlan
+from ist_kernels.train.rounds import assign_tensors_, model_tensors, tied_names, to_meta_
 
 from conftest import free_port, spawn_ranks_until
 from train_helpers import assert_equal_states, outputs

@@ -250,8 +250,8 @@ def _resist_context(*args):
 def test_resist_warmup_trains_with_the_residual_scale():
     """Paper 003 §2.6, footnote 2: the local-SGD warm-up already scales the blocks ResIST partitions,
     so the full model never changes form when the ResIST rounds start."""
-    from ist_kernels.train.engine import averaged_tensors
     from ist_kernels.train.methods import get_method
+    from ist_kernels.train.rounds import averaged_tensors
 
     ctx = _resist_context("--option", "warmup_fraction=0.5")  # rounds 0, 1 warm-up; 2, 3 ResIST
     method = get_method("resist")(ctx)

@@ -66,7 +66,7 @@ def test_exact_mode_depth3_ist_bit_for_bit_on_three_ranks(tmp_path):
     from ist_kernels.nn.subnet import SubnetMLP
     from ist_kernels.train.datasets import _mix
     from ist_kernels.train.methods.masked import PLAN
-    from ist_kernels.train.simulated import sample_neurons
+    from ist_kernels.train.paper001 import sample_neurons
 
     net = SubnetMLP(64, 16, 3, 10, bias=True, train_output=True)
     neurons = sample_neurons(net, 3, "balanced", None, torch.Generator().manual_seed(_mix(0, PLAN, 1)))

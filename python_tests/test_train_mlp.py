@@ -39,7 +39,7 @@ def neuron_plans(method, masks, xi, rounds, S=2, width=16, depth=1, seed=0):
     """The neurons of every worker, round by round, as the trainer draws them."""
     from ist_kernels.nn.subnet import SubnetMLP
     from ist_kernels.train.methods.masked import PLAN
-    from ist_kernels.train.simulated import sample_neurons
+    from ist_kernels.train.paper001 import sample_neurons
 
     net = SubnetMLP(64, width, depth, 10, bias=True, train_output=True)
     return [sample_neurons(net, S, masks, xi, torch.Generator().manual_seed(_mix(seed, PLAN, r))) for r in range(rounds)]
@@ -100,7 +100,7 @@ def test_masked_multinomial_and_bernoulli_never_train_an_empty_subnetwork():
     empty for some subnetwork with probability 1 - 36/81 = 0.56, so over 40 rounds x 2 layers the
     unconditioned draws would have had empties (checked below with the raw draw)."""
     from ist_kernels.partition import categorical_partition
-    from ist_kernels.train.simulated import nonempty_probability
+    from ist_kernels.train.paper001 import nonempty_probability
 
     assert nonempty_probability("categorical", 4, 3) == pytest.approx(36 / 81)
     assert nonempty_probability("bernoulli", 4, 3, 0.5) == pytest.approx((1 - 0.5 ** 4) ** 3)
@@ -121,7 +121,7 @@ def test_masked_multinomial_and_bernoulli_never_train_an_empty_subnetwork():
 
 def test_sample_neurons_says_when_no_draw_can_be_nonempty():
     from ist_kernels.nn.subnet import SubnetMLP
-    from ist_kernels.train.simulated import sample_neurons
+    from ist_kernels.train.paper001 import sample_neurons
 
     net = SubnetMLP(3, 2, 1, 1)
     with pytest.raises(ValueError, match="cannot give each of 3 subnetworks a neuron; use width >= 3"):
@@ -167,7 +167,7 @@ def test_masked_round_is_algorithm_1(tmp_path):
     definitions in float64 (masks rebuilt from the same seed)."""
     from ist_kernels.nn.subnet import SubnetMLP
     from ist_kernels.train.methods.masked import PLAN
-    from ist_kernels.train.simulated import sample_neurons
+    from ist_kernels.train.paper001 import sample_neurons
 
     args = ["--dataset", "diabetes", "--model", "mlp", "--width", "6", "--batch-size", "5", "--local-steps", "1",
             "--momentum", "0", "--weight-decay", "0", "--lr", "0.1", "--seed", "3", "--no-progress", "--no-plots",
@@ -285,7 +285,7 @@ def test_grelu_frozen_buffers_unchanged(tmp_path):
 
 def test_ackley_dataset_is_the_experiments_data():
     from ist_kernels.experiments import grelu as experiment
-    from ist_kernels.train import data
+    from ist_kernels.train import paper_data as data
 
     assert experiment.ackley_data is data.ackley_data  # one definition
     d = load_dataset(TrainConfig(dataset="ackley", seed=0))

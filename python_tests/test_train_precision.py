@@ -88,7 +88,7 @@ def test_fp16_resume_equals_an_uninterrupted_run(tmp_path):
 def test_unsupported_autocast_dtype_is_a_config_error(monkeypatch, tmp_path, capsys):
     """Where torch cannot autocast the device to the precision's dtype (older torch: CPU fp16), the
     run stops with a clear error instead of silently training in fp32."""
-    from ist_kernels.train import worker
+    from ist_kernels.train import context as worker
 
     monkeypatch.setattr(worker, "_autocasts", lambda device_type, dtype: dtype != torch.float16)
     assert cli.main([*TINY_MLP, "--method", "ist", "--precision", "fp16", "--device", "cpu", "--simulate", "2",

@@ -82,7 +82,7 @@ def test_ddp_simulated_is_sgd_on_the_concatenated_batch(tmp_path):
                       "--weight-decay", 0)
     cfg = TrainConfig.from_dict(dict(width=16, batch_size=8, local_steps=2, simulate=2, momentum=0.0,
                                      weight_decay=0.0)).validate()
-    from ist_kernels.train.models import build_model
+    from ist_kernels.train.model_registry import build_model
 
     data = datasets.ShardedData(datasets.load_dataset(cfg), 2, 8, 0, "cpu")
     ref = build_model(cfg, data.dataset).double()
@@ -422,7 +422,7 @@ def test_synthetic_datasets(tmp_path):
 
 
 def test_synthetic_images_class_conditional_learnable_not_trivial():
-    from ist_kernels.train.data import synthetic_images
+    from ist_kernels.train.paper_data import synthetic_images
 
     C, n = 10, 3000
     x, y = synthetic_images(n, C, seed=3, stream=0)

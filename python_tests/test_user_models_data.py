@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from ist_kernels.train import cli, datasets, models
+from ist_kernels.train import cli, datasets, model_registry as models
 from ist_kernels.train.config import ConfigError, HyperParams, TrainConfig, parse_kv
-from ist_kernels.train.worker import logits
+from ist_kernels.train.context import logits
 
 from train_helpers import assert_equal_states, run as _run
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..nn import GReLUMLP
-from ..train.data import ackley_data  # noqa: F401  (§6.1 data: defined once, in train/data.py)
+from ..train.paper_data import ackley_data  # noqa: F401  (§6.1 data: defined once, in train/paper_data.py)
 from . import harness as C
 
 

@@ -7,7 +7,7 @@ N(0, κ² I) with κ = n^-1/2 (§4.1's simplification; §5 does not say), n = 10
 ‖x_i‖ = 1 and standardised targets, a constant step size, loss ½‖y − f‖² summed over the samples.
 The paper's data, the 128-feature Communities and Crime set, is read from ``--data-path`` (UCI
 ``communities.data``) with ``--data communities``; offline the default is ``teacher``, a
-128-feature stand-in (``ist_kernels.train.data.teacher_regression``: Gaussian directions, targets
+128-feature stand-in (``ist_kernels.train.paper_data.teacher_regression``: Gaussian directions, targets
 from a random ReLU teacher); ``diabetes`` is sklearn's 10-feature set. Every seed draws its own
 initialisation, masks and (teacher) data.
 
@@ -40,8 +40,8 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from ..nn.subnet import SubnetMLP
-from ..train import simulated
-from ..train.data import communities_regression, diabetes_regression, teacher_regression
+from ..train import paper001 as simulated
+from ..train.paper_data import communities_regression, diabetes_regression, teacher_regression
 from . import harness as C
 
 ZERO = 1e-6  # an error below this fraction of the initial one counts as at its floor (zero)

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..partition.neurons import round_generator
 from ..prune import random_prune_
-from ..train.data import signal_noise
+from ..train.paper_data import signal_noise
 from . import harness as C
 
 

@@ -1,5 +1,4 @@
 """Partition plans: which subnetwork owns which slice of the model in a round."""
-from ._subnetworks import Subnetwork, SubnetworkPlan  # noqa: E402,F401
 from .aggregate import aggregate_slices_  # noqa: F401
 from .loft import LoftPlan, loft_plan  # noqa: E402,F401
 from .neurons import (  # noqa: F401
@@ -16,6 +15,7 @@ from .neurons import (  # noqa: F401
 from .plan import RoundPlan, SlicePlan, TensorSlices, positions  # noqa: F401
 from .resist import ResistPlan, resist_plan  # noqa: E402,F401
 from .structure import FFN, Attention, Structure, find_structure  # noqa: F401
+from .subnetworks import Subnetwork, SubnetworkPlan  # noqa: E402,F401
 from .transformer import (  # noqa: F401
     PARTITIONS,
     TransformerISTPlan,

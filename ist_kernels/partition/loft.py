@@ -8,7 +8,7 @@ the stem, the first block of every stage, every strided block, shortcut convs, t
 and within partitioned blocks everything outside the filter conv -> BN -> next conv path.
 
 Blocks, stages and the filter conv -> BN -> next conv of a block are found from the module structure
-(``_resnet``: this package's ResNets, torchvision's and Hugging Face's layouts); ``layers[block]``
+(``resnet_blocks``: this package's ResNets, torchvision's and Hugging Face's layouts); ``layers[block]``
 holds their paths relative to the block (``"conv1"``, ``"layer.0.convolution"``).
 """
 from typing import Dict, List, Optional, Tuple
@@ -16,8 +16,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ._resnet import Block, find_resnet, loft_blocks  # noqa: F401 (find_resnet: re-exported)
-from ._subnetworks import SubnetworkPlan
+from .resnet_blocks import Block, find_resnet, loft_blocks  # noqa: F401 (find_resnet: re-exported)
+from .subnetworks import SubnetworkPlan
 
 
 class LoftPlan(SubnetworkPlan):

@@ -105,7 +105,7 @@ def positions(held: Tensor, owned: Tensor) -> Tensor:
 
 
 class RoundPlan:
-    """What the round engine (:class:`ist_kernels.train.engine.SubnetRounds`) reads of one round's
+    """What the round engine (:class:`ist_kernels.train.rounds.SubnetRounds`) reads of one round's
     plan, with its defaults. Every plan it runs subclasses this: the CNN and transformer plans
     (:class:`~ist_kernels.partition.SubnetworkPlan`), ``masked``'s neuron plans and GReLU's row plans.
 

@@ -9,7 +9,7 @@ model's partitioned blocks, sub-ResNets train with 1.
 
 How the full model scales a block's branch: a block with a float ``residual_scale`` attribute (the
 models of ``ist_kernels.models``) scales it itself. Any other residual block (torchvision's,
-Hugging Face's, a user's; found from structure by ``_resnet``) is not edited: a forward hook on the
+Hugging Face's, a user's; found from structure by ``resnet_blocks``) is not edited: a forward hook on the
 module ending its main branch (its last conv or norm, ``Block.tail``: ``bn2`` of torchvision's
 BasicBlock, ``layer.1.normalization`` of Hugging Face's ResNetBasicLayer) multiplies that module's
 output by the scale, which is what ``residual_scale`` does (``models.resnet._add_residual``: the
@@ -24,8 +24,8 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ._resnet import has_scale_attribute, resist_blocks
-from ._subnetworks import SubnetworkPlan
+from .resnet_blocks import has_scale_attribute, resist_blocks
+from .subnetworks import SubnetworkPlan
 
 _OUTPUT_SCALES: "weakref.WeakKeyDictionary[nn.Module, float]" = weakref.WeakKeyDictionary()
 

@@ -10,29 +10,57 @@ structure, never names or classes), and the small explicit spec a user passes wh
   pairs do not overlap (a Linear that would be both a pair's output and the next pair's input is
   left to the first pair). Hidden unit ``i``: row ``i`` of every input projection (and its bias),
   column ``i`` of the output projection (its bias is shared).
+- **FFN from the data flow**: in any module holding two or more projections not taken above as
+  direct children (a decoder layer with ``fc1`` / ``fc2`` or ``up_proj`` / ``gate_proj`` /
+  ``down_proj`` beside its attention and norms: OPT, BART, Whisper, ``nn.TransformerEncoderLayer``,
+  a hand-written layer; an ``nn.Sequential`` with a norm between its projections), the pairs
+  :mod:`.dataflow` reads from its forward: an output projection reading the input projections'
+  outputs through nothing but ops on each hidden unit alone (activations, dropout, casts, products:
+  a gated FFN) and norms of the hidden units, the hidden values read by nothing else.
+  **A norm between the projections** (``Linear -> LayerNorm -> GELU -> Dropout -> Linear``): its
+  weight and bias (BatchNorm1d: also its running statistics) go with the units (``FFN.norms``),
+  and a subnetwork normalizes over its own units (its clone's ``normalized_shape`` /
+  ``num_features`` narrowed). That is the same architecture at ``1/S`` of the width, what IST
+  trains, and with units drawn at random every round its mean and variance estimate the full
+  width's; what it gives up: unlike an elementwise FFN, a subnetwork is not the full model with the
+  other units removed (the statistics differ), so the full model's branch is close to, not exactly,
+  the mean of the subnetworks'. Refusing would leave a common MLP out of IST, and a BatchNorm1d
+  (statistics per unit over the batch) is exact. ``FFN.norms`` lists them, ``describe`` says so.
 - **Attention** (IST's heads): a module without parameters of its own whose head count or head
   size is readable (``num_heads`` / ``num_attention_heads`` / ``n_head`` / ``n_heads`` /
   ``config.num_attention_heads``; ``head_dim`` / ``attention_head_size`` / ``head_size``), holding
   either four projections (q, k, v then o, registered in that order: Llama) or two (a fused
   ``[q | k | v]`` one then o: our GPT's ``qkv``, GPT-2's ``c_attn``). The key/value heads are read
   from the shapes (grouped-query attention: a key/value head goes with its group of query heads).
+  In a module with a readable head count holding more projections (a hand-written decoder layer
+  with ``q_proj`` ... ``o_proj`` beside its FFN), the same shapes among the projections whose
+  outputs reach a projection ``o`` in its data flow. An ``nn.MultiheadAttention``: its
+  ``in_proj_weight`` (or ``q/k/v_proj_weight``), ``in_proj_bias``, ``bias_k`` / ``bias_v`` and
+  ``out_proj`` (``q = k = v`` = the module's name, ``o`` = its ``out_proj``); a subnetwork's clone
+  is a :class:`.mha.HeadsMultiheadAttention` computing its heads only.
 - **Residual layers** (ResIST): the ``nn.ModuleList`` / ``nn.Sequential`` with the most children
   (at least 2) all of one class, each a module with submodules and parameters (HF Llama's
   ``model.layers``, GPT-2's ``transformer.h``, our GPT's ``blocks``); layer outputs are assumed to
   have their inputs' shape (not checked: nothing is run).
 
+Where a module's projections are seen but not taken (their outputs reach the next projection
+through a softmax, a reshape, a parameter), ``Structure.notes`` says so, and the errors show it.
+
 Where discovery does not fit, pass ``spec`` (a :class:`Structure` or a dict with any of the keys
 ``ffns``, ``attentions``, ``layers``; a key given replaces discovery of that kind)::
 
-    spec = {"ffns": [(("mlp.fc1",), "mlp.fc2")],                       # (in_projs, out_proj)
+    spec = {"ffns": [(("mlp.fc1",), "mlp.fc2"),                        # (in_projs, out_proj[, norms])
+                     (("mlp2.fc1",), "mlp2.fc2", ("mlp2.ln",))],
             "attentions": [{"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.o",
                             "num_heads": 8, "head_dim": 64}],          # num_kv_heads: from k's shape
             "layers": "encoder.blocks"}
 """
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from torch import nn
+
+from . import dataflow
 
 #: attributes read as the number of (query) heads / the head size / narrowed on a subnetwork's clone
 HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
@@ -43,13 +71,16 @@ WIDTH_ATTRS = ("split_size", "all_head_size", "inner_dim")
 
 LOOKED_FOR_FFN = ("an FFN: a module whose only parametrized children are nn.Linear / Conv1D projections "
                   "d->h then h->e (or two gated d->h then h->e), or in an nn.Sequential a projection, "
-                  "parameter-free modules, then a projection reading its h outputs")
+                  "parameter-free modules, then a projection reading its h outputs, or in any module holding "
+                  "two or more projections a projection reading another's h outputs (in the data flow of its "
+                  "forward) through only activations, dropout, products and norms of the h units")
 LOOKED_FOR_ATTENTION = ("attention: a module with a readable head count or head size (num_heads, "
                         "num_attention_heads, n_head, head_dim, config.num_attention_heads) holding q, k, v, "
-                        "o projections (four) or a fused [q|k|v] one and o (two)")
+                        "o projections (four, or more where o reads q, k, v in its data flow) or a fused [q|k|v] "
+                        "one and o (two), or an nn.MultiheadAttention")
 LOOKED_FOR_LAYERS = ("residual layers: an nn.ModuleList / nn.Sequential of at least 2 layers of one class, "
                      "each with submodules and parameters")
-SPEC_HINT = ("pass spec= (ist_kernels.partition.Structure or a dict with keys ffns=[(in_projs, out_proj)], "
+SPEC_HINT = ("pass spec= (ist_kernels.partition.Structure or a dict with keys ffns=[(in_projs, out_proj[, norms])], "
              "attentions=[{q, k, v, o, num_heads, head_dim}], layers='<container name>'; ist-train: --model-spec "
              "with that dict as JSON)")
 
@@ -57,12 +88,16 @@ SPEC_HINT = ("pass spec= (ist_kernels.partition.Structure or a dict with keys ff
 @dataclass(frozen=True)
 class FFN:
     """An FFN's hidden units: ``in_projs`` (module names, ``d -> hidden``: their output rows),
-    ``out_proj`` (``hidden -> e``: its input columns); ``name``: the module holding them."""
+    ``out_proj`` (``hidden -> e``: its input columns); ``name``: the module holding them;
+    ``norms``: modules between them over the hidden units (a LayerNorm, RMSNorm, BatchNorm1d, any
+    module of ``hidden``-vectors), whose vectors go with the units and which a subnetwork computes
+    over its own units (see the module doc)."""
 
     in_projs: Tuple[str, ...]
     out_proj: str
     hidden: int = 0
     name: str = ""
+    norms: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -89,22 +124,26 @@ class Attention:
 @dataclass
 class Structure:
     """What a partition found in a model (or what the user said): ``ffns``, ``attentions`` (in
-    module order), ``layers`` (the residual layers container's name, or None) and ``num_layers``."""
+    module order), ``layers`` (the residual layers container's name, or None) and ``num_layers``;
+    ``notes``: projections seen but not taken, and why."""
 
     ffns: List[FFN] = field(default_factory=list)
     attentions: List[Attention] = field(default_factory=list)
     layers: Optional[str] = None
     num_layers: int = 0
+    notes: List[str] = field(default_factory=list)
 
     def describe(self) -> str:
-        """One line per thing found, for errors and logs."""
-        lines = [f"FFN {f.name or '<root>'}: {f.hidden} hidden units ({', '.join(f.in_projs)} -> {f.out_proj})"
+        """One line per thing found (and per note), for errors and logs."""
+        lines = [f"FFN {f.name or '<root>'}: {f.hidden} hidden units ({', '.join(f.in_projs)} -> {f.out_proj}"
+                 + (f"; normalized over a subnetwork's units by {', '.join(f.norms)})" if f.norms else ")")
                  for f in self.ffns]
         lines += [f"attention {a.name or '<root>'}: {a.num_heads} heads ({a.num_kv_heads} key/value) of "
                   f"{a.head_dim} ({'fused ' + a.q if a.fused else ', '.join((a.q, a.k, a.v))} -> {a.o})"
                   for a in self.attentions]
         lines.append(f"residual layers {self.layers}: {self.num_layers}" if self.layers is not None
                      else "residual layers: none")
+        lines += [f"not taken: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
@@ -165,20 +204,32 @@ def _int_attr(m: Any, names: Sequence[str]) -> Optional[int]:
 
 # ---------------------------------------------------------------- discovery
 
-def _find_attention(name: str, m: nn.Module) -> Optional[Attention]:
-    if m._parameters and any(p is not None for p in m._parameters.values()):
-        return None
+def _head_attrs(m: nn.Module) -> Tuple[Optional[int], Optional[int]]:
+    """(number of query heads, head size) readable on ``m`` (None where not)."""
     H = _int_attr(m, HEAD_COUNT_ATTRS)
     if H is None:
         H = _int_attr(getattr(m, "config", None), ("num_attention_heads",))
-    hd = _int_attr(m, HEAD_DIM_ATTRS)
+    return H, _int_attr(m, HEAD_DIM_ATTRS)
+
+
+def _find_attention(name: str, m: nn.Module) -> Optional[Attention]:
+    if m._parameters and any(p is not None for p in m._parameters.values()):
+        return None
+    H, hd = _head_attrs(m)
     if H is None and hd is None:
         return None
     kids = _param_children(m)
     projs = [(k, projection(c)) for k, c in kids]
     if len(projs) not in (2, 4) or any(p is None for _, p in projs):
         return None
-    *qkv, (o_name, (o_in, o_out, _)) = projs
+    return _heads_of(name, H, hd, projs[:-1], projs[-1])
+
+
+def _heads_of(name: str, H: Optional[int], hd: Optional[int], qkv: List[Tuple[str, Tuple[int, int, str]]],
+              o: Tuple[str, Tuple[int, int, str]]) -> Optional[Attention]:
+    """The attention of projections ``qkv`` (one fused, or three in registration order; names under
+    ``name``) and ``o`` if their shapes fit ``H`` heads of ``hd`` (one may be None)."""
+    o_name, (o_in, o_out, _) = o
     if hd is None:
         if o_in % H:
             return None
@@ -213,6 +264,12 @@ def _find_attention(name: str, m: nn.Module) -> Optional[Attention]:
     if KV < 1 or H % KV:
         return None
     return Attention(_join(name, q), _join(name, k), _join(name, v), _join(name, o_name), H, hd, KV, name)
+
+
+def _mha_attention(name: str, m: nn.MultiheadAttention) -> Attention:
+    """An ``nn.MultiheadAttention``'s heads: ``q = k = v`` its name (its in-projection is its own
+    parameter), ``o`` its ``out_proj``."""
+    return Attention(name, name, name, _join(name, "out_proj"), m.num_heads, m.head_dim, m.num_heads, name)
 
 
 def _module_ffn(name: str, m: nn.Module) -> Optional[FFN]:
@@ -276,7 +333,7 @@ def discover(model: nn.Module) -> Structure:
     for name, m in model.named_modules():
         if projection(m) is not None:
             continue
-        a = _find_attention(name, m)
+        a = _mha_attention(name, m) if isinstance(m, nn.MultiheadAttention) else _find_attention(name, m)
         if a is not None and not {a.q, a.k, a.v, a.o} & claimed:
             attentions.append(a)
             claimed |= {a.q, a.k, a.v, a.o}
@@ -287,8 +344,93 @@ def discover(model: nn.Module) -> Structure:
             if not mods & claimed:
                 ffns.append(f)
                 claimed |= mods
+    notes: List[str] = []
+    _flow_pass(model, ffns, attentions, claimed, notes)
     layers, n = _find_layers(model)
-    return Structure(ffns, attentions, layers, n)
+    return Structure(ffns, attentions, layers, n, notes)
+
+
+def _flow_pass(model: nn.Module, ffns: List[FFN], attentions: List[Attention], claimed: Set[str],
+               notes: List[str]) -> None:
+    """FFNs (and attentions) in the data flow of every module holding two or more projections not
+    yet claimed as direct children (see :mod:`.dataflow`), appended in module order."""
+    mods = dict(model.named_modules())
+    free = {n for n, m in mods.items() if projection(m) is not None} - claimed
+    found = False
+    for name, m in mods.items():
+        if name in claimed or projection(m) is not None or isinstance(m, nn.MultiheadAttention):
+            continue
+        direct = [k for k, c in m._modules.items() if c is not None and _join(name, k) in free]
+        if len(direct) < 2:
+            continue
+        prefix = f"{name}." if name else ""
+        mine = frozenset(n[len(prefix):] for n in free if n.startswith(prefix))
+        a_rel, f_rel, why = dataflow.remembered(m, ("structure", mine), lambda: _module_flow(m, mine))
+        for a in a_rel:
+            a = Attention(*(_join(name, x) for x in (a.q, a.k, a.v, a.o)), a.num_heads, a.head_dim,
+                          a.num_kv_heads, name)
+            attentions.append(a)
+            claimed |= {a.q, a.k, a.v, a.o}
+        for f in f_rel:
+            ffns.append(FFN(tuple(_join(name, x) for x in f.in_projs), _join(name, f.out_proj), f.hidden, name,
+                            tuple(_join(name, x) for x in f.norms)))
+            claimed |= {*ffns[-1].in_projs, ffns[-1].out_proj}
+        notes += [f"{name or '<root>'}: {w}" for w in why]
+        free -= claimed
+        found = found or bool(a_rel or f_rel)
+    if found:  # in module order, as the structural ones
+        order = {n: i for i, n in enumerate(mods)}
+        ffns.sort(key=lambda f: order[f.out_proj])
+        attentions.sort(key=lambda a: order[a.o])
+
+
+def _module_flow(m: nn.Module, free: Set[str]) -> Tuple[List[Attention], List[FFN], List[str]]:
+    """The attentions and FFNs (names under ``m``) among the projections ``free`` in ``m``'s data
+    flow, and notes on what was seen but not taken."""
+    holds = set()  # modules (not projections) holding a free projection: traced through
+    for n in free:
+        parts = n.split(".")
+        holds |= {id(m.get_submodule(".".join(parts[:i]))) for i in range(1, len(parts))}
+
+    def leaf(c: nn.Module) -> bool:
+        if projection(c) is not None:
+            return True
+        if id(c) in holds:
+            return False
+        if any(True for _ in c.parameters()) or any(True for _ in c.buffers()):
+            return True
+        return c.__module__.startswith(("torch.nn", "torch.ao.nn")) and not isinstance(c, nn.Sequential)
+
+    widths: Dict[int, int] = {}
+    for k, c in m._modules.items():
+        p = projection(c) if k in free else None
+        if p is not None:
+            widths[p[0]] = widths.get(p[0], 0) + 1
+    try:
+        ops = dataflow.read_flow(m, leaf, sorted(widths, key=lambda w: -widths[w]))
+    except dataflow.NoFlow as e:
+        return [], [], [f"projections {', '.join(sorted(free))} seen; {e}"]
+    order = {n: i for i, (n, _) in enumerate(m.named_modules())}
+    atts: List[Attention] = []
+    H, hd = _head_attrs(m)
+    if H is not None or hd is not None:
+        ffn_outs = {p.out_proj for p in dataflow.find_pairs(ops, projection, free)[0]}
+        proj = dataflow.free_projections(ops, projection, free)
+        used: Set[str] = set()
+        for op in ops:
+            if proj(op) is None or op.name in ffn_outs or op.name in used:
+                continue
+            ups = sorted(dataflow.upstream(op, proj), key=lambda u: order.get(u.name, 0))
+            if len(ups) not in (1, 3) or used & {u.name for u in ups}:
+                continue
+            a = _heads_of("", H, hd, [(u.name, proj(u)) for u in ups], (op.name, proj(op)))
+            if a is not None:
+                atts.append(a)
+                used |= {a.q, a.k, a.v, a.o}
+        free = free - used
+    pairs, notes = dataflow.find_pairs(ops, projection, free)
+    ffns = [FFN(p.in_projs, p.out_proj, projection(m.get_submodule(p.out_proj))[0], "", p.norms) for p in pairs]
+    return atts, ffns, notes
 
 
 # ---------------------------------------------------------------- the user's spec
@@ -312,21 +454,30 @@ def _parent(name: str) -> str:
 
 
 def _spec_ffn(model: nn.Module, item: Any) -> FFN:
+    norms: Any = ()
     if isinstance(item, FFN):
-        ins, out = item.in_projs, item.out_proj
+        ins, out, norms = item.in_projs, item.out_proj, item.norms
     elif isinstance(item, dict):
-        ins, out = item.get("in_projs"), item.get("out_proj")
+        ins, out, norms = item.get("in_projs"), item.get("out_proj"), item.get("norms", ())
+    elif isinstance(item, (tuple, list)) and len(item) in (2, 3):
+        ins, out, *rest = item
+        norms = rest[0] if rest else ()
     else:
-        ins, out = item
+        raise ValueError(f"spec: an FFN is (in_projs, out_proj[, norms]): module names, got {item!r}")
     ins = (ins,) if isinstance(ins, str) else tuple(ins or ())
+    norms = (norms,) if isinstance(norms, str) else tuple(norms or ())
     if not ins or not isinstance(out, str):
-        raise ValueError(f"spec: an FFN is (in_projs, out_proj): module names, got {item!r}")
+        raise ValueError(f"spec: an FFN is (in_projs, out_proj[, norms]): module names, got {item!r}")
     ps = [_proj_of(model, n, "FFN input projection") for n in ins]
     po = _proj_of(model, out, "FFN output projection")
     if any(p[1] != po[0] for p in ps) or any(p[:2] != ps[0][:2] for p in ps):
         raise ValueError(f"spec: FFN {ins} -> {out}: the input projections' outputs "
                          f"{[p[1] for p in ps]} must all equal the output projection's inputs {po[0]}")
-    return FFN(ins, out, po[0], _parent(out))
+    for n in norms:
+        if not dataflow.unit_module(_module(model, n, "FFN norm"), po[0]):
+            raise ValueError(f"spec: FFN norm {n!r} is not a LayerNorm / RMSNorm over, a BatchNorm1d of, or a "
+                             f"module of vectors of the {po[0]} hidden units")
+    return FFN(ins, out, po[0], _parent(out), norms)
 
 
 def _spec_attention(model: nn.Module, item: Any) -> Attention:
@@ -338,11 +489,14 @@ def _spec_attention(model: nn.Module, item: Any) -> Attention:
     unknown = set(item) - {"q", "k", "v", "o", "num_heads", "head_dim", "num_kv_heads", "name", "module"}
     if unknown:
         raise ValueError(f"spec: unknown attention keys {sorted(unknown)}")
+    if isinstance(item.get("q"), str) and all(item.get(x, item["q"]) == item["q"] for x in "kv") and \
+            isinstance(_module(model, item["q"], "attention q"), nn.MultiheadAttention):
+        return _mha_attention(item["q"], model.get_submodule(item["q"]))
     try:
         q, k, v, o = (item[x] for x in "qkvo")
     except KeyError as e:
         raise ValueError(f"spec: attention needs q, k, v and o (module names; the same name for a fused "
-                         f"[q|k|v] projection), missing {e}") from None
+                         f"[q|k|v] projection or an nn.MultiheadAttention), missing {e}") from None
     pq, pk, po = (_proj_of(model, n, f"attention {w}") for n, w in ((q, "q"), (k, "k"), (o, "o")))
     _proj_of(model, v, "attention v")
     H = item.get("num_heads")
@@ -399,7 +553,7 @@ def find_structure(model: nn.Module, spec: Union[None, Structure, Dict[str, Any]
         found.attentions = [_spec_attention(model, a) for a in spec["attentions"] or ()]
     if "layers" in spec:
         found.layers, found.num_layers = (None, 0) if spec["layers"] is None else _spec_layers(model, spec["layers"])
-    mods = [m for f in found.ffns for m in (*f.in_projs, f.out_proj)] + \
+    mods = [m for f in found.ffns for m in (*f.in_projs, f.out_proj, *f.norms)] + \
            [m for a in found.attentions for m in dict.fromkeys((a.q, a.k, a.v, a.o))]
     dup = sorted({m for m in mods if mods.count(m) > 1})
     if dup:

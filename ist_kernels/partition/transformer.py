@@ -29,7 +29,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ._subnetworks import SubnetworkPlan
 from .resist import check_min_depth, deal_blocks
 from .structure import (
     FFN,
@@ -48,6 +47,7 @@ from .structure import (
     out_dim,
     projection,
 )
+from .subnetworks import SubnetworkPlan
 
 #: what ``partition`` (the IST option) may name
 PARTITIONS = ("ffn", "heads", "both")

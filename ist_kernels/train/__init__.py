@@ -5,6 +5,6 @@ from .._extras import require
 
 require(__name__, "train", ["numpy"])  # imported by the modules below; the rest of [train] when used
 
-from .library import Engine, Round, Worker  # noqa: E402
+from .engine import Engine, Round, Worker  # noqa: E402
 
 __all__ = ["Engine", "Round", "Worker"]

@@ -32,7 +32,7 @@ import torch
 
 from ..distributed import CollectiveError
 from .errors import ConfigError
-from .models import language_models
+from .model_registry import language_models
 
 LATEST = "latest.json"
 _FILE = re.compile(r"^round-(\d+)-rank-(\d+)\.pt$")

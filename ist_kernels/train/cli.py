@@ -31,7 +31,7 @@ from .config import (
 from .datasets import available_datasets
 from .launch import exit_worker, failure_status, launch, report_failure
 from .methods import available_methods
-from .models import available_models
+from .model_registry import available_models
 from .output import claim_outputs, write_comparison
 from .runs import plan_runs
 

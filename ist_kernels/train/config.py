@@ -18,7 +18,7 @@ from . import methods
 from .checkpoint import check_resumable
 from .datasets import check_dataset, is_external
 from .errors import ConfigError
-from .models import check_model, load_model_spec
+from .model_registry import check_model, load_model_spec
 from .outer import OUTER_OPTIMIZERS
 
 PRECISIONS = ("fp32", "bf16", "fp16")

@@ -8,13 +8,13 @@
   crafted file cannot run code; a file with the size of the standard archive's must also have its
   published md5 (other sizes, e.g. subsets, are not checked).
 - ``synthetic_cifar10`` / ``synthetic_cifar100``: CIFAR-shaped stand-ins generated in memory
-  (``ist_kernels.train.data.synthetic_images``: class-conditional, learnable but not trivial), the
+  (``ist_kernels.train.paper_data.synthetic_images``: class-conditional, learnable but not trivial), the
   same images for every run (``dataset_size`` training images, default CIFAR's 50000, and a fifth as
   many test images), kept as uint8 and normalised per batch as CIFAR is: the papers' tables on the
   papers' shapes, offline.
 - ``signal_noise``: paper 002's synthetic signal + noise classification (§5.1 settings);
   ``diabetes``: paper 001's regression data; ``ackley``: paper 004 §6.1's synthetic regression
-  (all from ``ist_kernels.train.data``).
+  (all from ``ist_kernels.train.paper_data``).
 - ``pycode``: byte-level language modelling (256 classes per position) on the Python standard
   library's own source files (``sysconfig.get_paths()["stdlib"]``, present wherever Python is;
   ``site-packages`` left out). A file is in the test split when the SHA-256 of its path (relative,
@@ -76,8 +76,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .data import ackley_data, diabetes_regression, signal_noise, synthetic_images
 from .errors import ConfigError
+from .paper_data import ackley_data, diabetes_regression, signal_noise, synthetic_images
 
 
 @dataclass
@@ -353,7 +353,7 @@ def _load_diabetes(cfg) -> Dataset:
 
 def _load_ackley(cfg) -> Dataset:
     """Paper 004 §6.1's Ackley regression: x in R^200 with ‖x‖ = 1, scalar y; 100 training and 100
-    test samples drawn from cfg.seed (``ist_kernels.train.data.ackley_data``); the test loss is the MSE."""
+    test samples drawn from cfg.seed (``ist_kernels.train.paper_data.ackley_data``); the test loss is the MSE."""
     x, y = ackley_data(200, 200, torch.Generator().manual_seed(_mix(cfg.seed, 0xAC1E)))
     x, y = x.float(), y.float()
     return Dataset("ackley", "regression", x[:100], y[:100], x[100:], y[100:], 1, image=False)

@@ -1,665 +1,289 @@
-"""The round engine: the two ways the methods' rounds run, each written once, for every launch mode
-and storage.
+"""The round engine in your own training loop.
 
-- :class:`SubnetRounds`: rounds of subnetworks cut from a partition plan (LOFT, ResIST): plan ->
-  compact state -> local steps -> exchange. A round of plan t: every worker trains its subnetwork
-  for ``local_steps``, then the subnetworks are owner-averaged (a slice owned by several is their
-  mean, shared tensors the mean of all) and cut again by plan t+1 (the same plan at the end of a
-  phase: aggregation only).
+``ist-train`` runs a method's rounds with its own local steps. :class:`Engine` runs the same rounds
+(the same plans, subnetworks, exchange, owner-averaging, outer step, byte and time accounting,
+checkpoints and exact resume: the same :class:`ist_kernels.train.runner.Run` object ``ist-train``
+uses) and hands each worker's subnetwork and optimizer to *your* loop for its local steps::
 
-  * simulated: the global model is the reference; ``plan.build`` cuts the S subnetworks (one slice
-    gather, ``pack``), ``plan.aggregate`` puts them back (one slice scatter, ``unpack``); the bytes
-    are what the distributed exchanges would move (``Comm.count_exchange``).
-  * distributed, decentralized storage (default; ResIST §2.5 / Figure 3, LOFT §4): a rank holds
-    only its subnetwork's compact tensors and the shared ones, and one exchange per round sends
-    every slice straight to its next owners (all-to-all) and averages the shared tensors (ring
-    all_reduce; ``--shared exact``: through the all-to-all, bit-identical to the simulated run).
-    The compact module and its optimizer are kept across rounds while the plan's shapes do not
-    change (LOFT: every round): the exchanged tensors are copied into them in place, and the
-    optimizer's state is cleared (``momentum_state=reset``: what a fresh optimizer has) or refilled
-    with the exchanged momentum (``aggregate``). The global model is a structure on the meta device;
-    the full model is assembled on rank 0 only to evaluate or save it.
-  * distributed, replicated storage (``--storage replicated``, for testing): every rank holds the
-    global model, writes its subnetwork into it and a replicated exchange owner-averages every
-    slice across the ranks.
+    engine = Engine(model=my_factory, method="ist", workers=2, rounds=10, local_steps=8, lr=0.1)
+    for rnd in engine.rounds():          # round r: the engine plans it and cuts the subnetworks
+        for worker in rnd:               # the workers this process trains, as the method asks
+            model, opt = worker.model, worker.optimizer
+            for x, y in my_batches(worker.index, rnd.index):    # your data, loss, schedule, logging
+                opt.zero_grad(); loss = my_loss(model(x), y); loss.backward(); opt.step()
+                worker.add_loss(loss)    # optional: metrics.jsonl's train_loss
+        # leaving the round: exchange, owner-average, outer step, scores, metrics, checkpoint
+    full = engine.global_model()         # the full model on demand (every rank calls it)
+    summary = engine.close()             # model.pt, summary.json (rank 0)
 
-- :class:`LocalModels`: local SGD of whole models (the local-SGD baseline, LOFT's fine-tuning,
-  ResIST's warm-up, GReLU's default): local steps on every local worker, then one flat all_reduce.
+Launch modes: under ``torchrun --nproc-per-node S`` each process trains one worker (its rank; the
+engine creates the process group, gloo on CPUs, NCCL on GPUs, unless one exists); in one process
+without torchrun it trains the S = ``workers`` workers one after another (the simulated mode, the
+reference the distributed run equals).
 
-A method drives them through its worker view (``ctx``: :class:`ist_kernels.train.worker.RunContext`)
-and never touches communication or counters itself: every byte goes through ``ctx.comm`` and every
-second into ``ctx.clock`` (:mod:`.timing`).
+``model``: a factory (a callable returning an ``nn.Module``; every rank calls it under the same seed,
+so every rank starts from the same model) or a ``"module:factory"`` string as ``ist-train --model``
+takes. ``dataset`` (optional): a data set ``ist-train`` knows (``"digits"``, ``"pycode"``, ...): then
+``worker.batches()`` gives the very batches ``ist-train``'s local steps would use (with its learning
+rate schedule applied to the optimizer before each), and the engine scores the full model on its
+test split as ``ist-train`` does; without one, pass ``evaluate=fn(model) -> dict`` for scores (or
+none). Every other keyword is an ``ist-train`` option by its config name (``lr``, ``momentum``,
+``options={"partition": "heads"}``, ``storage``, ``out_dir``, ``checkpoint_interval``, ``resume``,
+``seed``, ``timeout_s``, ...): ``Engine.options()`` lists them.
 
-Compression (``--compress bf16|int8``, ``ctx.comm.compress``): every round's exchange of weights and
-every local-SGD average encode what a worker sends (its own copy too); the simulated path encodes
-the same values (``plan.compact(sub)`` or ``plan.tensors_of(sub)``: a subnetwork's tensors in the
-plan's view) before aggregating them. Momentum (``momentum_state=aggregate``) and the one-time moves
-of pruning travel uncompressed. Nothing is kept between rounds (no error feedback): resume stays
-exact.
-
-Momentum (option ``momentum_state``): ``"reset"`` (default; paper 000 Algorithm 1 and the ResIST
-reference code aggregate only the weights) starts every subnetwork's round with empty optimizer
-state; ``"aggregate"`` slices the optimizer's state tensors of their parameter's shape (SGD's
-momentum buffer, AdamW's two moments) with the weights and aggregates / exchanges them too (their
-bytes counted too). A 0-dim state (AdamW's step: the same count on every worker, each takes
-``local_steps`` steps a round) is not sent: under decentralized storage a rank gives the slices it
-receives the step of the ones it trained (the simulated run's owner mean of equal counts).
-
-Outer optimizer (``--outer-optimizer``: :class:`ist_kernels.train.outer.OuterOptimizer`, DiLoCo's
-outer step for every method that takes one): after a round's aggregation A, one optimizer step from
-θ_prev with the pseudo-gradient g = θ_prev - A. ``SubnetRounds`` keeps its state per plan tensor:
-simulated and replicated, whole; decentralized, for the slices this rank stores: a partitioned slice
-takes the step on the rank that trained it and goes to its next owners with its state (one more
-exchange per state tensor of its shape), the shared tensors take it after their average.
-``LocalModels`` keeps one state of the whole model.
+How it works: a method's round has two phases (:mod:`ist_kernels.train.methods`): entering a round
+runs the first (``Run.begin_round``: the plan, the subnetworks and their optimizers, the workers'
+turns), iterating it hands you the turns one after another, and leaving the iteration runs the second
+(``Run.end_round``: exchange, aggregation, outer step, scores, metrics, checkpoint). Everything runs in
+your thread, in your loop's order: no thread, no queue; an exception raises where it happens (in the
+engine's phases, out of the ``for`` statement that entered or left them). The time your loop spends
+with a worker is the round's ``local`` time.
 """
 from __future__ import annotations
 
-import copy
-import warnings
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+import dataclasses
+import os
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from ..distributed import ledger
-from ..distributed.ledger import payoff, state_split  # noqa: F401  (the engine's: methods import them here)
-from .methods import Option, RoundResult, WorkerTurn, held_bytes, summed
-from .outer import OuterOptimizer
-
-MOMENTUM_STATES = ("reset", "aggregate")
-MOMENTUM_OPTION = Option("reset", str, "subnetwork momentum across rounds: reset (fresh optimizer state each "
-                         "round, only weights communicated) or aggregate (sliced, aggregated and communicated)",
-                         check=lambda v: v in MOMENTUM_STATES, expected="reset or aggregate")
+from ..distributed import destroy_process_group, init_process_group
+from .config import TrainConfig, under_torchrun
+from .datasets import ShardedData, augment_default, load_dataset, register_factory
+from .errors import ConfigError
+from .launch import resolve_backend, resolve_device, set_threads
+from .methods import WorkerTurn
+from .runner import Run, World
 
 
-def model_tensors(model: nn.Module) -> Dict[str, Tensor]:
-    """Every parameter and buffer by the plan's name, detached, sharing storage: the state dict
-    with a tensor held by several modules (tied weights: GPT-2's ``lm_head.weight`` is
-    ``transformer.wte.weight``) once, under its first name in module order (as ``named_parameters()``
-    and the partition plans name it)."""
-    out: Dict[str, Tensor] = {}
-    seen = set()
-    for n, t in model.state_dict(keep_vars=True).items():
-        if isinstance(t, Tensor):
-            if id(t) in seen:
-                continue
-            seen.add(id(t))
-            t = t.detach()
-        out[n] = t
-    return out
+class Worker:
+    """One worker's turn in a round: ``model`` (its subnetwork, or the whole model for local-SGD
+    methods), ``optimizer`` (over ``model``'s parameters, built by the engine from the config: SGD
+    with ``lr``, ``momentum``, ``weight_decay``, or AdamW with ``optimizer="adamw"``), ``index`` (the
+    worker, 0..S-1), ``round`` (r)."""
+
+    def __init__(self, engine: "Engine", turn: WorkerTurn, r: int):
+        self.model, self.optimizer, self.index, self.round = turn.model, turn.optimizer, turn.worker, r
+        self._turn = turn
+        self._engine = engine
+        self.loss_sum: Union[float, torch.Tensor] = 0.0
+        self.steps = 0
+
+    def add_loss(self, loss: Union[float, torch.Tensor], steps: int = 1) -> None:
+        """Count a local step's loss into the round's ``train_loss`` (metrics.jsonl); a tensor stays
+        on its device (no host synchronisation)."""
+        weight = len(self._turn.batch_workers)  # (simulated ddp: one step on every worker's batch)
+        if isinstance(loss, torch.Tensor):
+            v = loss.detach().double()
+            self.loss_sum = self.loss_sum + (v * weight if weight > 1 else v)
+        else:
+            self.loss_sum = self.loss_sum + float(loss) * weight
+        self.steps += steps
+
+    def batches(self) -> Iterator:
+        """The ``local_steps`` batches ``(x, y)`` ``ist-train`` would give this worker in this round
+        (needs ``dataset``); before each, the optimizer's learning rate is set from the schedule, and
+        after each step the method's per-step hook runs (ddp: its gradient all-reduce's count)."""
+        ctx = self._engine._run.ctx
+        if ctx.data is None:
+            raise RuntimeError("Worker.batches(): the engine has no dataset; pass Engine(dataset=...) or bring "
+                               "your own batches")
+        for i in range(ctx.local_steps):
+            ctx.set_lr(self.optimizer, self.round, i)
+            yield ctx.turn_batch(self._turn, self.round, i)
+            if self._turn.on_step is not None:
+                self._turn.on_step()
+
+    def loss(self, out, y) -> torch.Tensor:
+        """``ist-train``'s loss for the dataset's task (cross-entropy on logits, or on ``.logits``)."""
+        return self._engine._run.ctx.loss(out, y)
 
 
-def tied_names(model: nn.Module) -> Dict[str, str]:
-    """Tied tensors: every state-dict name of a tensor met before in module order -> its first name."""
-    first: Dict[int, str] = {}
-    out = {}
-    for n, t in model.state_dict(keep_vars=True).items():
-        if isinstance(t, Tensor):
-            owner = first.setdefault(id(t), n)
-            if owner != n:
-                out[n] = owner
-    return out
+class Round:
+    """Round ``index``: iterate it for the workers this process trains (:class:`Worker`); the round
+    ends (exchange, aggregation, scores, metrics, checkpoint) when the iteration does. ``record``:
+    the round's metrics.jsonl record once it ended."""
+
+    def __init__(self, engine: "Engine", r: int):
+        self.engine, self.index = engine, r
+        self.record: Optional[Dict[str, Any]] = None
+        self._used = False
+
+    def __iter__(self) -> Iterator[Worker]:
+        if self._used:
+            raise RuntimeError(f"round {self.index} was iterated already")
+        self._used = True
+        eng = self.engine
+        run, clock = eng._run, eng._run.ctx.clock
+        finished = False
+        try:
+            turns = run.begin_round(self.index)
+            losses = []
+            for turn in turns:
+                worker = Worker(eng, turn, self.index)
+                with clock("local"):
+                    yield worker
+                losses.append(worker.loss_sum)
+            self.record = run.end_round(self.index, losses)
+            finished = True
+        except BaseException as e:  # noqa: B902 - re-raised: the engine is broken from here on
+            eng._broken = e if isinstance(e, Exception) else RuntimeError(
+                f"round {self.index} did not finish (the training loop left it); the engine cannot continue: "
+                f"resume from its last checkpoint")
+            raise
+        finally:
+            if not finished and eng._broken is None:  # the loop left the round early (break, close())
+                eng._broken = RuntimeError(f"round {self.index} did not finish (the training loop left it); "
+                                           f"the engine cannot continue: resume from its last checkpoint")
 
 
-def to_meta_(model: nn.Module) -> nn.Module:
-    """``model.to("meta")`` keeping tied tensors tied (``Module.to`` gives every module holding a
-    tensor its own new one) and non-persistent buffers real (constants of the structure, such as
-    rotary embeddings' ``inv_freq``, which subnetworks share): the structure decentralized storage
-    keeps."""
-    new: Dict[int, Tensor] = {}
-    for m in model.modules():
-        for attrs in (m._parameters, m._buffers):
-            for k, t in attrs.items():
-                if t is None or (attrs is m._buffers and k in m._non_persistent_buffers_set):
-                    continue  # non-persistent buffers (constants, not in the state dict) stay real: clones use them
-                if id(t) not in new:
-                    meta = t.detach().to("meta")
-                    new[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
-                        else meta
-                attrs[k] = new[id(t)]
-    return model
+class Engine:
+    """The round engine for a user's own loop (see the module docstring)."""
 
+    def __init__(self, model: Union[Callable[[], nn.Module], str], *, method: str = "ist",
+                 workers: Optional[int] = None, dataset: Optional[str] = None,
+                 evaluate: Optional[Callable[[nn.Module], Dict[str, float]]] = None, **config: Any):
+        if isinstance(config.get("device"), torch.device):  # a torch.device as the string the config takes
+            config["device"] = str(config["device"])
+        if "simulate" in config or "model" in config:
+            raise TypeError("Engine: pass the model as the first argument and the worker count as workers=")
+        unknown = sorted(set(config) - {f.name for f in dataclasses.fields(TrainConfig)})
+        if unknown:
+            raise TypeError(f"Engine: unknown option(s) {', '.join(unknown)}; see Engine.options()")
+        distributed = under_torchrun()
+        if distributed:
+            S = int(os.environ["WORLD_SIZE"])
+            if workers is not None and workers != S:
+                raise ConfigError("workers", f"is {workers} but torchrun started WORLD_SIZE={S} processes")
+        else:
+            S = 1 if workers is None else workers
+        if isinstance(model, str):
+            name = model
+        elif callable(model):  # built and probed by its label, as ist-train builds MODULE:FACTORY
+            name = register_factory(_label(model), model)
+        else:
+            raise ConfigError("model", f"expected a factory (a callable returning an nn.Module) or 'module:factory', "
+                              f"got {type(model).__name__}")
+        cfg = TrainConfig()
+        values = {"method": method, "model": name, "dataset": dataset or "none", "progress": False,
+                  **config}
+        if distributed:
+            values["workers"] = S
+        else:
+            values["simulate"] = S if S > 1 else 0
+        cfg.update(values, "Engine()")
+        cfg.validate(data=dataset is not None)
+        self.config = cfg
+        rank = int(os.environ["RANK"]) if distributed else 0
+        local_rank = int(os.environ["LOCAL_RANK"]) if distributed else 0
+        device = resolve_device(cfg, local_rank, S if distributed else 1)
+        set_threads(cfg, S if distributed else 1)  # as ist-train (--threads fixes the float sums)
+        self._own_group = False
+        if distributed:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            if not torch.distributed.is_initialized():
+                init_process_group(resolve_backend(cfg, device), timeout=cfg.timeout_s)
+                self._own_group = True
+        self._world = World(rank, S if distributed else 1, local_rank, simulated=not distributed and S > 1,
+                            device=device)
+        data = None
+        if dataset is not None:
+            data = ShardedData(load_dataset(cfg), cfg.num_workers, cfg.batch_size, cfg.seed, device,
+                               augment_default(cfg))
+        self._broken: Optional[BaseException] = None
+        self._summary: Optional[Dict[str, Any]] = None
+        self._closed = False
+        self._run = Run(cfg, self._world, data=data, scores=evaluate, load_data=False)
+        self._begun = False
 
-def assign_tensors_(model: nn.Module, tensors: Dict[str, Tensor]) -> nn.Module:
-    """``model.load_state_dict(tensors, assign=True)`` (strict) where ``tensors`` names each tensor
-    once (:func:`model_tensors`): every place that held one tensor gets the same new one, so tied
-    weights stay tied."""
-    params = dict(model.named_parameters())
-    full = {n: nn.Parameter(t, requires_grad=params[n].requires_grad) if n in params and isinstance(t, Tensor)
-            and not isinstance(t, nn.Parameter) else t for n, t in tensors.items()}
-    for alias, name in tied_names(model).items():
-        if name in full and alias not in full:
-            full[alias] = full[name]
-    model.load_state_dict(full, assign=True)
-    return model
-
-
-def param_states_of(named_params, optimizer) -> Dict[str, Dict[str, Tensor]]:
-    """state key -> name -> the optimizer's state tensor of that parameter, for every state tensor of
-    its parameter's shape (SGD's ``momentum_buffer``, AdamW's ``exp_avg`` and ``exp_avg_sq``)."""
-    out: Dict[str, Dict[str, Tensor]] = {}
-    for name, p in named_params:
-        for key, v in optimizer.state.get(p, {}).items():
-            if isinstance(v, Tensor) and v.dim() > 0 and v.shape == p.shape:
-                out.setdefault(key, {})[name] = v
-    return out
-
-
-def scalar_states_of(params, optimizer) -> Dict[str, Tensor]:
-    """state key -> the largest of the optimizer's 0-dim state tensors of ``params`` (AdamW's
-    ``step``), cloned."""
-    found: Dict[str, List[Tensor]] = {}
-    for p in params:
-        if p.dim() == 0:
-            continue
-        for key, v in optimizer.state.get(p, {}).items():
-            if isinstance(v, Tensor) and v.dim() == 0:
-                found.setdefault(key, []).append(v)
-    return {key: max(vals, key=float).detach().clone() for key, vals in found.items()}
-
-
-def momentum_of(named_params, optimizer) -> Dict[str, Tensor]:
-    """name -> SGD momentum buffer of every parameter that has one."""
-    out = {}
-    for name, p in named_params:
-        buf = optimizer.state.get(p, {}).get("momentum_buffer")
-        if buf is not None:
-            out[name] = buf
-    return out
-
-
-def phase_rounds(rounds: int, fraction: float) -> int:
-    """Rounds of the first phase: ``fraction`` of ``rounds`` (rounded), at least 1 when fraction > 0."""
-    if fraction <= 0:
-        return 0
-    return min(rounds, max(1, round(fraction * rounds)))
-
-
-def count_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-class PartitionPayoffWarning(UserWarning):
-    """A partition plan moves too little of the model's state to send clearly fewer bytes than
-    local SGD."""
-
-
-#: the predicted bytes ratio (subnetwork rounds / local SGD) from which a plan cannot pay off
-PAYOFF_LIMIT = 0.9
-_warned = set()
-
-
-def warn_payoff(split: Dict[str, int], num_workers: int, method: str, where: str = "") -> Optional[str]:
-    """Warn once per (method, split) when the plan partitions so little of the state that its
-    rounds send >= :data:`PAYOFF_LIMIT` of local SGD's bytes (e.g. ResIST on preact_resnet18, LOFT
-    with nothing partitioned). Returns the message (None when the plan pays off)."""
-    frac, ratio = payoff(split, num_workers)
-    if num_workers < 2 or ratio < PAYOFF_LIMIT:
-        return None
-    msg = (f"{method}{where}: the partition holds {frac:.1%} of the model's state, so a round of S={num_workers} "
-           f"subnetworks sends about {ratio:.2f}x the bytes of local SGD's all-reduce: it cannot pay off in "
-           f"communication (partition more of the model: a deeper ResNet, more workers, or local SGD)")
-    key = (method, tuple(sorted(split.items())), num_workers)
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(msg, PartitionPayoffWarning, stacklevel=2)
-    return msg
-
-
-class SubnetRounds:
-    """Trains rounds of ``plan_of(t)`` (round t's plan, the same on every rank) on ``model``.
-
-    A plan is a :class:`ist_kernels.partition.RoundPlan` (LOFT's, ResIST's and the transformer
-    plans, ``masked``'s neuron plans, GReLU's row plans): its contract and defaults are written
-    there, once.
-
-    ``spec`` (default: the model's tensors) gives the plans' tensors' global shapes; ``tensors()``
-    (default: the model's tensors) the global model's tensors as the plans state them; ``assemble(
-    full)`` (default: the model's structure loaded with the gathered tensors) builds the evaluated
-    model from gathered tensors, ``full_model`` is it without decentralized storage. ``storage``:
-    the storage the method needs (default: the run's); a plan's optional ``ps_download`` is what
-    each worker downloads in the parameter-server count (default: its next subnetwork).
-
-    Decentralized storage starts at round ``start`` (:meth:`start`): the rank cuts its part of that
-    round's plan out of the (real, full) model, which then keeps only its structure (meta device).
-    ``held`` is the round whose plan this process's tensors are cut by."""
-
-    def __init__(self, ctx, model: nn.Module, momentum_state: str, plan_of: Callable[[int], object], *,
-                 spec=None, tensors: Optional[Callable[[], Dict[str, Tensor]]] = None,
-                 assemble: Optional[Callable[[Dict[str, Tensor]], nn.Module]] = None,
-                 full_model: Optional[nn.Module] = None, storage: Optional[str] = None):
-        self.ctx = ctx
-        self.model = model
-        self.plan_of_round = plan_of
-        self.aggregate_momentum = momentum_state == "aggregate"
-        # the run's --storage, unless the method needs one (e.g. GReLU rows: a worker reads every row)
-        self.storage = storage or ("decentralized" if ctx.decentralized else "replicated")
-        self.decentral = ctx.distributed and self.storage == "decentralized"
-        self.spec = spec if spec is not None else {n: (tuple(t.shape), t.dtype)
-                                                   for n, t in model_tensors(model).items()}
-        self.tensors = tensors or (lambda: model_tensors(self.model))
-        self.assemble = assemble or self._assemble
-        self.full_model = model if full_model is None else full_model
-        self.param_names = [n for n, _ in model.named_parameters()]
-        self.optimizer = (ctx.make_optimizer(model.parameters())
-                          if self.aggregate_momentum and not self.decentral else None)
-        self.part: Optional[Dict[str, Tensor]] = None  # decentralized: plan name -> this rank's tensor
-        # decentralized, momentum aggregated: state key -> plan name -> this rank's slice of the optimizer
-        # state of that parameter's shape (SGD momentum, AdamW moments); 0-dim state (AdamW's step) by key
-        self.momentum: Dict[str, Dict[str, Tensor]] = {}
-        self.scalars: Dict[str, Tensor] = {}
-        self.held: Optional[int] = None
-        self._plans: Dict[int, object] = {}
-        # decentralized: the compact module, its optimizer and tensors, kept while the shapes hold
-        self._kept: Optional[Tuple[tuple, object, torch.optim.Optimizer, Dict[str, Tensor]]] = None
-        # --outer-optimizer: its state by plan name (decentralized: of this rank's stored slices)
-        self.outer = OuterOptimizer.of(ctx.hp.outer_optimizer, ctx.hp.outer_lr, ctx.hp.outer_momentum)
-        self.outer_on = self.outer is not None
-        self.compress = ctx.comm.compress if ctx.num_workers > 1 else None
-        self._open: Optional[dict] = None  # the round begun and not yet ended (begin -> end)
-
-    # ---- the outer optimizer (--outer-optimizer)
-    def _outer_names(self, plan) -> Tuple[List[str], List[str]]:
-        """(partitioned, shared) floating parameters of the stored plan: what the outer step updates."""
-        params = set(self.param_names)
-        part, shared = [], []
-        for t in self.stored(plan).tensors:
-            if t.name in params and self.spec[t.name][1].is_floating_point:
-                (shared if t.shared else part).append(t.name)
-        return part, shared
-
-    def _stored_names(self, plan, s: int, names) -> List[str]:
-        """Which of ``names`` worker s stores a slice of under decentralized storage."""
-        stored = {t.name: t for t in self.stored(plan).tensors}
-        return [n for n in names if n in stored and (stored[n].shared or stored[n].owners[s].numel() > 0)]
-
-    def _outer_(self, tensors: Dict[str, Tensor], previous: Dict[str, Tensor], names) -> None:
-        """The outer step on ``tensors[n]`` (the aggregate, or a worker's trained slice) from
-        ``previous[n]``, for ``names`` held here."""
-        self.outer.step_(tensors, previous, names)
-
-    # ---- plans (the last two are kept: this round's and the next)
-    def plan(self, r: int):
-        if r not in self._plans:
-            with self.ctx.clock("plan"):
-                if len(self._plans) >= 2:
-                    self._plans.pop(min(self._plans))
-                self._plans[r] = self.plan_of_round(r)
-        return self._plans[r]
-
+    # -- what the engine is
     @staticmethod
-    def stored(plan):
-        """The plan's slices as the ranks store them (decentralized storage)."""
-        return plan.storage_slices
-
-    def open(self, r: int, method: str, where: str = "", momentum=0) -> Dict[str, int]:
-        """What every subnetwork method does before its first subnetwork round, once: round r's
-        plan's state split (:func:`state_split`, ``momentum`` optimizer tensors per parameter), the
-        payoff warning when the plan partitions too little (:func:`warn_payoff`, as
-        ``method + where``), then :meth:`start` at r. Returns the split (for summary.json)."""
-        split = state_split(self.plan(r).slices, self.spec, self.param_names, momentum)
-        warn_payoff(split, self.ctx.num_workers, method, where)
-        self.start(r)
-        return split
-
-    def start(self, r: int) -> None:
-        """Hold round ``r``'s plan; decentralized: cut this rank's part, drop the rest of the model."""
-        self.held = r
-        if self.decentral:
-            with self.ctx.clock("plan"):
-                self.part = self.plan(r).part(self.ctx.rank)
-                to_meta_(self.model)
-
-    # ---- one round, in two phases
-    def begin(self, r: int, last: bool, phase: Optional[int] = None) -> List[WorkerTurn]:
-        """Round r of plan r (aggregated and cut by plan r+1 at :meth:`end`; ``last``: by plan r
-        again): the turns of this process's subnetworks, each with its optimizer."""
-        if self.held != r:
-            raise RuntimeError(f"SubnetRounds: holds round {self.held}'s plan, asked to train round {r}")
-        if self._open is not None:
-            raise RuntimeError(f"SubnetRounds: round {self._open['r']} was begun and not ended")
-        plan = self.plan(r)
-        nxt = plan if last else self.plan(r + 1)
-        ctx = self.ctx
-        with ctx.clock("metrics"):
-            ps = (ctx.comm.ps_bytes(plan.slices, self.spec, download=plan.ps_download,
-                                    compress=self.compress) if ctx.num_workers > 1 else 0)
-            if self.aggregate_momentum and ctx.num_workers > 1:  # each state tensor of a parameter's shape
-                ps += ctx.comm.ps_bytes(plan.slices, self.spec, names=self.param_names) * \
-                    ctx.param_state_tensors
-            if self.outer_on and self.storage == "decentralized" and ctx.num_workers > 1:
-                ps += ctx.comm.ps_bytes(self.stored(plan), self.spec, names=self._outer_names(plan)[0]) * \
-                    self.outer.tensors_per_param
-        state = dict(r=r, plan=plan, nxt=nxt, last=last, phase=phase, ps=ps)
-        turns = self._decentral_begin(plan, state) if self.decentral else self._global_begin(plan, state)
-        self._open = state
-        return turns
-
-    def end(self, r: int, losses: Sequence) -> RoundResult:
-        """Round r after its local steps (``losses``: each turn's summed loss): the exchange (or the
-        simulated aggregation), the outer step, and the round's result."""
-        state = self._open
-        if state is None or state["r"] != r:
-            raise RuntimeError(f"SubnetRounds: round {r} was not begun")
-        self._open = None
-        if len(losses) != len(state["turns"]):
-            raise ValueError(f"SubnetRounds: {len(state['turns'])} turns in round {r}, got {len(losses)} losses")
-        held = self._decentral_end(state) if self.decentral else self._global_end(state)
-        ctx = self.ctx
-        self.held = r if state["last"] else r + 1
-        phase = state["phase"]
-        return RoundResult(summed(losses), len(ctx.local_workers) * ctx.local_steps,
-                           extra=None if phase is None else {"phase": phase}, ps_bytes=state["ps"], state_bytes=held)
-
-    def run(self, r: int, last: bool, phase: Optional[int] = None) -> RoundResult:
-        """:meth:`begin`, the built-in local steps, :meth:`end`."""
-        turns = self.begin(r, last, phase)
-        return self.end(r, [self.ctx.train(t, r) for t in turns])
-
-    @staticmethod
-    def _held_bytes(plan, sub, opt, extra=()) -> int:
-        """The ledger's count of what the plan says a worker holds (ints: bytes the plan counted)."""
-        things = plan.held(sub, opt, extra)
-        return sum(x for x in things if isinstance(x, int)) + held_bytes(*(x for x in things if not isinstance(x, int)))
-
-    def _compact(self, plan, s: int):
-        """This rank's subnetwork and optimizer for ``plan``, around ``self.part``: the kept ones
-        refilled in place when the shapes are those of the last round, else new ones."""
-        key = (type(plan), tuple((n, tuple(t.shape)) for n, t in self.part.items()))
-        if self._kept is not None and self._kept[0] == key:
-            _, sub, opt, mine = self._kept
-            names = list(mine)
-            with torch.no_grad():
-                torch._foreach_copy_([mine[n] for n in names], [self.part[n] for n in names])
-            opt.state.clear()  # what a fresh optimizer holds
-            return sub, opt, mine
-        sub = plan.attach(s, self.part)
-        opt = self.ctx.make_optimizer(sub.module.parameters())
-        mine = plan.tensors_of(sub, detach=False)
-        self._kept = (key, sub, opt, mine) if plan.reusable else None
-        return sub, opt, mine
-
-    def _decentral_begin(self, plan, state) -> List[WorkerTurn]:
-        ctx, s = self.ctx, self.ctx.rank
-        with ctx.clock("plan"):
-            sub, opt, params = self._compact(plan, s)
-            for key, bufs in self.momentum.items():
-                for name, buf in bufs.items():
-                    opt.state[params[name]][key] = buf
-                    for k, v in self.scalars.items():  # (AdamW's step: all of a parameter's state or none)
-                        opt.state[params[name]].setdefault(k, v.clone())
-            if self.outer_on:  # the model before the round, and the outer state of every slice held
-                part_names, shared_names = self._outer_names(plan)
-                prev = {n: self.part[n].detach().clone() for n in part_names + shared_names if n in self.part}
-                self.outer.init_state_(prev)
-                state.update(prev=prev, part_names=part_names, shared_names=shared_names)
-        state.update(sub=sub, opt=opt, params=params, turns=[WorkerTurn(s, sub.module, opt)])
-        return state["turns"]
-
-    def _decentral_end(self, state) -> Dict[int, int]:
-        ctx, s = self.ctx, self.ctx.rank
-        plan, nxt, r, sub, opt, params = (state[k] for k in ("plan", "nxt", "r", "sub", "opt", "params"))
-        with ctx.clock("metrics"):
-            held = self._held_bytes(plan, sub, opt)
-            if self.outer_on:
-                held += held_bytes(self.outer.tensors(), state["prev"])
-        with ctx.clock("plan"):
-            trained = plan.tensors_of(sub)
-            if self.outer_on:
-                prev, part_names, shared_names = state["prev"], state["part_names"], state["shared_names"]
-                # a partitioned slice takes its outer step where it was trained and goes to its next
-                # owners with its momentum (the step is linear: the owners' mean of the stepped slices
-                # and momenta is the step of their mean); shared tensors take it after their average
-                self._outer_(trained, prev, part_names)
-            self.part = ctx.comm.exchange(self.stored(plan), self.stored(nxt), self.spec, trained, round=r + 1,
-                                          compress=self.compress)
-            if self.outer_on:  # every rank moves the same state keys, in the same order
-                held_states = self.outer.param_states(part_names, prev)
-                moved = {key: ctx.comm.exchange(self.stored(plan), self.stored(nxt), self.spec,
-                                                held_states.get(key, {}), names=part_names, round=r + 1)
-                         for key in self.outer.state_keys or ()}
-                self.outer.set_param_states(moved, part_names)
-                self._outer_(self.part, prev, shared_names)
-            if self.aggregate_momentum:
-                names = set(self.param_names)
-                trained_params = [(n, params[n]) for n in params if n in names]
-                states = param_states_of(trained_params, opt)
-                self.scalars = scalar_states_of([p for _, p in trained_params], opt)
-                # every rank names the same tensors (the model's parameters), whatever its subnetwork holds:
-                # the exchange's schedule is derived from the names, and ResIST's subnetworks hold different
-                # layers (names of its own would give each rank another schedule: a hang)
-                self.momentum = {key: ctx.comm.exchange(plan.slices, nxt.slices, self.spec, bufs,
-                                                        names=self.param_names, round=r + 1)
-                                 for key, bufs in states.items()}
-        return {s: held}
-
-    def _global_begin(self, plan, state) -> List[WorkerTurn]:
-        ctx = self.ctx
-        if self.outer_on:
-            with ctx.clock("plan"):
-                part_names, shared_names = self._outer_names(plan)
-                now = self.tensors()
-                prev = {n: now[n].detach().clone() for n in part_names + shared_names}
-                self.outer.init_state_(prev)
-                outer_state = held_bytes(prev, self.outer.tensors())
-                state.update(prev=prev, part_names=part_names, shared_names=shared_names, outer_state=outer_state)
-        with ctx.clock("pack"):
-            subs = plan.build(self.optimizer)
-        mine = [subs[s] for s in ctx.local_workers]
-        with ctx.clock("plan"):
-            turns = [WorkerTurn(sub.index, sub.module, sub.optimizer if self.optimizer is not None
-                                else ctx.make_optimizer(sub.module.parameters())) for sub in mine]
-        state.update(mine=mine, turns=turns)
-        return turns
-
-    def _global_end(self, state) -> Dict[int, int]:
-        ctx = self.ctx
-        plan, nxt, r, mine, turns = (state[k] for k in ("plan", "nxt", "r", "mine", "turns"))
-        # replicated storage: a worker also holds the global model (and its optimizer state)
-        replicated = self.storage == "replicated"
-        extra = (self.model, self.optimizer) if replicated else ()
-        held = {}
-        with ctx.clock("metrics"):
-            for sub, turn in zip(mine, turns):
-                held[sub.index] = self._held_bytes(plan, sub, turn.optimizer, extra)
-                if self.outer_on:  # the outer state and the previous model of what the worker stores
-                    names = state["part_names"] + state["shared_names"]
-                    held[sub.index] += (state["outer_state"] if replicated else ctx.comm.ps_bytes_of(
-                        self.stored(plan), self.spec, sub.index, names=names) // 2 * (1 + self.outer.tensors_per_param)
-                        + self.outer.scalar_bytes(self._stored_names(plan, sub.index, names)))
-        shared_means = {}
-        if self.compress is not None and not ctx.distributed:  # what the compressed exchange delivers
-            shared_means = ctx.comm.compress_contributions(plan.slices, [plan.compact(sub) for sub in mine])
-        with ctx.clock("unpack"):
-            plan.aggregate(mine, self.optimizer)
-        model = self.tensors()
-        if self.compress is not None and not ctx.distributed:
-            with ctx.clock("unpack"), torch.no_grad():
-                for n, v in shared_means.items():
-                    model[n].copy_(v)
-            if not replicated:
-                ctx.comm.compress_held(plan.slices, self.stored(plan), model)
-        states = param_states_of(self.model.named_parameters(), self.optimizer) if self.optimizer is not None else {}
-        outer_names = state.get("part_names", []) + state.get("shared_names", [])
-        if ctx.distributed:  # replicated storage
-            with ctx.clock("plan"):
-                ctx.comm.exchange(plan.slices, None, None, model, storage="replicated", round=r + 1,
-                                  compress=self.compress)
-                for mom in states.values():
-                    ctx.comm.exchange(plan.slices, None, None, mom, names=list(mom), storage="replicated",
-                                      round=r + 1)
-                plan.after_aggregate()  # e.g. ResIST's full-model residual scales (already set; cheap)
-                if self.outer_on:
-                    self._outer_(self.tensors(), state["prev"], outer_names)
-            return held
-        if self.outer_on:
-            with ctx.clock("plan"):
-                self._outer_(self.tensors(), state["prev"], outer_names)
-        cur = plan.slices if replicated else self.stored(plan)
-        for names, comp in [(list(model), self.compress)] + [(list(mom), None) for mom in states.values()]:
-            # the optimizer's state tensors have their parameters' shapes: the model is the spec for all
-            ctx.comm.count_exchange(cur, self.stored(nxt), self.spec, storage=self.storage, names=names,
-                                    compress=comp)
-        if self.outer_on and self.storage == "decentralized":  # partitioned slices' outer state moves with them
-            for _ in range(self.outer.tensors_per_param):
-                ctx.comm.count_exchange(cur, self.stored(nxt), self.spec, storage=self.storage,
-                                        names=state["part_names"])
-        return held
-
-    # ---- the full model
-    def _assemble(self, full: Dict[str, Tensor]) -> nn.Module:
-        model = copy.deepcopy(self.model)  # the structure (meta device, tied as the model), then the tensors
-        assign_tensors_(model, full)
-        self.plan(self.held).after_aggregate(model)
-        return model
-
-    def global_model(self) -> Optional[nn.Module]:
-        """The aggregated full model (rank 0); decentralized: assembled from every rank's part."""
-        ctx = self.ctx
-        if not self.decentral:
-            if ctx.simulated and self.storage == "decentralized":
-                ctx.comm.count_gather(self.stored(self.plan(self.held)), self.spec)
-            return self.full_model
-        full = ctx.comm.gather_full(self.part, self.stored(self.plan(self.held)), self.spec, round=self.held)
-        return None if full is None else self.assemble(full)
-
-    def drop(self) -> None:
-        """Forget this rank's part (decentralized), e.g. once a pruned model replaces it."""
-        self.part = self.momentum = None
-        self.scalars = {}
-        self._kept = None
-        self._open = None
-        if self.outer is not None:
-            self.outer.state = {}
-
-    # ---- resume: decentralized, this rank's part; otherwise the global model
-    def state_dict(self):
-        if self.decentral:
-            return {"held": self.held, "part": self.part, "momentum": self.momentum, "scalars": self.scalars,
-                    "outer": self._outer_state()}
-        return {"held": self.held, "model": self.model.state_dict(),
-                "optimizer": None if self.optimizer is None else self.optimizer.state_dict(), "outer": self._outer_state()}
-
-    def _outer_state(self):
-        return {} if self.outer is None else self.outer.state_dict()
-
-    def load_state_dict(self, state):
-        self.held = state["held"]
-        self._kept = None
-        self._open = None
-        if self.outer is not None:
-            self.outer.load_state_dict(state.get("outer") or {})
-        if self.decentral:
-            self.part, self.momentum = state["part"], dict(state.get("momentum") or {})
-            if any(isinstance(v, Tensor) for v in self.momentum.values()):  # a checkpoint of SGD momentum only
-                self.momentum = {"momentum_buffer": self.momentum}
-            self.scalars = dict(state.get("scalars") or {})
-            to_meta_(self.model)
-            return
-        self.model.load_state_dict(state["model"])
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-
-
-def averaged_tensors(model: nn.Module) -> List[Tensor]:
-    """Parameters and floating-point buffers (BN running statistics); integer buffers such as
-    num_batches_tracked are equal on every worker and are not sent."""
-    return [t for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()]
-
-
-def flat_bytes(tensors: List[Tensor]) -> int:
-    return sum(ledger.tensor_bytes(t) for t in tensors)
-
-
-class LocalModels:
-    """This process's workers' copies of one model and their optimizers, trained with local SGD:
-    ``run(r)`` is one round (local steps on every local worker, then the average of ``tensors``
-    of every copy: by default parameters and floating buffers). Momentum buffers stay local.
-    ``--outer-optimizer`` (``outer=True``): after the average, an outer step on the parameters with
-    the previous model minus the average as the gradient (:class:`ist_kernels.train.outer.OuterOptimizer`,
-    one state per process, the same on every rank). ``reset_state``: every optimizer's state is cleared after each average
-    (what a fresh optimizer has, as the subnetwork methods' ``momentum_state=reset``: local SGD's
-    ``momentum_state=reset``, an ablation)."""
-
-    def __init__(self, ctx, models: Dict[int, nn.Module],
-                 tensors: Callable[[nn.Module], List[Tensor]] = averaged_tensors, outer: bool = False,
-                 reset_state: bool = False):
-        self.ctx = ctx
-        self.reset_state = reset_state
-        self.models = models
-        self.tensors = tensors
-        self.optimizers = {s: ctx.make_optimizer(m.parameters()) for s, m in models.items()}
-        self._averaged = {s: tensors(m) for s, m in models.items()}
-        hp = ctx.hp
-        self.outer = OuterOptimizer.of(hp.outer_optimizer, hp.outer_lr, hp.outer_momentum) if outer else None
-        self.outer_on = self.outer is not None
-        self._params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in models.items()}
-        self._names = [str(i) for i in range(len(self._params[min(models)]))]  # the outer state's names
-        if self.outer_on:
-            self.outer.init_state_(dict(zip(self._names, self._params[min(models)])))
-        self._open: Optional[tuple] = None  # (round, phase, the model before it) between begin and end
+    def options() -> List[str]:
+        """The keyword options Engine takes besides model, method, workers, dataset and evaluate."""
+        return sorted(f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("model", "simulate"))
 
     @property
-    def model(self) -> nn.Module:
-        """The first local worker's copy (after a round all copies are equal)."""
-        return self.models[min(self.models)]
+    def num_workers(self) -> int:
+        return self.config.num_workers
 
-    def begin(self, r: int, phase: Optional[int] = None) -> List[WorkerTurn]:
-        """Round r's turns: every local worker's copy and optimizer; ``phase`` tags the round's result
-        (``extra["phase"]``)."""
-        if self._open is not None:
-            raise RuntimeError(f"LocalModels: round {self._open[0]} was begun and not ended")
-        workers = sorted(self.models)
-        prev = [p.detach().clone() for p in self._params[workers[0]]] if self.outer_on else []
-        self._open = (r, phase, prev)
-        return [WorkerTurn(s, self.models[s], self.optimizers[s]) for s in workers]
+    @property
+    def rank(self) -> int:
+        return self._world.rank
 
-    def end(self, r: int, losses: Sequence) -> RoundResult:
-        """The round's result: the local workers' summed loss, the papers' parameter-server bytes
-        (each worker up- and downloads the averaged tensors) and the state each worker held. The
-        average's bytes go through ``ctx.comm``."""
-        if self._open is None or self._open[0] != r:
-            raise RuntimeError(f"LocalModels: round {r} was not begun")
-        _, phase, prev = self._open
-        self._open = None
-        ctx = self.ctx
-        workers = sorted(self.models)
-        if len(losses) != len(workers):
-            raise ValueError(f"LocalModels: {len(workers)} turns in round {r}, got {len(losses)} losses")
-        with ctx.clock("metrics"):
-            outer = self.outer.tensors() if self.outer_on else ()
-            state = {s: held_bytes(self.models[s], self.optimizers[s], outer, prev) for s in workers}
-        ctx.comm.average_models_([self._averaged[s] for s in workers], round=r + 1)
-        if self.outer_on:
-            with ctx.clock("plan"), torch.no_grad():
-                first = self._params[workers[0]]
-                self.outer.step_(dict(zip(self._names, first)), dict(zip(self._names, prev)), self._names)
-                for s in workers[1:]:
-                    torch._foreach_copy_(self._params[s], first)
-        if self.reset_state:
-            for s in workers:
-                self.optimizers[s].state.clear()
-        ps = sum(ctx.comm.model_ps_bytes(self._averaged[s]) for s in workers) if ctx.num_workers > 1 else 0
-        return RoundResult(summed(losses), len(workers) * ctx.local_steps, extra=None if phase is None else
-                           {"phase": phase}, ps_bytes=ps, state_bytes=state)
+    @property
+    def local_workers(self) -> List[int]:
+        return self._run.ctx.local_workers
 
-    def run(self, r: int, phase: Optional[int] = None) -> RoundResult:
-        """:meth:`begin`, the built-in local steps, :meth:`end`."""
-        turns = self.begin(r, phase)
-        return self.end(r, [self.ctx.train(t, r) for t in turns])
+    @property
+    def history(self) -> List[Dict[str, Any]]:
+        """metrics.jsonl's records so far (rank 0)."""
+        return self._run.history
 
-    def state_dict(self):
-        return {"models": {s: m.state_dict() for s, m in self.models.items()},
-                "optimizers": {s: o.state_dict() for s, o in self.optimizers.items()},
-                "outer": self.outer.state_dict() if self.outer_on else {}}
+    # -- the rounds
+    def _check(self) -> None:
+        if self._closed:
+            raise RuntimeError("Engine: closed")
+        if self._broken is not None:
+            raise RuntimeError(f"Engine: a round failed ({self._broken}); resume from the last checkpoint") \
+                from self._broken
 
-    def load_state_dict(self, state):
-        for s in self.models:
-            self.models[s].load_state_dict(state["models"][s])
-            self.optimizers[s].load_state_dict(state["optimizers"][s])
-        if self.outer_on and state.get("outer"):
-            outer = state["outer"]
-            if isinstance(outer, (list, tuple)):  # an older checkpoint: the SGD momentum by position
-                outer = dict(zip(self._names, outer))
-            self.outer.load_state_dict(outer)
+    def rounds(self) -> Iterator[Round]:
+        """The rounds left (from 0, or from the checkpoint with ``resume=True``), one :class:`Round`
+        each; iterate each round's workers before asking for the next round."""
+        self._check()
+        if not self._begun:
+            try:
+                self._run.begin()
+            except Exception as e:
+                self._broken = e
+                raise
+            self._begun = True
+        for r in self._run.pending():
+            self._check()
+            rnd = Round(self, r)
+            yield rnd
+            if not rnd._used:
+                raise RuntimeError(f"Engine: round {r} was skipped: iterate its workers (for worker in rnd)")
+            self._check()
+
+    def global_model(self) -> nn.Module:
+        """The full model now (assembled from the workers' parts; every rank must call it)."""
+        self._check()
+        return self._run.global_model()
+
+    def close(self) -> Optional[Dict[str, Any]]:
+        """Write model.pt and summary.json (rank 0) and return the summary (None on other ranks);
+        leaves the process group the engine created."""
+        if self._closed:
+            return self._summary
+        try:
+            if self._broken is None:
+                if not self._begun:
+                    self._run.begin()
+                    self._begun = True
+                self._summary = self._run.finish()
+        finally:
+            self._closed = True
+            if self._own_group:
+                destroy_process_group()
+        return self._summary
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            self._closed = True
+            if self._own_group:
+                destroy_process_group()
+
+
+def _label(factory: Callable) -> str:
+    """``MODULE:QUALNAME`` of a factory: what summary.json and the default output folder name."""
+    mod = getattr(factory, "__module__", None) or "callable"
+    name = getattr(factory, "__qualname__", None) or type(factory).__name__
+    return f"{mod}:{name.replace('<', '').replace('>', '')}"

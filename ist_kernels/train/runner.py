@@ -1,5 +1,5 @@
 """The training loop every method shares: data shards -> method rounds -> evaluation, metrics,
-checkpoints. Methods see it through their worker view (:class:`ist_kernels.train.worker.RunContext`),
+checkpoints. Methods see it through their worker view (:class:`ist_kernels.train.context.RunContext`),
 and every round's time is split into parts (:mod:`ist_kernels.train.timing`): ``metrics.jsonl``
 gets a ``time`` object per round, ``summary.json`` the totals (``time_by_part``) and the mean round
 time of each phase (``round_time_by_phase``).
@@ -21,12 +21,12 @@ from ..distributed.group import collective_timeout, wait_collective
 from . import checkpoint
 from .checkpoint import atomic_json, atomic_torch_save
 from .config import restart_count, under_torchrun
+from .context import AUTOCAST_DTYPES, RunContext, World, evaluate, lr_at  # noqa: F401  (the trainer's API)
 from .datasets import ShardedData, augment_default, load_dataset
 from .errors import ConfigError, RankStateError
 from .methods import WorkerTurn, get_method
 from .output import MetricsLog, bytes_by_phase, progress_bar, time_by_phase
 from .timing import PARTS, TRAIN_PARTS
-from .worker import AUTOCAST_DTYPES, RunContext, World, evaluate, lr_at  # noqa: F401  (the trainer's API)
 
 
 def resolve_rounds(cfg, shard_size: int) -> int:
@@ -96,7 +96,7 @@ class Run:
     step, then the round's evaluation, metrics and checkpoint); :meth:`finish` writes the outputs
     (rank 0) and returns the summary. ``ist-train`` is ``for r in run.pending(): run.round(r)``
     between the two (:func:`train`; :meth:`round` trains the turns with the built-in local steps);
-    a user's own loop (:mod:`ist_kernels.train.library`) trains the turns itself, with its own
+    a user's own loop (:mod:`ist_kernels.train.engine`) trains the turns itself, with its own
     scores (``scores``) in place of the data set's.
 
     ``data``: the sharded data the built-in local steps and scores read (default: the config's data

@@ -29,13 +29,13 @@ takes the turns' summed losses (in the turns' order) and finishes the round. No 
 callback: an exception raises where it happens. :meth:`Method.run_round` is the whole round with
 the built-in local steps (``ctx.train``), for scripts and tests.
 
-``ctx`` is the worker view (:class:`ist_kernels.train.worker.RunContext`): S, rank, the local
+``ctx`` is the worker view (:class:`ist_kernels.train.context.RunContext`): S, rank, the local
 workers, device, the resolved options, the read-only hyper-parameters (``ctx.hp``), a model
 factory (``ctx.build_model``), the round's generator (``ctx.generator(TAG, r)``: plans are derived
 on every rank, never sent), ``ctx.make_optimizer``, and ``ctx.comm``
 (:class:`ist_kernels.train.comm.Comm`), which moves slices, averages shared tensors, gathers the
 full model and counts the bytes and time of it all. The round engine
-(:mod:`ist_kernels.train.engine`) runs subnetwork rounds (plan -> compact state -> local steps ->
+(:mod:`ist_kernels.train.rounds`) runs subnetwork rounds (plan -> compact state -> local steps ->
 exchange) and local-SGD rounds for every launch mode and storage, in the same two phases.
 
 The rules that keep methods independent: a method never reads the trainer's config (only

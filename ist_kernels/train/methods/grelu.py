@@ -27,8 +27,8 @@ from torch import nn
 from ...nn.grelu import GReLUMLP
 from ...partition.neurons import categorical_partition
 from ...partition.plan import RoundPlan, SlicePlan, TensorSlices
-from ..engine import LocalModels, SubnetRounds
 from ..errors import ConfigError
+from ..rounds import LocalModels, SubnetRounds
 from . import Method, Option, RoundResult, boolean, register_method
 
 PLAN = 0x6E1D  # generator tag of the round's row partition
@@ -77,7 +77,7 @@ class _RowSub:
 
 class RowPlan(RoundPlan):
     """One round's row partition of W_1..W_L in the round engine's plan protocol
-    (:class:`ist_kernels.train.engine.SubnetRounds`, replicated storage: a worker's forward reads
+    (:class:`ist_kernels.train.rounds.SubnetRounds`, replicated storage: a worker's forward reads
     every row, so every rank holds every row; each uploads its rows and downloads all of them)."""
 
     def __init__(self, model, rows: Dict[str, List[torch.Tensor]], workers: List[int]):

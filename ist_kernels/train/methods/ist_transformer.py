@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ...models.gpt import gpt_shape
 from ...partition import PARTITIONS, check_ist, transformer_ist_plan
-from ..engine import SubnetRounds
+from ..rounds import SubnetRounds
 from . import ConfigError, Method, RoundResult
 
 PLAN = 0x157F  # generator tag of the round's plan

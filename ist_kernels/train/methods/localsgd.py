@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ...prune import prune_filters
-from ..engine import LocalModels, count_params, phase_rounds
+from ..rounds import LocalModels, count_params, phase_rounds
 from . import ConfigError, Method, Option, register_method
 
 

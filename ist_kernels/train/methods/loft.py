@@ -25,11 +25,11 @@ from __future__ import annotations
 import torch
 
 from ...partition import loft_plan
-from ...partition._resnet import find_resnet
 from ...partition.loft import LoftPlan
+from ...partition.resnet_blocks import find_resnet
 from ...prune import filter_norms, keep_largest, kept_filters_by_block, prune_filters
-from ..engine import MOMENTUM_OPTION, LocalModels, SubnetRounds, count_params, phase_rounds
-from ..models import is_external_model, probe_model
+from ..model_registry import is_external_model, probe_model
+from ..rounds import MOMENTUM_OPTION, LocalModels, SubnetRounds, count_params, phase_rounds
 from . import ConfigError, Method, Option, register_method
 
 PRETRAIN_FRACTION = 0.5

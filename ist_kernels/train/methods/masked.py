@@ -4,7 +4,7 @@ balanced masks: :mod:`.ist`).
 
 Every round r each of the S workers gets a subnetwork, a set of neurons per hidden layer drawn
 from ``ctx.generator(PLAN, r)`` (the same on every rank, never sent) by
-:func:`ist_kernels.train.simulated.sample_neurons`: ``masks=balanced`` partitions the neurons
+:func:`ist_kernels.train.paper001.sample_neurons`: ``masks=balanced`` partitions the neurons
 into S disjoint groups whose sizes differ by at most one (ξ = 1/S; ``ist`` always does this),
 ``masks=categorical`` into S disjoint groups with each neuron's owner drawn uniformly
 (multinomial sizes, paper 001 Theorem 4), ``masks=bernoulli`` lets each subnetwork keep each
@@ -54,10 +54,10 @@ from torch import nn
 from ...nn.subnet import SubnetMLP
 from ...partition import PARTITIONS
 from ...partition.plan import RoundPlan, positions
-from ..engine import MOMENTUM_OPTION, SubnetRounds
 from ..errors import ConfigError
-from ..models import is_external_model, language_models, load_model_spec, probe_model
-from ..simulated import MASKS, MIN_NONEMPTY, nonempty_probability, sample_neurons, selection_probability
+from ..model_registry import is_external_model, language_models, load_model_spec, probe_model
+from ..paper001 import MASKS, MIN_NONEMPTY, nonempty_probability, sample_neurons, selection_probability
+from ..rounds import MOMENTUM_OPTION, SubnetRounds
 from . import Method, Option, RoundResult, boolean, held_bytes, register_method
 from .ist_transformer import TransformerIST
 
@@ -106,7 +106,7 @@ class _Sub:
 
 class NeuronPlan(RoundPlan):
     """One round of neuron subnetworks in the round engine's plan protocol
-    (:class:`ist_kernels.train.engine.SubnetRounds`): ``slices`` is what each subnetwork trains,
+    (:class:`ist_kernels.train.rounds.SubnetRounds`): ``slices`` is what each subnetwork trains,
     ``storage_slices`` what each rank stores (every unowned neuron kept, untrained, by one holder)."""
 
     reusable = False  # the neurons, hence the module, change every round

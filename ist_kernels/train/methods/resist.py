@@ -28,9 +28,9 @@ import torch
 
 from ...models.gpt import gpt_shape
 from ...partition import check_resist, is_transformer, resist_plan, transformer_resist_plan
-from ...partition._resnet import find_resnet
-from ..engine import MOMENTUM_OPTION, LocalModels, SubnetRounds, phase_rounds, state_split, warn_payoff
-from ..models import is_external_model, language_models, load_model_spec, probe_model
+from ...partition.resnet_blocks import find_resnet
+from ..model_registry import is_external_model, language_models, load_model_spec, probe_model
+from ..rounds import MOMENTUM_OPTION, LocalModels, SubnetRounds, phase_rounds, state_split, warn_payoff
 from . import ConfigError, Method, Option, register_method
 
 PLAN = 0x2E51  # generator tag of the round's plan

@@ -40,7 +40,7 @@ from .config import DEFAULT_MOMENTUM, HyperParams, default_lr
 from .datasets import ShardedData, _mix
 from .errors import ConfigError
 from .methods import WorkerTurn
-from .models import build_model, load_model_spec
+from .model_registry import build_model, load_model_spec
 from .timing import Clock
 
 #: --precision -> the autocast dtype of the forward (fp32: no autocast)
@@ -92,7 +92,7 @@ class RunContext:
                  model_factory: Optional[Callable[[], nn.Module]] = None,
                  evaluate: Optional[Callable[[nn.Module], Dict[str, float]]] = None):
         """``data``: the shards the built-in local steps and scores read (None when a user's loop
-        brings its own batches and ``evaluate`` its scores, see :mod:`ist_kernels.train.library`); ``model_factory``: builds the global model in place of
+        brings its own batches and ``evaluate`` its scores, see :mod:`ist_kernels.train.engine`); ``model_factory``: builds the global model in place of
         the config's."""
         self._cfg = cfg
         self.hp = HyperParams(cfg)
