@@ -1,7 +1,7 @@
 """DiLoCo (``--method diloco``) and ``--outer-optimizer nesterov``: the updates against independent
 float64 references written from the math, 2 gloo ranks against --simulate (bit for bit), exact
-resume, the bytes of every outer_grad in both byte conventions and in the cost model, and bad
-options named in the error."""
+resume, the bytes of every pseudo-gradient codec (``--compress``, once DiLoCo's ``outer_grad``) in
+both byte conventions and in the cost model, and bad options named in the error."""
 import functools
 import math
 
@@ -85,7 +85,7 @@ def test_diloco_equals_a_float64_reference():
 def test_diloco_distributed_equals_simulated(tmp_path):
     """int8 pseudo-gradients through the coded reduce-scatter and all-gather (fp32 goes through
     local SGD's all_reduce): the same bits and bytes in both launch modes."""
-    args = ["--rounds", 2, "--option", "outer_grad=int8"]
+    args = ["--rounds", 2, "--compress", "int8"]
     sim = run(tmp_path / "sim", *args, "--simulate", 2)
     dist = run(tmp_path / "dist", *args, "--workers", 2)
     assert_equal_states(sim[1], dist[1])
@@ -94,7 +94,7 @@ def test_diloco_distributed_equals_simulated(tmp_path):
 
 
 def test_diloco_resume_is_exact(tmp_path):
-    args = ["--rounds", 4, "--simulate", 2, "--option", "outer_grad=bf16"]
+    args = ["--rounds", 4, "--simulate", 2, "--compress", "bf16"]
     _, full, full_hist = run(tmp_path / "full", *args)
     part, _, _ = run(tmp_path / "part", *args, "--stop-after", 2)
     assert not part["finished"]
@@ -113,7 +113,8 @@ def test_diloco_bytes_per_outer_grad(tmp_path):
     ls, _, _ = _run(tmp_path / "ls", "--rounds", 1, "--simulate", S, "--method", "localsgd", base=TINY_MLP)
     out = {}
     for codec, size in (("fp32", 4), ("bf16", 2), ("int8", 1)):
-        out[codec] = run(tmp_path / codec, "--rounds", 1, "--simulate", S, "--option", f"outer_grad={codec}")[0]
+        out[codec] = run(tmp_path / codec, "--rounds", 1, "--simulate", S, "--compress",
+                         "none" if codec == "fp32" else codec)[0]
         scales = 2 * (S - 1) * 4 * S if codec == "int8" else 0
         assert out[codec]["total_bytes"] == S * cost.diloco_round_bytes(4 * n, S, codec) + scales
         assert out[codec]["total_ps_bytes"] == S * 2 * (n * size + (4 if codec == "int8" else 0))

@@ -37,6 +37,8 @@ from ..distributed.ledger import all_reduce_wire_bytes  # noqa: F401  (ring all_
 from ..distributed.quantize import decode, encode
 from .timing import Clock
 
+#: ``compress`` of :meth:`Comm.average_models_` when not given: the run's ``--compress``
+_RUN = object()
 
 class Comm:
     """Communication of one process's workers (``local_workers``) among ``world_size`` workers.
@@ -261,12 +263,19 @@ class Comm:
 
     # ---- whole models and scalars -----------------------------------------------------------------
     @torch.no_grad()
-    def average_models_(self, copies: Sequence[Sequence[Tensor]], *, round: int) -> None:
+    def average_models_(self, copies: Sequence[Sequence[Tensor]], *, round: int, compress=_RUN) -> None:
         """Average every worker's copy of the same tensors: distributed, this rank's one copy with
         one flat all_reduce per dtype; simulated, the S local copies summed in process. Counts the
-        ring all-reduce's bytes for every local worker."""
+        ring all-reduce's bytes for every local worker. ``compress``: the run's ``--compress``
+        (default) or another codec (None: exactly)."""
         if self.world_size == 1:
             return
+        if compress is not _RUN:
+            saved, self.compress = self.compress, compress
+            try:
+                return self.average_models_(copies, round=round)
+            finally:
+                self.compress = saved
         if self.distributed:
             (ts,) = copies
             st = average_model_(list(ts), round=round, compress=self.compress)

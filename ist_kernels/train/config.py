@@ -301,10 +301,6 @@ class TrainConfig:
             raise ConfigError("outer_momentum", f"must be in [0, 1), got {self.outer_momentum}")
         if self.compress not in COMPRESS:
             raise ConfigError("compress", f"--compress must be one of {', '.join(COMPRESS)}, got {self.compress!r}")
-        if self.compress != "none" and self.outer_optimizer != "none":
-            raise ConfigError("compress", f"--compress {self.compress} with --outer-optimizer {self.outer_optimizer}: "
-                              "not supported together (the outer step would act on coded values in one launch mode "
-                              "and before coding in the other); use one of them")
         if self.max_rank_state_mb is not None and not (self.max_rank_state_mb > 0 and
                                                        math.isfinite(self.max_rank_state_mb)):
             raise ConfigError("max_rank_state_mb", f"must be a finite number > 0, got {self.max_rank_state_mb}")

@@ -36,7 +36,7 @@ from torch import nn
 
 from ..distributed import ledger
 from .comm import Comm
-from .config import DEFAULT_MOMENTUM, HyperParams, default_lr
+from .config import DEFAULT_MOMENTUM, HyperParams, default_lr, inner_optimizer
 from .datasets import ShardedData, _mix
 from .errors import ConfigError
 from .methods import WorkerTurn
@@ -169,11 +169,16 @@ class RunContext:
         return torch.Generator().manual_seed(_mix(self._cfg.seed, *tags))
 
     @property
+    def local_optimizer(self) -> str:
+        """The workers' local optimizer: the method's own (``inner_optimizer``: diloco's AdamW) or
+        ``--optimizer``."""
+        return inner_optimizer(self._cfg.method) or self._cfg.optimizer
+
+    @property
     def param_state_tensors(self) -> int:
         """How many tensors of its parameter's shape the optimizer keeps per parameter: AdamW 2 (its
         moments), SGD 1 with momentum (its buffer), else 0."""
-        c = self._cfg
-        if c.optimizer == "adamw":
+        if self.local_optimizer == "adamw":
             return 2
         return int(self._momentum() > 0)
 
@@ -185,7 +190,7 @@ class RunContext:
         """Parameters, buffers and the optimizer's state of the whole ``model`` (SGD with momentum: a
         buffer per parameter; AdamW: two moments and a 0-dim float32 step per parameter): what one
         worker training all of it holds."""
-        return ledger.full_state_bytes(model, self.param_state_tensors, 4 if self._cfg.optimizer == "adamw" else 0)
+        return ledger.full_state_bytes(model, self.param_state_tensors, 4 if self.local_optimizer == "adamw" else 0)
 
     def make_optimizer(self, params) -> torch.optim.Optimizer:
         """The local optimizer of ``params`` (--optimizer): torch.optim.SGD (--momentum, --nesterov,

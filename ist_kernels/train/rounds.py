@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -576,25 +576,43 @@ class LocalModels:
     """This process's workers' copies of one model and their optimizers, trained with local SGD:
     ``run(r)`` is one round (local steps on every local worker, then the average of ``tensors``
     of every copy: by default parameters and floating buffers). Momentum buffers stay local.
-    ``--outer-optimizer`` (``outer=True``): after the average, an outer step on the parameters with
-    the previous model minus the average as the gradient (:class:`ist_kernels.train.outer.OuterOptimizer`,
-    one state per process, the same on every rank). ``reset_state``: every optimizer's state is cleared after each average
-    (what a fresh optimizer has, as the subnetwork methods' ``momentum_state=reset``: local SGD's
-    ``momentum_state=reset``, an ablation)."""
+    The outer step (``outer``: True for the run's ``--outer-optimizer``, or an
+    :class:`~ist_kernels.train.outer.OuterOptimizer`: DiLoCo's): the workers average their
+    pseudo-gradients Δ_s = θ - θ_s (θ: the model before the round; the other averaged tensors, e.g.
+    BatchNorm statistics, as values), and θ takes one outer step with the mean Δ as its gradient;
+    every worker starts the next round from it (one outer state per process, the same on every rank).
+    Under ``--compress bf16|int8`` the pseudo-gradient travels coded in a reduce-scatter and an
+    all-gather (``Comm.average_coded_``: float32 sums in worker order, the same bits in both launch
+    modes; DiLoCo's coded outer gradients) and the other tensors exactly. ``make_optimizer``: the
+    workers' local optimizer (default ``ctx.make_optimizer``; DiLoCo: its AdamW). ``reset_state``:
+    every optimizer's state is cleared after each average (what a fresh optimizer has, as the
+    subnetwork methods' ``momentum_state=reset``: local SGD's ``momentum_state=reset``, an ablation)."""
 
     def __init__(self, ctx, models: Dict[int, nn.Module],
-                 tensors: Callable[[nn.Module], List[Tensor]] = averaged_tensors, outer: bool = False,
-                 reset_state: bool = False):
+                 tensors: Callable[[nn.Module], List[Tensor]] = averaged_tensors,
+                 outer: Union[bool, OuterOptimizer] = False, reset_state: bool = False,
+                 make_optimizer: Optional[Callable] = None):
         self.ctx = ctx
         self.reset_state = reset_state
         self.models = models
         self.tensors = tensors
-        self.optimizers = {s: ctx.make_optimizer(m.parameters()) for s, m in models.items()}
+        make_optimizer = make_optimizer or ctx.make_optimizer
+        self.optimizers = {s: make_optimizer(m.parameters()) for s, m in models.items()}
         self._averaged = {s: tensors(m) for s, m in models.items()}
         hp = ctx.hp
-        self.outer = OuterOptimizer.of(hp.outer_optimizer, hp.outer_lr, hp.outer_momentum) if outer else None
+        if isinstance(outer, OuterOptimizer):
+            self.outer = outer
+        else:
+            self.outer = OuterOptimizer.of(hp.outer_optimizer, hp.outer_lr, hp.outer_momentum) if outer else None
         self.outer_on = self.outer is not None
         self._params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in models.items()}
+        # what is averaged besides the parameters (floating buffers): as values, never as Δ
+        self._others = {s: [t for t in self._averaged[s] if not any(t is p for p in self._params[s])]
+                        for s in models}
+        if self.outer_on:
+            averaged = {id(t) for t in self._averaged[min(models)]}
+            if any(id(p) not in averaged for p in self._params[min(models)]):
+                raise ValueError("LocalModels: the outer step needs every trainable parameter among the averaged tensors")
         self._names = [str(i) for i in range(len(self._params[min(models)]))]  # the outer state's names
         if self.outer_on:
             self.outer.init_state_(dict(zip(self._names, self._params[min(models)])))
@@ -630,19 +648,45 @@ class LocalModels:
         with ctx.clock("metrics"):
             outer = self.outer.tensors() if self.outer_on else ()
             state = {s: held_bytes(self.models[s], self.optimizers[s], outer, prev) for s in workers}
-        ctx.comm.average_models_([self._averaged[s] for s in workers], round=r + 1)
         if self.outer_on:
-            with ctx.clock("plan"), torch.no_grad():
-                first = self._params[workers[0]]
-                self.outer.step_(dict(zip(self._names, first)), dict(zip(self._names, prev)), self._names)
-                for s in workers[1:]:
-                    torch._foreach_copy_(self._params[s], first)
+            ps = self._average_pseudo_gradients(r, workers, prev)
+        else:
+            ctx.comm.average_models_([self._averaged[s] for s in workers], round=r + 1)
+            ps = sum(ctx.comm.model_ps_bytes(self._averaged[s]) for s in workers)
         if self.reset_state:
             for s in workers:
                 self.optimizers[s].state.clear()
-        ps = sum(ctx.comm.model_ps_bytes(self._averaged[s]) for s in workers) if ctx.num_workers > 1 else 0
         return RoundResult(summed(losses), len(workers) * ctx.local_steps, extra=None if phase is None else
-                           {"phase": phase}, ps_bytes=ps, state_bytes=state)
+                           {"phase": phase}, ps_bytes=ps if ctx.num_workers > 1 else 0, state_bytes=state)
+
+    @torch.no_grad()
+    def _average_pseudo_gradients(self, r: int, workers: List[int], prev: List[Tensor]) -> int:
+        """The outer round's average and step (see the class docstring); returns the round's
+        parameter-server bytes (each worker uploads its Δ and the other tensors and downloads their
+        means, Δ coded as it travels)."""
+        ctx = self.ctx
+        comm, codec = ctx.comm, ctx.comm.compress
+        with ctx.clock("pack"):
+            for s in workers:
+                ps_ = self._params[s]
+                torch._foreach_sub_(ps_, prev)
+                torch._foreach_neg_(ps_)  # θ - θ_s, exactly
+        if codec is None:
+            comm.average_models_([self._params[s] + self._others[s] for s in workers], round=r + 1, compress=None)
+        else:
+            comm.average_coded_([self._params[s] for s in workers], codec, round=r + 1)
+            if any(self._others[s] for s in workers):
+                comm.average_models_([self._others[s] for s in workers], round=r + 1, compress=None)
+        with ctx.clock("plan"):
+            first = self._params[workers[0]]
+            self.outer.step_grad_(prev, [d.clone() for d in first], self._names)  # prev becomes the new θ
+            for s in workers:  # every worker starts the next round from θ
+                torch._foreach_copy_(self._params[s], prev)
+        if codec is None:
+            return sum(comm.model_ps_bytes(self._averaged[s]) for s in workers)
+        numel = sum(p.numel() for p in first)
+        others = sum(t.numel() * t.element_size() for t in self._others[workers[0]])
+        return 2 * (comm.coded_bytes(numel, codec) + others) * len(workers)
 
     def run(self, r: int, phase: Optional[int] = None) -> RoundResult:
         """:meth:`begin`, the built-in local steps, :meth:`end`."""

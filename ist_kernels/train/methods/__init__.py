@@ -165,6 +165,11 @@ class Method:
     #: the local optimizer the method always uses whatever ``--optimizer`` says (diloco: "adamw"), or
     #: None: the config decides its default ``--lr`` and the summary's ``optimizer`` by it
     inner_optimizer: Optional[str] = None
+    #: ``--compress`` with ``--outer-optimizer``: the method's outer step acts on a pseudo-gradient that
+    #: ``--compress`` codes in both launch modes (local SGD's and DiLoCo's); False: refused (a subnetwork
+    #: exchange codes weights, and the outer step would act on coded values in one launch mode and
+    #: before coding in the other)
+    outer_compress: bool = False
     #: ``--compress`` codes what this method sends (False: it sends something the codecs do not apply to)
     compresses: bool = True
     #: why not, for the error of ``--compress`` with it (names what to do instead)
@@ -210,6 +215,11 @@ class Method:
             takes = ", ".join(n for n in available_methods() if _has_module(n) and get_method(n).outer_optimizer)
             raise ConfigError("outer_optimizer", f"method {cls.name!r} takes no outer optimizer (methods that do: "
                               f"{takes})")
+        if getattr(hp, "compress", "none") != "none" and getattr(hp, "outer_optimizer", "none") != "none" and \
+                not cls.outer_compress:
+            raise ConfigError("compress", f"--compress {hp.compress} with --outer-optimizer {hp.outer_optimizer}: "
+                              f"not supported together for {cls.name} (the outer step would act on coded values in "
+                              "one launch mode and before coding in the other); use one of them")
         if getattr(hp, "compress", "none") != "none" and not cls.compresses:
             raise ConfigError("compress", f"--compress {hp.compress}: {cls.compress_refusal or cls.name + ' sends what the codecs do not code'}")
 

@@ -36,6 +36,7 @@ class LocalSGD(Method):
     }
     phases = ("pretrain", "finetune")
     outer_optimizer = True
+    outer_compress = True  # --compress codes the pseudo-gradient of the outer step
 
     @classmethod
     def validate(cls, hp):
