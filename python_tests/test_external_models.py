@@ -54,7 +54,7 @@ def no_structure():
 
 
 class Scaled(nn.Module):
-    """An FFN whose module holds a parameter of its own: not taken for a plain FFN."""
+    """An FFN reading a parameter of its module between its projections: not taken for an FFN."""
 
     def __init__(self):
         super().__init__()
@@ -62,7 +62,7 @@ class Scaled(nn.Module):
         self.scale = nn.Parameter(torch.ones(()))
 
     def forward(self, x):
-        return self.b(torch.relu(self.a(x.flatten(1)))) * self.scale
+        return self.b(torch.relu(self.a(x.flatten(1))) * self.scale)
 
 
 def scaled():

@@ -357,15 +357,15 @@ def test_nothing_found_names_what_was_looked_for():
         find_structure(mlp(), {"ffn": []})
 
 
-class OddFFN(nn.Module):  # a parameter of its own: discovery does not take it as an FFN
+class OddFFN(nn.Module):  # a parameter read between the projections: discovery does not take it as an FFN
     def __init__(self):
         super().__init__()
         self.w_in = nn.Linear(16, 24)
         self.w_out = nn.Linear(24, 16)
-        self.gain = nn.Parameter(torch.ones(16))
+        self.gain = nn.Parameter(torch.ones(()))
 
     def forward(self, x):
-        return self.w_out(torch.tanh(self.w_in(x))) * self.gain
+        return self.w_out(torch.tanh(self.w_in(x)) * self.gain)
 
 
 class OddAttention(nn.Module):  # no readable head count: four heads of 4 from the view below
@@ -396,6 +396,8 @@ def test_a_spec_bypasses_discovery():
     model = _noisy(OddModel())
     st = find_structure(model)
     assert not st.ffns and not st.attentions
+    assert st.notes == ["att: wk, wq, wv -> wo: reshape() is not elementwise per hidden unit nor a norm of the 16 units",
+                        "ffn: w_in -> w_out: a parameter or buffer is read between them"]
     spec = {"ffns": [(("ffn.w_in",), "ffn.w_out")],
             "attentions": [{"q": "att.wq", "k": "att.wk", "v": "att.wv", "o": "att.wo", "num_heads": 4}]}
     st = find_structure(model, spec)

@@ -135,7 +135,7 @@ class Structure:
 
     def describe(self) -> str:
         """One line per thing found (and per note), for errors and logs."""
-        lines = [f"FFN {f.name or '<root>'}: {f.hidden} hidden units ({', '.join(f.in_projs)} -> {f.out_proj}"
+        lines = [f"FFN {f.name or '<root>'}: {f.hidden} units ({', '.join(f.in_projs)} -> {f.out_proj}"
                  + (f"; normalized over a subnetwork's units by {', '.join(f.norms)})" if f.norms else ")")
                  for f in self.ffns]
         lines += [f"attention {a.name or '<root>'}: {a.num_heads} heads ({a.num_kv_heads} key/value) of "

@@ -9,10 +9,15 @@ edited: the full model's scales are hooks that leave ``state_dict()`` as it was.
   grouped-query attention a key/value head goes with its group of query heads) are permuted at
   random and cut into S disjoint groups (FFN units: sizes differing by at most one; heads: S must
   divide the key/value heads), as IST cuts an MLP's neurons. Everything else (embeddings, norms, the
-  output projections' biases) is shared and averaged. A subnetwork computes its branch from its own
-  units; the full model scales the input of every partitioned output projection by 1/S (a forward
-  pre-hook; the projection's bias is not scaled), so each branch is exactly the mean of the
-  subnetworks' branches (paper 001 §4's ξ scaling of a masked network's hidden outputs, ξ = 1/S).
+  output projections' biases) is shared and averaged, but for a norm between an FFN's projections
+  (``FFN.norms``: its vectors go with the units, a subnetwork normalizes over its own units; see
+  :mod:`.structure`). A subnetwork computes its branch from its own units; the full model scales
+  the input of every partitioned output projection by 1/S (a forward pre-hook; the projection's
+  bias is not scaled; an ``nn.MultiheadAttention``, whose forward reads ``out_proj``'s weight
+  itself: a forward hook scaling its heads' sum, :class:`.mha.AttentionScale`), so each branch is
+  exactly the mean of the subnetworks' branches (paper 001 §4's ξ scaling of a masked network's
+  hidden outputs, ξ = 1/S; with a norm between the projections, close to it). A subnetwork's
+  ``nn.MultiheadAttention`` is a :class:`.mha.HeadsMultiheadAttention` of its heads.
 - ResIST (:func:`transformer_resist_plan`): the residual layers between the first and the last are
   dealt among the S subnetworks as ResIST deals a ResNet's third stage (paper 003 §2.2: a random
   permutation round-robin, then shared up to ``min_depth`` each); everything else is shared. A
@@ -29,6 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from .mha import AttentionScale, narrow_heads
 from .resist import check_min_depth, deal_blocks
 from .structure import (
     FFN,
@@ -120,7 +126,15 @@ def _hook(module: nn.Module, cls, hooks: Dict[int, Any]):
 
 def set_input_scale(module: nn.Module, scale: float) -> None:
     """Scale ``module``'s input by ``scale`` (a forward pre-hook, registered once; 1.0 leaves it
-    registered and idle). Nothing is stored in the state dict."""
+    registered and idle); an ``nn.MultiheadAttention``: the input of its ``out_proj`` (a forward
+    hook, :class:`.mha.AttentionScale`). Nothing is stored in the state dict."""
+    if isinstance(module, nn.MultiheadAttention):
+        h = _hook(module, AttentionScale, module._forward_hooks)
+        if h is not None:
+            h.scale = float(scale)
+        elif scale != 1.0:
+            module.register_forward_hook(AttentionScale(module, float(scale)))
+        return
     h = _hook(module, InputScale, module._forward_pre_hooks)
     if h is not None:
         h.scale = float(scale)
@@ -143,7 +157,10 @@ def set_residual_scale(layer: nn.Module, scale: float) -> None:
 
 def input_scale(module: nn.Module) -> float:
     """The input scale :func:`set_input_scale` gave ``module`` (1.0 if none)."""
-    h = _hook(module, InputScale, module._forward_pre_hooks)
+    if isinstance(module, nn.MultiheadAttention):
+        h = _hook(module, AttentionScale, module._forward_hooks)
+    else:
+        h = _hook(module, InputScale, module._forward_pre_hooks)
     return 1.0 if h is None else h.scale
 
 
@@ -157,10 +174,12 @@ def residual_scale(layer: nn.Module) -> float:
 
 # ---------------------------------------------------------------- what the trainer validates
 
-def _need(found: bool, what: str, looked_for: str, model: nn.Module, who: str, extra: str = "") -> None:
+def _need(found: bool, what: str, looked_for: str, model: nn.Module, who: str, extra: str = "",
+          st: Optional[Structure] = None) -> None:
     if not found:
-        raise ValueError(f"{who}: found no {what} in {type(model).__name__}{extra}: looked for {looked_for}; "
-                         f"{SPEC_HINT}")
+        seen = "" if st is None else "; found: " + "; ".join(st.describe().splitlines())
+        raise ValueError(f"{who}: found no {what} in {type(model).__name__}{extra}: looked for {looked_for}"
+                         f"{seen}; {SPEC_HINT}")
 
 
 def is_transformer(model: nn.Module, spec=None) -> bool:
@@ -188,13 +207,13 @@ def check_ist(model: nn.Module, S: int, partition: str = "ffn", spec=None,
         raise ValueError(f"{who}: partition must be one of {', '.join(PARTITIONS)}, got {partition!r}")
     st = find_structure(model, spec)
     if partition in ("ffn", "both"):
-        _need(bool(st.ffns), "FFN", LOOKED_FOR_FFN, model, who, f" (partition={partition})")
+        _need(bool(st.ffns), "FFN", LOOKED_FOR_FFN, model, who, f" (partition={partition})", st)
         for f in st.ffns:
             if S > f.hidden:
                 raise ValueError(f"{who}: S={S} subnetworks but the FFN {f.name or f.out_proj} has only "
                                  f"{f.hidden} hidden units")
     if partition in ("heads", "both"):
-        _need(bool(st.attentions), "attention", LOOKED_FOR_ATTENTION, model, who, f" (partition={partition})")
+        _need(bool(st.attentions), "attention", LOOKED_FOR_ATTENTION, model, who, f" (partition={partition})", st)
         for a in st.attentions:
             if a.num_kv_heads % S:
                 kv = f" key/value heads ({a.num_heads} query heads)" if a.num_kv_heads != a.num_heads else " heads"
@@ -209,7 +228,7 @@ def check_resist(model: nn.Module, S: int, min_depth: int = 1, spec=None,
     _check_S(S, who)
     check_min_depth(min_depth, who)
     st = find_structure(model, spec)
-    _need(st.layers is not None, "residual layers", LOOKED_FOR_LAYERS, model, who)
+    _need(st.layers is not None, "residual layers", LOOKED_FOR_LAYERS, model, who, "", st)
     if st.num_layers < 3:
         raise ValueError(f"{who}: the first and last blocks are shared, so a transformer needs at least "
                          f"3 blocks to deal, got {st.num_layers} in {st.layers}")
@@ -230,6 +249,15 @@ def head_rows(heads: Tensor, num_heads: int, head_dim: int) -> Tuple[Tensor, Ten
 
 def _rows(heads: Tensor, head_dim: int) -> Tensor:
     return (heads.view(-1, 1) * head_dim + torch.arange(head_dim)).flatten()
+
+
+def narrow_norm(m: nn.Module, n: int) -> None:
+    """Set a (cloned) norm of an FFN's hidden units to ``n`` units: a LayerNorm's / RMSNorm's
+    ``normalized_shape``, a BatchNorm's ``num_features`` (any other module: its vectors' length)."""
+    if isinstance(getattr(m, "normalized_shape", None), tuple):
+        m.__dict__["normalized_shape"] = (n,)
+    if isinstance(getattr(m, "num_features", None), int):
+        m.__dict__["num_features"] = n
 
 
 def _layer_of(name: str, layers: Optional[str], n: int) -> Optional[str]:
@@ -292,6 +320,22 @@ class TransformerISTPlan(SubnetworkPlan):
         def kind_of(mod_name: str) -> str:
             return projection(model.get_submodule(mod_name))[2]
 
+        def put_vectors(mod_name: str, sets: List[Tensor], n: int) -> None:  # a norm's vectors of the units
+            m = model.get_submodule(mod_name)
+            for attrs in (m._parameters, m._buffers):
+                for attr, t in attrs.items():
+                    if t is not None and t.dim() == 1 and t.shape[0] == n and \
+                            attr not in m._non_persistent_buffers_set:
+                        partitioned[f"{mod_name}.{attr}"] = (0, sets)
+
+        def put_mha(a: Attention, q_rows: List[Tensor], kv_rows: List[Tensor], fused: List[Tensor]) -> None:
+            m = model.get_submodule(a.q)
+            for attr, dim, sets in (("in_proj_weight", 0, fused), ("in_proj_bias", 0, fused),
+                                    ("q_proj_weight", 0, q_rows), ("k_proj_weight", 0, kv_rows),
+                                    ("v_proj_weight", 0, kv_rows), ("bias_k", 2, kv_rows), ("bias_v", 2, kv_rows)):
+                if m._parameters.get(attr) is not None:
+                    partitioned[f"{a.q}.{attr}"] = (dim, sets)
+
         for _, kind, _, key, it in items:
             if kind == 0:
                 f: FFN = it
@@ -301,6 +345,8 @@ class TransformerISTPlan(SubnetworkPlan):
                 for p in f.in_projs:
                     put(p, out_dim(kind_of(p)), sets)
                 put(f.out_proj, in_dim(kind_of(f.out_proj)), sets)
+                for n in f.norms:
+                    put_vectors(n, sets, f.hidden)
             else:
                 a: Attention = it
                 H, KV, hd = a.num_heads, a.num_kv_heads, a.head_dim
@@ -312,9 +358,11 @@ class TransformerISTPlan(SubnetworkPlan):
                 self.kv_heads[key] = kv
                 q_rows = [_rows(c, hd) for c in q]
                 kv_rows = [_rows(c, hd) for c in kv]
-                if a.fused:
-                    put(a.q, out_dim(kind_of(a.q)), [torch.cat([qr, H * hd + kr, (H + KV) * hd + kr])
-                                                      for qr, kr in zip(q_rows, kv_rows)])
+                fused = [torch.cat([qr, H * hd + kr, (H + KV) * hd + kr]) for qr, kr in zip(q_rows, kv_rows)]
+                if isinstance(model.get_submodule(a.q), nn.MultiheadAttention):
+                    put_mha(a, q_rows, kv_rows, fused)
+                elif a.fused:
+                    put(a.q, out_dim(kind_of(a.q)), fused)
                 else:
                     put(a.q, out_dim(kind_of(a.q)), q_rows)
                     put(a.k, out_dim(kind_of(a.k)), kv_rows)
@@ -323,7 +371,9 @@ class TransformerISTPlan(SubnetworkPlan):
         self._kinds = {n: projection(model.get_submodule(n))[2]
                        for f in self.ffns.values() for n in (*f.in_projs, f.out_proj)}
         self._kinds.update({n: projection(model.get_submodule(n))[2]
-                            for a in self.attentions.values() for n in (a.q, a.k, a.v, a.o)})
+                            for a in self.attentions.values() for n in (a.q, a.k, a.v, a.o)
+                            if projection(model.get_submodule(n)) is not None})
+        self._mha = {a.q for a in self.attentions.values() if isinstance(model.get_submodule(a.q), nn.MultiheadAttention)}
         super().__init__(model, S, partitioned)
 
     def _edit(self, s: int, glob: Dict[str, nn.Module], root: nn.Module) -> None:
@@ -332,8 +382,14 @@ class TransformerISTPlan(SubnetworkPlan):
             for p in f.in_projs:
                 narrow(glob[p], self._kinds[p], n_out=n)
             narrow(glob[f.out_proj], self._kinds[f.out_proj], n_in=n)
+            for name in f.norms:
+                narrow_norm(glob[name], n)
         for key, a in self.attentions.items():
             nq, nkv, hd = self.heads[key][s].numel(), self.kv_heads[key][s].numel(), a.head_dim
+            if a.q in self._mha:
+                narrow(glob[a.o], "linear", n_in=nq * hd)
+                narrow_heads(glob[a.q], self.heads[key][s], a.num_heads)
+                continue
             if a.fused:
                 narrow(glob[a.q], self._kinds[a.q], n_out=(nq + 2 * nkv) * hd)
             else:
@@ -352,8 +408,11 @@ class TransformerISTPlan(SubnetworkPlan):
                         m.__dict__[attr] = new
 
     def output_projections(self) -> List[str]:
-        """The names of the output projections whose input the full model scales by 1/S."""
-        return [f.out_proj for f in self.ffns.values()] + [a.o for a in self.attentions.values()]
+        """The names of the output projections whose input the full model scales by 1/S (for an
+        ``nn.MultiheadAttention``, whose forward reads its ``out_proj``'s weight itself: the attention,
+        see :func:`set_input_scale`)."""
+        return [f.out_proj for f in self.ffns.values()] + \
+            [a.q if a.q in self._mha else a.o for a in self.attentions.values()]
 
     def scale_outputs(self, model: Optional[nn.Module] = None) -> None:
         """Scale the input of every partitioned output projection of ``model`` (default: the plan's)
