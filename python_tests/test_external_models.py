@@ -1,6 +1,8 @@
 """Models this package does not define, trained through ist-train (issue 26's "done when"): Hugging
 Face ResNets (LOFT, ResIST), a plain nn.Sequential MLP (IST), Llama (IST of FFN units and heads,
-ResIST of layers, DiLoCo) and GPT-2 (IST), from module files given as --model MODULE:FACTORY."""
+ResIST of layers, DiLoCo) and GPT-2 (IST), from module files given as --model MODULE:FACTORY; and
+(issue 38) an MLP with a norm between its projections, HF OPT (fc1/fc2 in the decoder layer) and
+torch's nn.TransformerEncoder (nn.MultiheadAttention heads), found from their data flow."""
 import json
 import os
 
@@ -43,6 +45,36 @@ def tiny_llama():
 def tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
     return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=4, n_head=4))
+
+
+def seq_mlp_norm():
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 256), nn.LayerNorm(256), nn.GELU(), nn.Dropout(0.1),
+                         nn.Linear(256, 10))
+
+
+def tiny_opt():
+    from transformers import OPTConfig, OPTForCausalLM
+    return OPTForCausalLM(OPTConfig(vocab_size=256, hidden_size=64, ffn_dim=172, num_hidden_layers=4,
+                                    num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64))
+
+
+class DigitsEncoder(nn.Module):
+    """torch's nn.TransformerEncoder (nn.MultiheadAttention, linear1 / linear2 in the layer) over the
+    8 rows of a digit."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+        self.out = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.out(self.enc(self.inp(x.reshape(-1, 8, 8))).mean(1))
+
+
+def digits_encoder():
+    return DigitsEncoder()
 
 
 def mlp_of(width=512):
@@ -112,7 +144,28 @@ def test_sequential_mlp_ist(user_models):
     assert _summary(out, "ist")["bytes_ratio"] < 1
 
 
+def test_sequential_mlp_with_a_norm_between_ist(user_models):
+    """Linear -> LayerNorm -> GELU -> Dropout -> Linear: found from its data flow (issue 38)."""
+    out = user_models / "mlp_norm"
+    assert cli.main([*COMMON, "--model", "user_models:seq_mlp_norm", "--method", "ist", "--dataset", "digits",
+                     "--simulate", "2", "--baseline", "--out-dir", str(out)]) == 0
+    assert _summary(out, "ist")["bytes_ratio"] < 1
+
+
+def test_torch_transformer_encoder_distributed_equals_simulated(user_models):
+    """nn.TransformerEncoder (heads of nn.MultiheadAttention, linear1/linear2 beside them): 2 gloo
+    ranks under decentralized storage give the simulated run's model."""
+    args = ["--model", "user_models:digits_encoder", "--method", "ist", "--option", "partition=both",
+            "--dataset", "digits", "--rounds", "3", "--shared", "exact"]
+    _, m_sim, h_sim = _run(user_models / "sim", *args, "--simulate", "2")
+    s_dist, m_dist, h_dist = _run(user_models / "dist", *args, "--workers", "2")
+    assert_equal_states(m_dist, m_sim)
+    assert untimed(h_dist) == untimed(h_sim)
+    assert 0 < s_dist["rank_state_bytes"] < s_dist["full_state_bytes"]
+
+
 @pytest.mark.parametrize("factory,method,options", [
+    ("tiny_opt", "ist", ["--option", "partition=both"]),
     ("tiny_llama", "ist", []),
     ("tiny_llama", "ist", ["--option", "partition=heads"]),
     ("tiny_llama", "resist", []),

@@ -14,7 +14,7 @@ The flow of a module is read, first that works:
   ``[2, 3, d]`` (``d``: a width its projections read) on the meta device
   (``torch.func.functional_call`` with meta copies of its parameters and buffers: the model, its
   buffers and the random number generators are untouched, and every rank reads the same flow
-  whatever device the model is on). Every torch function and method called outside the leaf
+  whatever device the model is on; attributes the forward sets are put back). Every torch function and method called outside the leaf
   modules is recorded (a ``TorchFunctionMode``) with the earlier outputs it read.
 
 In that flow an FFN is an output projection B and the input projections A (one, or several of one
@@ -292,8 +292,8 @@ def run_flow(module: nn.Module, leaf: Callable[[nn.Module], bool], widths: Seque
             rec.of[id(x)] = first = Op("input", "input")
             rec.ops.append(first)
             rec.keep.append(x)
-            try:
-                with torch.no_grad(), rec:
+            try:  # tensors the forward creates without a device (a mask) are meta too
+                with torch.no_grad(), torch.device("meta"), rec:
                     out = functional_call(module, meta, (x,))
             except Exception as e:  # noqa: BLE001 (any failure of the user's forward on the sample)
                 errors.append(f"width {d}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
@@ -453,11 +453,19 @@ def read_flow(module: nn.Module, leaf: Callable[[nn.Module], bool], widths: Sequ
     if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward:
         return sequential_flow(module)
     why = []
-    for read in (lambda: fx_flow(module, leaf), lambda: run_flow(module, leaf, widths)):
-        try:
-            return read()
-        except NoFlow as e:
-            why.append(str(e))
+    # a forward may set attributes (a cache, a mask): whatever it set while read is put back
+    saved = [(m, m.__dict__.copy()) for m in module.modules()]
+    try:
+        for read in (lambda: fx_flow(module, leaf), lambda: run_flow(module, leaf, widths)):
+            try:
+                return read()
+            except NoFlow as e:
+                why.append(str(e))
+    finally:
+        for m, d in saved:
+            if m.__dict__ != d:
+                m.__dict__.clear()
+                m.__dict__.update(d)
     raise NoFlow("; ".join(why))
 
 

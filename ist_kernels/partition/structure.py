@@ -353,11 +353,13 @@ def discover(model: nn.Module) -> Structure:
 def _flow_pass(model: nn.Module, ffns: List[FFN], attentions: List[Attention], claimed: Set[str],
                notes: List[str]) -> None:
     """FFNs (and attentions) in the data flow of every module holding two or more projections not
-    yet claimed as direct children (see :mod:`.dataflow`), appended in module order."""
+    yet claimed as direct children (see :mod:`.dataflow`), the deepest modules first (a layer's
+    before the model's: what a layer claims is a leaf in its parent's flow), appended in module order."""
     mods = dict(model.named_modules())
     free = {n for n, m in mods.items() if projection(m) is not None} - claimed
     found = False
-    for name, m in mods.items():
+    for name in sorted(mods, key=lambda n: -len(n.split(".")) if n else 0):
+        m = mods[name]
         if name in claimed or projection(m) is not None or isinstance(m, nn.MultiheadAttention):
             continue
         direct = [k for k, c in m._modules.items() if c is not None and _join(name, k) in free]
@@ -409,7 +411,7 @@ def _module_flow(m: nn.Module, free: Set[str]) -> Tuple[List[Attention], List[FF
     try:
         ops = dataflow.read_flow(m, leaf, sorted(widths, key=lambda w: -widths[w]))
     except dataflow.NoFlow as e:
-        return [], [], [f"projections {', '.join(sorted(free))} seen; {e}"]
+        return [], [], [f"projections {', '.join(sorted(free))} seen, their data flow not read: {e}"]
     order = {n: i for i, (n, _) in enumerate(m.named_modules())}
     atts: List[Attention] = []
     H, hd = _head_attrs(m)
