@@ -11,6 +11,7 @@ import torch
 
 from ist_kernels.train import Engine
 
+from conftest import requires_cuda
 from train_helpers import assert_equal_states, outputs, run, untimed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -247,3 +248,38 @@ def test_engine_trains_ddp_as_ist_train_does(tmp_path):
     assert_equal_states(got, want)
     assert untimed(got_hist) == untimed(want_hist)
     assert summary["rounds"] == 3
+
+
+@requires_cuda
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "torch.device"])
+def test_docs_example_on_cuda_equals_ist_train(tmp_path, device):
+    """The docs/library.md example's loop on a GPU (device "cuda", "cuda:0" or a torch.device), the
+    workers simulated in one process, gives ist-train's model with the same settings."""
+    import importlib.util
+
+    (tmp_path / "example.py").write_text(_docs_example())
+    spec = importlib.util.spec_from_file_location("example", tmp_path / "example.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    dev = torch.device("cuda") if device == "torch.device" else device
+    engine = Engine(example.make_model, method="ist", workers=2, dataset="digits", rounds=3, local_steps=4,
+                    batch_size=16, lr=0.1, seed=0, out_dir=str(tmp_path / "lib"), device=dev)
+    for rnd in engine.rounds():
+        for worker in rnd:
+            assert next(worker.model.parameters()).is_cuda
+            for x, y in worker.batches():
+                worker.optimizer.zero_grad()
+                loss = torch.nn.functional.cross_entropy(worker.model(x), y)
+                loss.backward()
+                worker.optimizer.step()
+                worker.add_loss(loss)
+    engine.close()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-m", "ist_kernels.train", "--model", "example:make_model", "--method", "ist",
+                        "--simulate", "2", "--dataset", "digits", "--rounds", "3", "--local-steps", "4",
+                        "--batch-size", "16", "--lr", "0.1", "--seed", "0", "--out-dir", "cli", "--no-progress",
+                        "--no-plots", "--device", "cuda"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=500)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    cli_out = tmp_path / "cli" / "ist" if (tmp_path / "cli" / "ist").exists() else tmp_path / "cli"
+    assert_equal_states(outputs(tmp_path / "lib")[1], outputs(cli_out)[1])
