@@ -18,6 +18,8 @@ from torch import nn
 from ist_kernels.partition import dataflow, find_structure, input_scale, transformer_ist_plan, transformer_resist_plan
 from ist_kernels.partition.mha import HeadsMultiheadAttention
 
+from plan_helpers import aggregation_round_trip
+
 TOL = dict(rtol=1e-12, atol=1e-12)
 
 
@@ -52,37 +54,6 @@ def _unhooked(model):
     return ref
 
 
-def _round_trip(model, plan, x, fwd=lambda m, x: m(x)):
-    """Aggregation writes every owned slice back (+s+1 from subnetwork s) and shared tensors as the
-    mean; the model keeps its shapes and still runs, and so do the next subnetworks."""
-    S = plan.num_subnetworks
-    shapes = {k: v.shape for k, v in model.state_dict().items()}
-    subs = plan.build()
-    with torch.no_grad():
-        for s, sub in enumerate(subs):
-            for p in sub.module.parameters():
-                p.add_(s + 1.0)
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    now = {k: v.clone() for k, v in plan.model_tensors().items()}
-    expected = {}
-    for t in plan.partitioned:
-        g = now[t.name]
-        for s in range(S):
-            g.index_copy_(t.dim, t.owners[s], g.index_select(t.dim, t.owners[s]) + s + 1.0)
-        expected[t.name] = g
-    for t in plan.shared:
-        expected[t.name] = now[t.name] + (S + 1) / 2 if t.name in params else now[t.name]
-    plan.aggregate(subs)
-    assert {k: v.shape for k, v in model.state_dict().items()} == shapes
-    got = plan.model_tensors()
-    for k, v in expected.items():
-        torch.testing.assert_close(got[k], v, **TOL)
-    assert all(input_scale(model.get_submodule(n)) == 1 / S for n in plan.output_projections())
-    fwd(model, x)
-    for sub in plan.build():
-        fwd(sub.module, x)
-
-
 # ---------------------------------------------------------------- an MLP with a norm between its projections
 
 def norm_mlp(norm="layer"):
@@ -115,7 +86,7 @@ def test_a_layernorm_between_the_projections_goes_with_the_units():
     z = F.gelu(model[2](model[1](x.flatten(1))))
     torch.testing.assert_close(model(x), z @ model[5].weight.T / 2 + model[5].bias, **TOL)
     torch.testing.assert_close(_unhooked(model)(x), clean(x), rtol=0, atol=0)  # nothing in the state
-    _round_trip(model, transformer_ist_plan(model, 2, "ffn", torch.Generator().manual_seed(2)), x)
+    aggregation_round_trip(model, transformer_ist_plan(model, 2, "ffn", torch.Generator().manual_seed(2)), x)
 
 
 def test_a_batchnorm_between_the_projections_is_exact():
@@ -268,7 +239,7 @@ def test_a_decoder_layer_with_direct_child_projections(cls, kw, partition):
                 else (lambda m: m.fc2(F.gelu(m.fc1(y))))
             torch.testing.assert_close(branch(model[i]), sum(branch(sub.module[i]) for sub in subs) / 2, **TOL)
     if partition == "both" and cls is Decoder and not kw:
-        _round_trip(model, transformer_ist_plan(model, 2, "both", torch.Generator().manual_seed(4)), x)
+        aggregation_round_trip(model, transformer_ist_plan(model, 2, "both", torch.Generator().manual_seed(4)), x)
         rp = transformer_resist_plan(model, 2, 1, torch.Generator().manual_seed(0))  # ResIST of the same layers
         assert rp.partitioned_blocks == ["1"]
 
@@ -390,7 +361,7 @@ def test_multihead_attention_heads(case):
     torch.testing.assert_close(y, sum(outs) / 2, **TOL)
     with torch.no_grad():  # eval without grad: torch's fast path where it applies, the hook still scales
         torch.testing.assert_close(model.attn(xin, kvin, kvin, **fwd)[0], y, **TOL)
-    _round_trip(model, transformer_ist_plan(model, 2, "heads", torch.Generator().manual_seed(2)), x,
+    aggregation_round_trip(model, transformer_ist_plan(model, 2, "heads", torch.Generator().manual_seed(2)), x,
                 lambda m, x: m(xin, kvin))
 
 

@@ -17,11 +17,12 @@ from ist_kernels.partition import (
     check_ist,
     check_resist,
     find_structure,
-    input_scale,
     is_transformer,
     transformer_ist_plan,
     transformer_resist_plan,
 )
+
+from plan_helpers import aggregation_round_trip
 
 TOL = dict(rtol=1e-12, atol=1e-12)
 
@@ -239,35 +240,9 @@ def test_ist_subnetworks_equal_the_full_model_with_the_others_removed(name, part
 @pytest.mark.parametrize("name, partition", [("mlp", "ffn"), ("llama", "both"), ("gpt2_untied", "both"),
                                              ("gpt2", "both")])
 def test_ist_aggregation_round_trip(name, partition):
-    S = 2
     model = BUILD[name]()
-    shapes = {k: v.shape for k, v in model.state_dict().items()}
-    plan = transformer_ist_plan(model, S, partition, torch.Generator().manual_seed(1))
-    subs = plan.build()
-    with torch.no_grad():
-        for s, sub in enumerate(subs):
-            for p in sub.module.parameters():
-                p.add_(s + 1.0)
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    now = {k: v.clone() for k, v in plan.model_tensors().items()}
-    expected = {}
-    for t in plan.partitioned:
-        g = now[t.name]
-        for s in range(S):
-            g.index_copy_(t.dim, t.owners[s], g.index_select(t.dim, t.owners[s]) + s + 1.0)
-        expected[t.name] = g
-    for t in plan.shared:  # the mean of +1 and +2 (buffers untouched)
-        expected[t.name] = now[t.name] + 1.5 if t.name in params else now[t.name]
-    plan.aggregate(subs)
-    assert {k: v.shape for k, v in model.state_dict().items()} == shapes
-    got = plan.model_tensors()
-    for k, v in expected.items():
-        torch.testing.assert_close(got[k], v, **TOL)
-    assert all(input_scale(model.get_submodule(n)) == 1 / S for n in plan.output_projections())
-    x = ARCH[name]["x"]()
-    ARCH[name]["fwd"](model, x)  # still runs
-    for sub in plan.build():
-        ARCH[name]["fwd"](sub.module, x)
+    plan = transformer_ist_plan(model, 2, partition, torch.Generator().manual_seed(1))
+    aggregation_round_trip(model, plan, ARCH[name]["x"](), ARCH[name]["fwd"])  # the mean of +1 and +2; still runs
 
 
 # ---------------------------------------------------------------- ResIST
