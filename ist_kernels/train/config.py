@@ -45,7 +45,7 @@ GROUPS = {
     "training": ("local_steps", "rounds", "epochs", "batch_size", "eval_batch_size", "optimizer", "lr",
                  "lr_schedule", "lr_warmup_rounds", "lr_milestones", "lr_gamma", "momentum", "nesterov",
                  "weight_decay", "betas", "eps", "seed",
-                 "precision", "eval_interval", "eval_bn_batches"),
+                 "precision", "compile", "eval_interval", "eval_bn_batches"),
     "distributed": ("workers", "simulate", "device", "backend", "timeout_s", "max_restarts", "max_rank_state_mb",
                     "threads"),
     "output": ("out_dir", "checkpoint_dir", "checkpoint_interval", "resume", "overwrite", "stop_after", "progress",
@@ -154,6 +154,9 @@ class TrainConfig:
     seed: int = _opt(0, "seed of the model initialisation, data shards and plans")
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     precision: str = _opt("fp32", "fp32, or bf16 / fp16 (autocast of the forward; fp16 with a gradient scaler)")
+    compile: bool = _opt(False, "torch.compile the workers' models for their local steps: compiled once per run "
+                         "(a subnetwork of the same structure reuses the compiled code every round; summary.json "
+                         "counts compiles and recompiles, time_by_part its compile time)")
     eval_interval: int = _opt(1, "evaluate every this many rounds (0: only before the first and after the last)")
     eval_bn_batches: int = _opt(0, "before each evaluation, re-estimate the BatchNorm running statistics of a copy "
                                 "of the full model on this many training batches (precise BN: the trained model "

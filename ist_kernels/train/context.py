@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from torch import nn
 
 from ..distributed import ledger
 from .comm import Comm
+from .compiled import Compiler
 from .config import DEFAULT_MOMENTUM, HyperParams, default_lr, inner_optimizer
 from .datasets import ShardedData, _mix
 from .errors import ConfigError
@@ -114,6 +116,8 @@ class RunContext:
                          local_workers=self.local_workers, shared=cfg.shared, clock=self.clock,
                          compress=cfg.compress)
         self._scalers: Dict[int, Any] = {}  # worker -> torch.amp.GradScaler (--precision fp16)
+        #: --compile: the workers' compiled models and the run's compile counts (None: eager)
+        self.compiler: Optional[Compiler] = Compiler(self.device, self.clock) if getattr(cfg, "compile", False) else None
         dtype = AUTOCAST_DTYPES.get(cfg.precision)
         if dtype is not None and not _autocasts(self.device.type, dtype):
             raise ConfigError("precision", f"torch {torch.__version__} does not autocast {cfg.precision} on "
@@ -195,13 +199,24 @@ class RunContext:
     def make_optimizer(self, params) -> torch.optim.Optimizer:
         """The local optimizer of ``params`` (--optimizer): torch.optim.SGD (--momentum, --nesterov,
         --weight-decay) or torch.optim.AdamW (--betas, --eps, --weight-decay); the learning rate is
-        set before every step (:meth:`set_lr`)."""
+        set before every step (:meth:`set_lr`). On CUDA, the fused implementation (``fused=True``: one
+        kernel per step for all the parameters; the same update to rounding); elsewhere torch's default."""
         c = self._cfg
         lr = c.lr if c.lr is not None else default_lr(c.method, c.optimizer)
+        params = list(params)
+        fused = {"fused": True} if fused_supported(params) else {}
         if c.optimizer == "adamw":
-            return torch.optim.AdamW(params, lr=lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay)
+            return torch.optim.AdamW(params, lr=lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay,
+                                     **fused)
         return torch.optim.SGD(params, lr=lr, momentum=self._momentum(), weight_decay=c.weight_decay,
-                               nesterov=c.nesterov)
+                               nesterov=c.nesterov, **fused)
+
+    def compiled(self, turn: WorkerTurn) -> WorkerTurn:
+        """``turn`` with its model compiled (--compile: :meth:`Compiler.wrap`, the worker's wrapper
+        reused while its module is the same); ``turn`` itself when eager."""
+        if self.compiler is None:
+            return turn
+        return dataclasses.replace(turn, model=self.compiler.wrap(turn.worker, turn.model))
 
     def lr_at(self, r: int, i: int) -> float:
         return lr_at(self._cfg, self.rounds, r, i)
@@ -320,6 +335,8 @@ class RunContext:
                 if turn.on_step is not None:
                     turn.on_step()
                 total += loss.detach() * weight if weight > 1 else loss.detach()
+            if self.compiler is not None:  # what compiling took goes to ``compile``
+                self.compiler.charge()
             return total
 
     def train_local(self, model: nn.Module, optimizer, worker: int, r: int, steps: Optional[int] = None) -> float:
@@ -394,6 +411,23 @@ class RunContext:
         if task == "language_model":
             res[f"bits_per_{getattr(self.dataset, 'token_unit', 'byte')}"] = res["test_loss"] / math.log(2)
         return res
+
+
+def fused_supported(params) -> bool:
+    """torch's fused SGD / AdamW can take ``params``: all on CUDA, floating point, torch >= 2.6
+    (fused SGD came in 2.4 and AdamW's on more dtypes by 2.6; the CPU keeps the default
+    implementation, so CPU results stay bit for bit)."""
+    if not params or _torch_version() < (2, 6):
+        return False
+    tensors = [p for group in params for p in group["params"]] if isinstance(params[0], dict) else params
+    return bool(tensors) and all(p.is_cuda and p.is_floating_point() for p in tensors)
+
+
+def _torch_version() -> tuple:
+    try:
+        return tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    except ValueError:
+        return (0, 0)
 
 
 def logits(out) -> torch.Tensor:

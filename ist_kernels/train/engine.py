@@ -124,6 +124,8 @@ class Round:
                 worker = Worker(eng, turn, self.index)
                 with clock("local"):
                     yield worker
+                    if run.ctx.compiler is not None:  # (--compile) what compiling took goes to ``compile``
+                        run.ctx.compiler.charge()
                 losses.append(worker.loss_sum)
             self.record = run.end_round(self.index, losses)
             finished = True

@@ -238,7 +238,7 @@ def add_baseline_ratios(summaries: Sequence[Dict[str, Any]]) -> Optional[Dict[st
 
 
 #: the parts of ``time_by_part`` the summary table shows (``other``: what no part measured)
-TABLE_PARTS = ("local", "plan", "pack", "comm", "unpack", "eval", "metrics", "checkpoint", "other")
+TABLE_PARTS = ("local", "plan", "pack", "comm", "unpack", "eval", "metrics", "checkpoint", "compile", "other")
 
 
 def summary_table(summaries: Sequence[Dict[str, Any]]) -> str:

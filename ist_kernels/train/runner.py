@@ -234,7 +234,7 @@ class Run:
         _crash_for_tests(r, self.world)
         t0 = time.perf_counter()
         _delay_for_tests(self.world)
-        turns = self.method.begin_round(r)
+        turns = [self.ctx.compiled(turn) for turn in self.method.begin_round(r)]  # (--compile)
         self._open = (r, t0, len(turns))
         return turns
 
@@ -334,7 +334,7 @@ class Run:
         self.ctx.clock.take()
         summary = (_write_outputs(self.cfg, world, self.method, model, self.log.history, final_gather, self.rounds,
                                   self.out_dir, self.setup_time, scored=self.log.history[-1]["round"] in self.scored,
-                                  scored_on=self.ctx.scored_on)
+                                  scored_on=self.ctx.scored_on, compiler=self.ctx.compiler)
                    if self.rank0 else None)
         # none tears its process group down while another still works
         _barrier(world, "the run's outputs written", end)
@@ -351,8 +351,10 @@ def train(cfg, world: World) -> Optional[Dict[str, Any]]:
 
 
 def _write_outputs(cfg, world, method, model, hist, final_gather, rounds, out_dir, setup_time,
-                   scored: bool = False, scored_on: Optional[str] = None) -> Dict[str, Any]:
-    """summary.json and model.pt of a finished (or stopped) run, on rank 0; returns the summary."""
+                   scored: bool = False, scored_on: Optional[str] = None, compiler=None) -> Dict[str, Any]:
+    """summary.json and model.pt of a finished (or stopped) run, on rank 0; returns the summary.
+    ``compiler``: --compile's (:class:`~ist_kernels.train.compiled.Compiler`): its counts of this
+    process's compiles and recompiles go in (``compile``: whether the run compiled)."""
     S = cfg.num_workers
     final = hist[-1]
     if not scored and "test_loss" not in final:  # stopped between evaluations (stop_after): score the model now,
@@ -382,6 +384,8 @@ def _write_outputs(cfg, world, method, model, hist, final_gather, rounds, out_di
         "time_by_part": {k: sum(rec.get("time", {}).get(k, 0.0) for rec in hist) for k in (*PARTS, "other")},
         **time_by_phase(trained, method.phases, TRAIN_PARTS),
         "out_dir": out_dir, **method.summary(),
+        "compile": compiler is not None,
+        **({} if compiler is None else {k: v for k, v in compiler.counts().items() if k != "compile_s"}),
     }
     atomic_torch_save({k: v.detach().cpu() for k, v in model.state_dict().items()}, os.path.join(out_dir, "model.pt"))
     atomic_json(summary, os.path.join(out_dir, "summary.json"))

@@ -12,7 +12,10 @@ totals (``time_by_part``). The parts, each measured where the work happens:
   slower one shows the wait here);
 - ``eval``: assembling and scoring the full model;
 - ``metrics``: summing the round's metrics over the ranks and logging them;
-- ``checkpoint``: writing a checkpoint.
+- ``checkpoint``: writing a checkpoint;
+- ``compile``: ``--compile``'s compiling (dynamo, AOT autograd, inductor; the backward's lazy compile
+  too), taken out of the part that was open when it happened (``local``: the first local step of a
+  run, and of each new subnetwork structure): once per run, not a round's cost.
 
 ``other`` (written by the trainer) is the round's wall time that no part measured.
 On CUDA the clock synchronises the device at part boundaries, so a part owns its kernels' time.
@@ -23,8 +26,9 @@ import contextlib
 import time
 from typing import Callable, Dict, Iterator, Optional
 
-PARTS = ("local", "plan", "pack", "comm", "unpack", "eval", "metrics", "checkpoint")
-#: the parts that make up a round's training time (what a method's round costs)
+PARTS = ("local", "plan", "pack", "comm", "unpack", "eval", "metrics", "checkpoint", "compile")
+#: the parts that make up a round's training time (what a method's round costs): neither the trainer's
+#: bookkeeping (eval, metrics, checkpoint) nor the one-time compile
 TRAIN_PARTS = ("local", "plan", "pack", "comm", "unpack")
 
 
