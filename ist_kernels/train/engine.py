@@ -61,7 +61,8 @@ class Worker:
     """One worker's turn in a round: ``model`` (its subnetwork, or the whole model for local-SGD
     methods), ``optimizer`` (over ``model``'s parameters, built by the engine from the config: SGD
     with ``lr``, ``momentum``, ``weight_decay``, or AdamW with ``optimizer="adamw"``), ``index`` (the
-    worker, 0..S-1), ``round`` (r)."""
+    worker, 0..S-1), ``round`` (r). With ``compile=True``, ``model`` is the ``torch.compile``d one
+    (its parameters are the module's; compiled once per structure, the time is ``compile``'s)."""
 
     def __init__(self, engine: "Engine", turn: WorkerTurn, r: int):
         self.model, self.optimizer, self.index, self.round = turn.model, turn.optimizer, turn.worker, r
