@@ -196,20 +196,22 @@ class RunContext:
         worker training all of it holds."""
         return ledger.full_state_bytes(model, self.param_state_tensors, 4 if self.local_optimizer == "adamw" else 0)
 
-    def make_optimizer(self, params) -> torch.optim.Optimizer:
-        """The local optimizer of ``params`` (--optimizer): torch.optim.SGD (--momentum, --nesterov,
-        --weight-decay) or torch.optim.AdamW (--betas, --eps, --weight-decay); the learning rate is
-        set before every step (:meth:`set_lr`). On CUDA, the fused implementation (``fused=True``: one
-        kernel per step for all the parameters; the same update to rounding); elsewhere torch's default."""
+    def make_optimizer(self, params, **hyper) -> torch.optim.Optimizer:
+        """The local optimizer of ``params`` (:attr:`local_optimizer`: the method's own or --optimizer):
+        torch.optim.SGD (--momentum, --nesterov, --weight-decay) or torch.optim.AdamW (--betas, --eps,
+        --weight-decay); ``hyper`` overrides those (a method's own, e.g. diloco's AdamW options). The
+        learning rate is set before every step (:meth:`set_lr`). On CUDA, the fused implementation
+        (``fused=True``: one kernel per step for all the parameters; the same update to rounding);
+        elsewhere torch's default."""
         c = self._cfg
         lr = c.lr if c.lr is not None else default_lr(c.method, c.optimizer)
         params = list(params)
         fused = {"fused": True} if fused_supported(params) else {}
-        if c.optimizer == "adamw":
-            return torch.optim.AdamW(params, lr=lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay,
-                                     **fused)
-        return torch.optim.SGD(params, lr=lr, momentum=self._momentum(), weight_decay=c.weight_decay,
-                               nesterov=c.nesterov, **fused)
+        if self.local_optimizer == "adamw":
+            kw = dict(lr=lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay, **fused)
+            return torch.optim.AdamW(params, **{**kw, **hyper})
+        kw = dict(lr=lr, momentum=self._momentum(), weight_decay=c.weight_decay, nesterov=c.nesterov, **fused)
+        return torch.optim.SGD(params, **{**kw, **hyper})
 
     def compiled(self, turn: WorkerTurn) -> WorkerTurn:
         """``turn`` with its model compiled (--compile: :meth:`Compiler.wrap`, the worker's wrapper

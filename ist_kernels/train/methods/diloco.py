@@ -72,10 +72,9 @@ class DiLoCo(Method):
         o = ctx.options
         self.outer_lr, self.outer_momentum = o["outer_lr"], o["outer_momentum"]
         outer = OuterOptimizer.of("nesterov" if o["nesterov"] else "sgd", self.outer_lr, self.outer_momentum)
-        lr, betas, eps, wd = ctx.hp.lr, (o["beta1"], o["beta2"]), o["eps"], o["weight_decay"]
+        inner = dict(betas=(o["beta1"], o["beta2"]), eps=o["eps"], weight_decay=o["weight_decay"])
         self.local = LocalModels(ctx, {s: ctx.build_model() for s in ctx.local_workers}, outer=outer,
-                                 make_optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr, betas=betas, eps=eps,
-                                                                             weight_decay=wd))
+                                 make_optimizer=lambda ps: ctx.make_optimizer(ps, **inner))  # AdamW, its options
         params = [p for p in self.model.parameters() if p.requires_grad]
         # a worker holds its model, AdamW's state, θ (the round's start) and the outer momentum
         self.full_state_bytes = ctx.full_state_bytes(self.model) + \
