@@ -1004,20 +1004,23 @@ def shard_indices(n: int, num_workers: int, seed: int) -> List[Tensor]:
 
 @dataclass
 class WorkerBatches:
-    """The batch stream of one worker: its shard, reshuffled each epoch, cut into full batches."""
+    """The batch stream of one worker: its shard, reshuffled each epoch, cut into full batches. An
+    epoch's order is drawn on the CPU and moved to ``device`` once (on CUDA a host-to-device copy
+    waits for the GPU: once an epoch, not once a step)."""
 
     shard: Tensor
     batch_size: int
     seed: int
     worker: int
     _cache: Dict[int, Tensor] = field(default_factory=dict)
+    device: torch.device = torch.device("cpu")
 
     def _epoch(self, e: int) -> Tensor:
         if e not in self._cache:
             if len(self._cache) > 4:
                 self._cache.clear()
             g = torch.Generator().manual_seed(_mix(self.seed, self.worker, e, 0xB47C))
-            self._cache[e] = self.shard[torch.randperm(len(self.shard), generator=g)]
+            self._cache[e] = self.shard[torch.randperm(len(self.shard), generator=g)].to(self.device)
         return self._cache[e]
 
     def indices(self, step: int) -> Tensor:
@@ -1045,14 +1048,14 @@ class ShardedData:
         self.seed = seed
         self.augment = augment and dataset.image
         self.shards = shard_indices(len(dataset.train_y), num_workers, seed)
-        self.streams = [WorkerBatches(s, batch_size, seed, w) for w, s in enumerate(self.shards)]
+        self.streams = [WorkerBatches(s, batch_size, seed, w, device=self.device) for w, s in enumerate(self.shards)]
 
     @property
     def shard_size(self) -> int:
         return min(len(s) for s in self.shards)
 
     def batch(self, worker: int, step: int) -> Tuple[Tensor, Tensor]:
-        idx = self.streams[worker].indices(step).to(self.device)
+        idx = self.streams[worker].indices(step)  # on the device already
         x = self.dataset.prepare(self.dataset.train_x[idx])
         if self.augment:
             x = _augment(x, _mix(self.seed, worker, step, 0xA06))
