@@ -56,6 +56,7 @@ of a step (torch's FLOP counter, of the full model and of a subnetwork) at ``--d
 what a subnetwork of a few units per worker does to accuracy is not modelled).
 """
 import argparse
+import copy
 import math
 import os
 import shutil
@@ -393,7 +394,19 @@ def _mlp(inputs: int, hidden: int, classes: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(inputs, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, classes))
 
 
+#: scale_models' rows by --scale-batch, kept for the process: counting every S's subnetworks (ResIST's
+#: plan at S = 1024 clones 1024 sub-ResNets) takes ~30 s on a 2-core CPU, and they depend on nothing else
+_SCALE_MODELS: Dict[int, List[Dict[str, Any]]] = {}
+
+
 def scale_models(args) -> List[Dict[str, Any]]:
+    """:func:`count_scale_models` of ``--scale-batch``, counted once per process (a deep copy each call)."""
+    if args.scale_batch not in _SCALE_MODELS:
+        _SCALE_MODELS[args.scale_batch] = count_scale_models(args)
+    return copy.deepcopy(_SCALE_MODELS[args.scale_batch])
+
+
+def count_scale_models(args) -> List[Dict[str, Any]]:
     """The papers' models: their state split (partitioned / shared, SGD momentum included), from a
     plan at small S (the split does not depend on S), and the FLOPs of a step of ``--scale-batch``:
     the full model's (``cost.model_step_flops``) and, per S, a worker's subnetwork's
