@@ -1,9 +1,20 @@
-"""What the partition tests share: an IST plan's aggregation round trip."""
+"""What the partition tests share: float64 models with weights large enough that every term shows,
+and an IST plan's aggregation round trip."""
 import torch
 
 from ist_kernels.partition import input_scale
 
 TOL = dict(rtol=1e-12, atol=1e-12)
+
+
+def noisy(m, seed=0):
+    """``m`` in float64, eval mode, its weights moved by 0.1 N(0, 1) (larger than the inits')."""
+    torch.manual_seed(seed)
+    m = m.double().eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return m
 
 
 def aggregation_round_trip(model, plan, x, fwd=lambda m, x: m(x)):

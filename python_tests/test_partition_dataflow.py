@@ -18,18 +18,7 @@ from torch import nn
 from ist_kernels.partition import dataflow, find_structure, input_scale, transformer_ist_plan, transformer_resist_plan
 from ist_kernels.partition.mha import HeadsMultiheadAttention
 
-from plan_helpers import aggregation_round_trip
-
-TOL = dict(rtol=1e-12, atol=1e-12)
-
-
-def _noisy(m, seed=0):
-    torch.manual_seed(seed)
-    m = m.double().eval()
-    with torch.no_grad():  # larger weights than the inits', so that every term shows
-        for p in m.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return m
+from plan_helpers import TOL, aggregation_round_trip, noisy as _noisy
 
 
 def _zero_except(w, dim, keep):
