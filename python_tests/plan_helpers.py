@@ -46,3 +46,12 @@ def aggregation_round_trip(model, plan, x, fwd=lambda m, x: m(x)):
     fwd(model, x)
     for sub in plan.build():
         fwd(sub.module, x)
+
+
+def zero_except(w, dim, keep):
+    """Zero ``w`` in place along ``dim`` except at the indices ``keep`` (a reference's removed units)."""
+    mask = torch.zeros(w.shape[dim], dtype=torch.bool)
+    mask[keep] = True
+    shape = [1] * w.dim()
+    shape[dim] = -1
+    w.mul_(mask.view(shape).to(w.dtype))

@@ -121,6 +121,18 @@ def _docs_example():
     return re.search(r"```python\n(.*?)```", text, re.S).group(1)
 
 
+def _example_by_ist_train(tmp_path, env, launch, device):
+    """model.pt of ist-train with the docs example's settings (``launch``: --workers or --simulate 2)."""
+    p = subprocess.run([sys.executable, "-m", "ist_kernels.train", "--model", "example:make_model", "--method", "ist",
+                        launch, "2", "--dataset", "digits", "--rounds", "3", "--local-steps", "4",
+                        "--batch-size", "16", "--lr", "0.1", "--seed", "0", "--out-dir", "cli", "--no-progress",
+                        "--no-plots", "--device", device], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=500)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    out = tmp_path / "cli" / "ist" if (tmp_path / "cli" / "ist").exists() else tmp_path / "cli"
+    return torch.load(out / "model.pt")
+
+
 def test_docs_example_under_torchrun_equals_ist_train(tmp_path):
     """The first python block of docs/library.md, as written, under torchrun with 2 processes,
     gives the model ist-train gives with the same settings (2 gloo workers)."""
@@ -131,15 +143,8 @@ def test_docs_example_under_torchrun_equals_ist_train(tmp_path):
                         "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "MB per round" in p.stdout
-    p2 = subprocess.run([sys.executable, "-m", "ist_kernels.train", "--model", "example:make_model", "--method", "ist",
-                         "--workers", "2", "--dataset", "digits", "--rounds", "3", "--local-steps", "4",
-                         "--batch-size", "16", "--lr", "0.1", "--seed", "0", "--out-dir", "cli", "--no-progress",
-                         "--no-plots", "--device", "cpu"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                        timeout=500)
-    assert p2.returncode == 0, p2.stdout[-3000:] + p2.stderr[-3000:]
     got = torch.load(tmp_path / "runs" / "library-example" / "model.pt")
-    want = torch.load(tmp_path / "cli" / "ist" / "model.pt") if (tmp_path / "cli" / "ist").exists() else \
-        torch.load(tmp_path / "cli" / "model.pt")
+    want = _example_by_ist_train(tmp_path, env, "--workers", "cpu")
     assert_equal_states(got, want)
 
 
@@ -275,11 +280,4 @@ def test_docs_example_on_cuda_equals_ist_train(tmp_path, device):
                 worker.add_loss(loss)
     engine.close()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    p = subprocess.run([sys.executable, "-m", "ist_kernels.train", "--model", "example:make_model", "--method", "ist",
-                        "--simulate", "2", "--dataset", "digits", "--rounds", "3", "--local-steps", "4",
-                        "--batch-size", "16", "--lr", "0.1", "--seed", "0", "--out-dir", "cli", "--no-progress",
-                        "--no-plots", "--device", "cuda"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=500)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    cli_out = tmp_path / "cli" / "ist" if (tmp_path / "cli" / "ist").exists() else tmp_path / "cli"
-    assert_equal_states(outputs(tmp_path / "lib")[1], outputs(cli_out)[1])
+    assert_equal_states(outputs(tmp_path / "lib")[1], _example_by_ist_train(tmp_path, env, "--simulate", "cuda"))

@@ -18,15 +18,7 @@ from torch import nn
 from ist_kernels.partition import dataflow, find_structure, input_scale, transformer_ist_plan, transformer_resist_plan
 from ist_kernels.partition.mha import HeadsMultiheadAttention
 
-from plan_helpers import TOL, aggregation_round_trip, noisy as _noisy
-
-
-def _zero_except(w, dim, keep):
-    mask = torch.zeros(w.shape[dim], dtype=torch.bool)
-    mask[keep] = True
-    shape = [1] * w.dim()
-    shape[dim] = -1
-    w.mul_(mask.view(shape).to(w.dtype))
+from plan_helpers import TOL, aggregation_round_trip, noisy as _noisy, zero_except as _zero_except
 
 
 def _cols(heads, hd):

@@ -22,7 +22,7 @@ from ist_kernels.partition import (
     transformer_resist_plan,
 )
 
-from plan_helpers import TOL, aggregation_round_trip, noisy as _noisy
+from plan_helpers import TOL, aggregation_round_trip, noisy as _noisy, zero_except as _zero_except
 
 
 def mlp():
@@ -78,14 +78,6 @@ ARCH = {
 }
 BUILD = {"mlp": mlp, "llama": llama, "gpt2": gpt2, "ours": ours, "gpt2_untied": lambda: gpt2(False)}
 ARCH["gpt2_untied"] = ARCH["gpt2"]
-
-
-def _zero_except(w, dim, keep):
-    mask = torch.zeros(w.shape[dim], dtype=torch.bool)
-    mask[keep] = True
-    shape = [1] * w.dim()
-    shape[dim] = -1
-    w.mul_(mask.view(shape).to(w.dtype))
 
 
 def reference(model, name, units=None, heads=None, scale=1.0, depth_scale=None, skip=()):

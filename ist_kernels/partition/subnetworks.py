@@ -108,6 +108,17 @@ class _Tree:
         return clones
 
 
+def _put(module: nn.Module, attr: str, is_param: bool, t: Tensor, requires_grad: bool) -> Tensor:
+    """``t`` as ``module``'s parameter (wrapped, sharing its storage) or buffer ``attr``; returns what
+    the module now holds."""
+    if is_param:
+        t = nn.Parameter(t, requires_grad=requires_grad)
+        module._parameters[attr] = t
+    else:
+        module._buffers[attr] = t
+    return t
+
+
 class SubnetworkPlan(RoundPlan):
     """Base of the CNN plans. Subclasses pass ``partitioned`` (name -> (dim, owned indices per
     subnetwork, None where not held)) and override ``_edit`` to shape subnetwork ``s``'s cloned
@@ -348,12 +359,7 @@ class SubnetworkPlan(RoundPlan):
                 j += 1
                 if self._is_scalar[i]:
                     seg = seg.view(())
-                if is_param:
-                    seg = nn.Parameter(seg, requires_grad=requires_grad[i])
-                    clones[pos]._parameters[attr] = seg
-                else:
-                    clones[pos]._buffers[attr] = seg
-                held.append(seg)
+                held.append(_put(clones[pos], attr, is_param, seg, requires_grad[i]))
             self._tie(s, clones, held)
             attached.append(held)
             subnetworks.append(Subnetwork(s, clones[0], None, self, clones))
@@ -410,12 +416,7 @@ class SubnetworkPlan(RoundPlan):
             if t is None or tuple(t.shape) != tuple(want):
                 raise ValueError(f"{self.who}.attach: subnetwork {s} needs {spec.name} of shape {tuple(want)}, "
                                  f"got {None if t is None else tuple(t.shape)}")
-            if is_param:
-                t = nn.Parameter(t, requires_grad=requires_grad[i])
-                clones[pos]._parameters[attr] = t
-            else:
-                clones[pos]._buffers[attr] = t
-            held.append(t)
+            held.append(_put(clones[pos], attr, is_param, t, requires_grad[i]))
         self._tie(s, clones, held)
         return Subnetwork(s, clones[0], None, self, clones)
 

@@ -270,27 +270,21 @@ class Comm:
         (default) or another codec (None: exactly)."""
         if self.world_size == 1:
             return
-        if compress is not _RUN:
-            saved, self.compress = self.compress, compress
-            try:
-                return self.average_models_(copies, round=round)
-            finally:
-                self.compress = saved
+        code = self.compress if compress is _RUN else compress
         if self.distributed:
             (ts,) = copies
-            st = average_model_(list(ts), round=round, compress=self.compress)
+            st = average_model_(list(ts), round=round, compress=code)
             self._sent(st.bytes_sent, received=st.bytes_received)
             self._charge(st)
             return
-        if self.compress is not None:  # the two-stage compressed average, as every rank gets it
+        if code is not None:  # the two-stage compressed average, as every rank gets it
             with self.clock("pack"):
                 sizes = [t.numel() for t in copies[0]]
-                mean = C.two_stage_mean([torch.cat([t.reshape(-1) for t in ts]) for ts in copies], sizes,
-                                        self.compress)
+                mean = C.two_stage_mean([torch.cat([t.reshape(-1) for t in ts]) for ts in copies], sizes, code)
             with self.clock("unpack"):
                 for ts in copies:
                     torch._foreach_copy_(list(ts), [v.view_as(t) for v, t in zip(mean.split(sizes), ts)])
-            per = C.two_stage_bytes(sizes, self.world_size, self.compress)
+            per = C.two_stage_bytes(sizes, self.world_size, code)
             for s in self.local_workers:
                 self._sent(per[s], [s])
             return

@@ -322,7 +322,6 @@ class RunContext:
         device (no host synchronisation per step); a turn over several workers' batches (simulated
         DDP) counts each step's loss once per worker."""
         model, optimizer = turn.model, turn.optimizer
-        weight = len(turn.batch_workers)
         with self.clock("local"):
             model.train()
             total = torch.zeros((), device=self.device, dtype=torch.float64)
@@ -336,7 +335,7 @@ class RunContext:
                 self.backward_step(loss, optimizer, turn.worker)
                 if turn.on_step is not None:
                     turn.on_step()
-                total += loss.detach() * weight if weight > 1 else loss.detach()
+                total += turn.counted(loss.detach())
             if self.compiler is not None:  # what compiling took goes to ``compile``
                 self.compiler.charge()
             return total

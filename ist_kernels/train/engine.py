@@ -74,12 +74,8 @@ class Worker:
     def add_loss(self, loss: Union[float, torch.Tensor], steps: int = 1) -> None:
         """Count a local step's loss into the round's ``train_loss`` (metrics.jsonl); a tensor stays
         on its device (no host synchronisation)."""
-        weight = len(self._turn.batch_workers)  # (simulated ddp: one step on every worker's batch)
-        if isinstance(loss, torch.Tensor):
-            v = loss.detach().double()
-            self.loss_sum = self.loss_sum + (v * weight if weight > 1 else v)
-        else:
-            self.loss_sum = self.loss_sum + float(loss) * weight
+        v = loss.detach().double() if isinstance(loss, torch.Tensor) else float(loss)
+        self.loss_sum = self.loss_sum + self._turn.counted(v)  # (simulated ddp: once per worker's batch)
         self.steps += steps
 
     def batches(self) -> Iterator:
@@ -130,13 +126,11 @@ class Round:
                 losses.append(worker.loss_sum)
             self.record = run.end_round(self.index, losses)
             finished = True
-        except BaseException as e:  # noqa: B902 - re-raised: the engine is broken from here on
-            eng._broken = e if isinstance(e, Exception) else RuntimeError(
-                f"round {self.index} did not finish (the training loop left it); the engine cannot continue: "
-                f"resume from its last checkpoint")
+        except Exception as e:  # re-raised: the engine is broken from here on
+            eng._broken = e
             raise
         finally:
-            if not finished and eng._broken is None:  # the loop left the round early (break, close())
+            if not finished and eng._broken is None:  # the loop left the round early (break, an error in it)
                 eng._broken = RuntimeError(f"round {self.index} did not finish (the training loop left it); "
                                            f"the engine cannot continue: resume from its last checkpoint")
 

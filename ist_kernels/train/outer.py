@@ -197,11 +197,6 @@ class OuterOptimizer:
         return sum(v.numel() * v.element_size() for n in names for v in self.state.get(n, {}).values()
                    if isinstance(v, Tensor) and v.dim() == 0)
 
-    def keep_only(self, names: Sequence[str]) -> None:
-        """Forget the state of every name not in ``names`` (what this rank no longer holds)."""
-        keep = set(names)
-        self.state = {n: st for n, st in self.state.items() if n in keep}
-
     def tensors(self) -> List[Tensor]:
         """Every state tensor (for the byte ledger's held-state count)."""
         return [v for st in self.state.values() for v in st.values() if isinstance(v, Tensor)]

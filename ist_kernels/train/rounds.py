@@ -159,16 +159,6 @@ def scalar_states_of(params, optimizer) -> Dict[str, Tensor]:
     return {key: max(vals, key=float).detach().clone() for key, vals in found.items()}
 
 
-def momentum_of(named_params, optimizer) -> Dict[str, Tensor]:
-    """name -> SGD momentum buffer of every parameter that has one."""
-    out = {}
-    for name, p in named_params:
-        buf = optimizer.state.get(p, {}).get("momentum_buffer")
-        if buf is not None:
-            out[name] = buf
-    return out
-
-
 def phase_rounds(rounds: int, fraction: float) -> int:
     """Rounds of the first phase: ``fraction`` of ``rounds`` (rounded), at least 1 when fraction > 0."""
     if fraction <= 0:
@@ -351,11 +341,6 @@ class SubnetRounds:
         phase = state["phase"]
         return RoundResult(summed(losses), len(ctx.local_workers) * ctx.local_steps,
                            extra=None if phase is None else {"phase": phase}, ps_bytes=state["ps"], state_bytes=held)
-
-    def run(self, r: int, last: bool, phase: Optional[int] = None) -> RoundResult:
-        """:meth:`begin`, the built-in local steps, :meth:`end`."""
-        turns = self.begin(r, last, phase)
-        return self.end(r, [self.ctx.train(t, r) for t in turns])
 
     @staticmethod
     def _held_bytes(plan, sub, opt, extra=()) -> int:
@@ -607,15 +592,14 @@ class LocalModels:
         self.outer_on = self.outer is not None
         self._params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in models.items()}
         # what is averaged besides the parameters (floating buffers): as values, never as Δ
-        self._others = {s: [t for t in self._averaged[s] if not any(t is p for p in self._params[s])]
-                        for s in models}
+        ids = {s: {id(p) for p in ps} for s, ps in self._params.items()}
+        self._others = {s: [t for t in self._averaged[s] if id(t) not in ids[s]] for s in models}
+        first = min(models)
+        self._names = [str(i) for i in range(len(self._params[first]))]  # the outer state's names
         if self.outer_on:
-            averaged = {id(t) for t in self._averaged[min(models)]}
-            if any(id(p) not in averaged for p in self._params[min(models)]):
+            if len(self._averaged[first]) - len(self._others[first]) != len(self._params[first]):
                 raise ValueError("LocalModels: the outer step needs every trainable parameter among the averaged tensors")
-        self._names = [str(i) for i in range(len(self._params[min(models)]))]  # the outer state's names
-        if self.outer_on:
-            self.outer.init_state_(dict(zip(self._names, self._params[min(models)])))
+            self.outer.init_state_(dict(zip(self._names, self._params[first])))
         self._open: Optional[tuple] = None  # (round, phase, the model before it) between begin and end
 
     @property
@@ -679,7 +663,8 @@ class LocalModels:
                 comm.average_models_([self._others[s] for s in workers], round=r + 1, compress=None)
         with ctx.clock("plan"):
             first = self._params[workers[0]]
-            self.outer.step_grad_(prev, [d.clone() for d in first], self._names)  # prev becomes the new θ
+            # prev becomes the new θ (the mean Δ in first is only read: the step writes prev and its own state)
+            self.outer.step_grad_(prev, first, self._names)
             for s in workers:  # every worker starts the next round from θ
                 torch._foreach_copy_(self._params[s], prev)
         if codec is None:
@@ -687,11 +672,6 @@ class LocalModels:
         numel = sum(p.numel() for p in first)
         others = sum(t.numel() * t.element_size() for t in self._others[workers[0]])
         return 2 * (comm.coded_bytes(numel, codec) + others) * len(workers)
-
-    def run(self, r: int, phase: Optional[int] = None) -> RoundResult:
-        """:meth:`begin`, the built-in local steps, :meth:`end`."""
-        turns = self.begin(r, phase)
-        return self.end(r, [self.ctx.train(t, r) for t in turns])
 
     def state_dict(self):
         return {"models": {s: m.state_dict() for s, m in self.models.items()},

@@ -138,6 +138,12 @@ class WorkerTurn:
         if not self.batch_workers:
             self.batch_workers = (self.worker,)
 
+    def counted(self, loss: "Loss") -> "Loss":
+        """A step's loss as the round's ``train_loss`` counts it: once per worker whose batch the step
+        took (simulated DDP: S times, the mean of the workers' losses once per worker)."""
+        n = len(self.batch_workers)
+        return loss * n if n > 1 else loss
+
 
 #: a turn's summed training loss: a float or a 0-dim tensor (kept on the device: no host sync per step)
 Loss = Union[float, torch.Tensor]
