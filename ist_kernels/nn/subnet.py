@@ -13,9 +13,10 @@ the selection probability ξ: ``forward(x, keep=xi)``.
 Parameters of a subnetwork are compact tensors: hidden weight rows of its neurons (and, from the
 second layer on, the columns of the previous layer's neurons), bias entries of its neurons, and,
 when the output layer trains, output columns of its last layer's neurons plus the shared output
-bias. :meth:`SubnetMLP.extract_all` gathers every subnetwork's tensors in one
-:func:`~ist_kernels.functional.gather_slices` call; :meth:`SubnetMLP.aggregate_` writes them back
-in one :func:`~ist_kernels.functional.scatter_slices_` with ``reduce="mean"``: every entry becomes
+bias. :meth:`SubnetMLP.extract_all` gathers every subnetwork's tensors through one
+:func:`~ist_kernels.functional.slice_plan`; :meth:`SubnetMLP.aggregate_` writes them back through
+one with ``reduce="mean"`` (a hidden-to-hidden weight, owned by rows x columns, is planned as the
+product of its two index lists, never element by element): every entry becomes
 the mean over the subnetworks that own it, entries that no subnetwork owns keep their value —
 Algorithm 1 line 12 with η_r = N⊥_r / N_r.
 """
@@ -158,13 +159,14 @@ class SubnetMLP(nn.Module):
 
     # ---- the slices of a subnetwork: (global tensor, dim, indices, compact shape)
     def _flat(self, name: str) -> bool:
-        """A hidden-to-hidden weight: owned by rows x columns, stated on its flat view."""
+        """A hidden-to-hidden weight: owned by rows x columns (a product; flat in :meth:`slice_plan`)."""
         return name.startswith("hidden_weights.") and name != "hidden_weights.0"
 
-    def _layout(self, neurons: Neurons, device) -> List[Tuple[str, int, Tensor, Tuple[int, ...]]]:
-        """(name, dim, indices, compact shape) of every tensor a subnetwork holds, in the order of
-        :meth:`extract`; a hidden-to-hidden weight by flat indices ``row * width + col`` along dim 0
-        of its flat view (both dims partitioned), the shared output bias by all its indices."""
+    def _layout(self, neurons: Neurons, device) -> List[Tuple[str, object, object, Tuple[int, ...]]]:
+        """(name, dims, index, compact shape) of every tensor a subnetwork holds, in the order of
+        :meth:`extract`, as the slice ops take them: a hidden-to-hidden weight is the product of its
+        rows (this layer's neurons) and columns (the previous layer's), dims ``(0, 1)`` and index
+        ``(rows, cols)``; the shared output bias by all its indices."""
         all_neurons = torch.arange(self.width, device=device)
         rows_l = [all_neurons if n is None else n for n in self._neurons(neurons, device)]
         out = []
@@ -173,8 +175,7 @@ class SubnetMLP(nn.Module):
                 out.append(("hidden_weights.0", 0, rows, (len(rows), self.in_features)))
             else:
                 cols = rows_l[l - 1]
-                flat = (rows.unsqueeze(1) * self.width + cols.unsqueeze(0)).reshape(-1)
-                out.append((f"hidden_weights.{l}", 0, flat, (len(rows), len(cols))))
+                out.append((f"hidden_weights.{l}", (0, 1), (rows, cols), (len(rows), len(cols))))
             if self.hidden_biases is not None:
                 out.append((f"hidden_biases.{l}", 0, rows, (len(rows),)))
         if self.train_output:
@@ -183,73 +184,85 @@ class SubnetMLP(nn.Module):
                 out.append(("output_bias", 0, torch.arange(self.out_features, device=device), (self.out_features,)))
         return out
 
-    def _slices(self, neurons: Neurons) -> List[Tuple[Tensor, int, Tensor, Tuple[int, ...]]]:
+    def _planned(self, neurons_list: Sequence[Neurons], device=None):
+        """The round's :class:`~ist_kernels.ops.slices.PlannedSlices` over the model's parameters
+        (products for hidden-to-hidden weights) and each segment's compact shape. Index lists built
+        on ``device`` (default: the model's)."""
+        device = self.hidden_weights[0].device if device is None else device
         full = dict(self.named_parameters())
-        out = []
-        for name, dim, idx, shape in self._layout(neurons, self.hidden_weights[0].device):
-            w = full[name].detach()
-            out.append((w.view(-1) if self._flat(name) else w, dim, idx, shape))
-        return out
-
-    def _plan(self, neurons_list: Sequence[Neurons]):
-        """Targets (distinct global tensors), target id, indices, compact shape per segment."""
         targets, dims, ids, indices, shapes = [], [], [], [], []
         for s, neurons in enumerate(neurons_list):
-            for t, (tensor, dim, idx, shape) in enumerate(self._slices(neurons)):
+            for t, (name, dim, idx, shape) in enumerate(self._layout(neurons, device)):
                 if s == 0:
-                    targets.append(tensor)
+                    targets.append(full[name].detach())
                     dims.append(dim)
                 ids.append(t)
                 indices.append(idx)
                 shapes.append(shape)
-        return targets, dims, ids, indices, shapes
+        return targets, IF.slice_plan(targets, ids, indices, dims), shapes
 
-    def slice_plan(self, neurons_list: Sequence[Neurons]):
-        """The round as a :class:`~ist_kernels.partition.SlicePlan` (state-dict names, one dim per
-        tensor, indices on the CPU; the output bias is shared). A hidden-to-hidden weight (layer
-        l >= 1) is owned by rows x columns, both dims partitioned: the plan states it on its flat
-        view (index ``row * width + col`` along dim 0), as :meth:`slice_spec` and
-        :meth:`exchange_view` give it. The model itself may live on the meta device."""
+    def product_plan(self, neurons_list: Sequence[Neurons]) -> SlicePlan:
+        """The round as a :class:`~ist_kernels.partition.SlicePlan` on the parameters' own shapes
+        (:meth:`product_spec`; indices on the CPU; the output bias is shared): a hidden-to-hidden
+        weight (layer l >= 1) is the product of its rows and columns (``dim`` 0, ``col_dim`` 1),
+        O(rows + cols). The model itself may live on the meta device."""
         cpu = torch.device("cpu")
         per = [self._layout(n, cpu) for n in neurons_list]
         tensors = []
         for t, (name, dim, _, _) in enumerate(per[0] if per else []):
             if name == "output_bias":
                 tensors.append(TensorSlices(name, None))
+            elif isinstance(dim, tuple):
+                tensors.append(TensorSlices(name, dim[0], tuple(p[t][2][0] for p in per),
+                                            tuple(p[t][2][1] for p in per), dim[1]))
             else:
                 tensors.append(TensorSlices(name, dim, tuple(p[t][2] for p in per)))
         return SlicePlan(len(neurons_list), tuple(tensors))
 
+    def product_spec(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        """name -> (shape, dtype) of every tensor of :meth:`product_plan` (the parameters' shapes)."""
+        names = set(self.compact_names())
+        return {n: (tuple(p.shape), p.dtype) for n, p in self.named_parameters() if n in names}
+
+    def slice_plan(self, neurons_list: Sequence[Neurons]):
+        """The round as a :class:`~ist_kernels.partition.SlicePlan` with one dim per tensor
+        (state-dict names, indices on the CPU; the output bias is shared): :meth:`product_plan`
+        with every hidden-to-hidden weight stated on its flat view (index ``row * width + col``
+        along dim 0; :meth:`TensorSlices.flat <ist_kernels.partition.TensorSlices.flat>`), as
+        :meth:`slice_spec` and :meth:`exchange_view` give it: for consumers that read one dim per
+        tensor (it costs rows x columns). The model itself may live on the meta device."""
+        return self.product_plan(neurons_list).flat({n: v[0] for n, v in self.product_spec().items()})
+
     def slice_spec(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of every tensor of :meth:`slice_plan`, hidden-to-hidden weights
         flat: the spec of an ``Exchange`` of those plans."""
-        return {n: ((p.numel(),) if self._flat(n) else tuple(p.shape), p.dtype)
-                for n, p in self.named_parameters() if n in set(self.compact_names())}
+        return {n: ((math.prod(shape),) if self._flat(n) else shape, dtype)
+                for n, (shape, dtype) in self.product_spec().items()}
 
     def compact_layout(self, neurons: Neurons) -> List[Tuple[str, int, Tuple[int, ...]]]:
-        """(name, dim of the plan, compact shape) of every tensor a subnetwork of ``neurons`` holds,
-        in the order of :meth:`extract` (a hidden-to-hidden weight's plan dim is that of its flat
-        view; its compact shape is rows x columns)."""
-        return [(name, dim, shape) for name, dim, _, shape in self._layout(neurons, torch.device("cpu"))]
+        """(name, dim of :meth:`slice_plan`, compact shape) of every tensor a subnetwork of
+        ``neurons`` holds, in the order of :meth:`extract` (a hidden-to-hidden weight's plan dim is
+        that of its flat view; its compact shape is rows x columns)."""
+        return [(name, 0 if isinstance(dim, tuple) else dim, shape)
+                for name, dim, _, shape in self._layout(neurons, torch.device("cpu"))]
 
     def compact_names(self) -> List[str]:
         """The names of the tensors a subnetwork holds, in the order of :meth:`extract`."""
         return [name for name, _, _, _ in self._layout(None, torch.device("cpu"))]
 
     def exchange_view(self, name: str, t: Tensor) -> Tensor:
-        """A compact tensor of ``name`` as the plans state it (hidden-to-hidden weights flat)."""
+        """A compact tensor of ``name`` as :meth:`slice_plan` states it (hidden-to-hidden weights flat)."""
         return t.reshape(-1) if self._flat(name) else t
 
     # ---- extract / aggregate (Algorithm 1 lines 5 and 11-13)
     def extract_all(self, neurons_list: Sequence[Neurons]) -> List[List[Tensor]]:
-        """Compact copies of every subnetwork's parameters, in one gather for all tensors."""
+        """Compact copies of every subnetwork's parameters, in one planned gather for all tensors
+        (a hidden-to-hidden weight's rows x columns from its two index lists)."""
         if len(neurons_list) == 0:
             return []
-        targets, dims, ids, indices, shapes = self._plan(neurons_list)
-        with torch.no_grad():
-            segments = IF.gather_slices(targets, ids, indices, dims)
+        targets, plan, _ = self._planned(neurons_list)
+        segments = plan.gather(targets)
         per = len(segments) // len(neurons_list)
-        segments = [seg.reshape(shape) for seg, shape in zip(segments, shapes)]
         return [segments[s * per:(s + 1) * per] for s in range(len(neurons_list))]
 
     def extract(self, neurons: Neurons) -> List[Tensor]:
@@ -260,23 +273,21 @@ class SubnetMLP(nn.Module):
     def aggregate_(self, params_list: Sequence[Sequence[Tensor]], neurons_list: Sequence[Neurons]) -> None:
         """Write the subnetworks' compact parameters back (Algorithm 1 lines 11-13): every entry
         becomes the mean over the subnetworks that own it; entries no subnetwork owns are
-        unchanged. One scatter for all tensors of all subnetworks."""
+        unchanged. One planned scatter for all tensors of all subnetworks."""
         if len(params_list) != len(neurons_list):
             raise ValueError(f"SubnetMLP.aggregate_: got {len(params_list)} parameter lists for "
                              f"{len(neurons_list)} subnetworks")
         if len(neurons_list) == 0:
             return
-        targets, dims, ids, indices, shapes = self._plan(neurons_list)
+        targets, plan, shapes = self._planned(neurons_list)
         updates = [p.detach() for params in params_list for p in params]
-        if len(updates) != len(ids):
-            raise ValueError(f"SubnetMLP.aggregate_: expected {len(ids) // len(neurons_list)} tensors per "
+        if len(updates) != len(shapes):
+            raise ValueError(f"SubnetMLP.aggregate_: expected {len(shapes) // len(neurons_list)} tensors per "
                              "subnetwork (as extract returns)")
         for u, shape in zip(updates, shapes):
             if tuple(u.shape) != shape:
                 raise ValueError(f"SubnetMLP.aggregate_: compact parameter of shape {tuple(u.shape)}, expected {shape}")
-        updates = [u.reshape(-1) if len(shape) == 2 and targets[t].dim() == 1 else u.contiguous()
-                   for u, shape, t in zip(updates, shapes, ids)]
-        IF.scatter_slices_(targets, ids, updates, indices, dims, reduce="mean")
+        plan.scatter_(targets, [u.contiguous() for u in updates], reduce="mean")
 
     # ---- a round on dense compact modules (issue 19 item 3)
     def compact(self, neurons_list: Sequence[Neurons]) -> "CompactRound":
@@ -344,25 +355,13 @@ class CompactRound:
         if len(neurons_list) == 0:
             raise ValueError("SubnetMLP.compact: give at least one subnetwork")
         self.model = model
-        device, cpu = model.hidden_weights[0].device, torch.device("cpu")
+        device = model.hidden_weights[0].device
         self.neurons = [model._neurons(n, device) for n in neurons_list]
-        # The plan's index lists stay on the host (the slice ops then never wait for the device).
-        full = dict(model.named_parameters())
-        targets, dims, ids, indices, shapes = [], [], [], [], []
-        for s, neurons in enumerate(neurons_list):
-            for t, (name, dim, idx, shape) in enumerate(model._layout(model._neurons(neurons, cpu), cpu)):
-                if s == 0:
-                    w = full[name].detach()
-                    targets.append(w.view(-1) if model._flat(name) else w)
-                    dims.append(dim)
-                ids.append(t)
-                indices.append(idx)
-                shapes.append(shape)
-        self._targets = targets
-        self._plan = IF.slice_plan(targets, ids, indices, dims)
-        per = len(ids) // len(self.neurons)
-        segments = self._plan.gather(targets)
-        compact = [seg.view(shape) for seg, shape in zip(segments, shapes)]
+        # The plan is built from the index lists (a hidden-to-hidden weight's rows and columns, on
+        # the model's device): O(rows + cols) per tensor.
+        self._targets, self._plan, shapes = model._planned(self.neurons, device)
+        per = len(shapes) // len(self.neurons)
+        compact = self._plan.gather(self._targets)
         self.params = [compact[s * per:(s + 1) * per] for s in range(len(self.neurons))]
         fixed = [None] * len(self.neurons)
         if not model.train_output:

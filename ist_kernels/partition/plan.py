@@ -7,7 +7,13 @@ partitioned along and, per subnetwork s, the sorted int64 indices along that dim
 (empty: s does not hold that tensor at all, e.g. a ResIST block another subnetwork runs). A shared
 tensor (dim None) is held whole by every subnetwork and averaged over all of them.
 
-Subnetwork s's compact copy of tensor t is ``global[t].index_select(t.dim, t.owners[s])``;
+Subnetwork s's compact copy of tensor t is ``global[t].index_select(t.dim, t.owners[s])``. A tensor
+partitioned along two dims (an MLP's hidden-to-hidden weight: the rows of a layer's neurons x the
+columns of the previous layer's) is a product: ``t.cols[s]`` lists the indices along ``t.col_dim``
+too, and s's compact copy is ``global[t].index_select(t.dim, t.owners[s]).index_select(t.col_dim,
+t.cols[s])``, planned from the two lists (O(rows + cols), never element by element;
+``ist_kernels.ops.slices.product``). ``t.flat(shape)`` states it element by element on the flat
+view instead (index ``row * shape[1] + col``), for consumers that read one dim per tensor;
 aggregation is owner-averaging: a slice owned by k >= 1 subnetworks becomes the mean of their
 copies, a slice nobody owned keeps its value (paper 001 §3.1, eta = N_perp / N).
 
@@ -28,10 +34,53 @@ class TensorSlices:
     name: str
     dim: Optional[int]  # None: shared by all subnetworks
     owners: Tuple[Tensor, ...] = ()  # per subnetwork: int64 indices along dim (empty for shared)
+    cols: Tuple[Tensor, ...] = ()  # a product: per subnetwork, int64 indices along col_dim
+    col_dim: Optional[int] = None  # a product's second dim (None: sliced along dim only)
 
     @property
     def shared(self) -> bool:
         return self.dim is None
+
+    @property
+    def product(self) -> bool:
+        """Partitioned along two dims: subnetwork s owns rows ``owners[s]`` x columns ``cols[s]``."""
+        return self.col_dim is not None
+
+    @property
+    def dims(self):
+        """The dims as the slice ops take them: ``dim``, or the pair ``(dim, col_dim)`` of a product."""
+        return (self.dim, self.col_dim) if self.product else self.dim
+
+    def index(self, s: int):
+        """Subnetwork s's index as the slice ops take it: ``owners[s]``, or ``(owners[s], cols[s])``."""
+        return (self.owners[s], self.cols[s]) if self.product else self.owners[s]
+
+    def count(self, s: int) -> int:
+        """How many slices subnetwork s owns (of a product: rows x columns, each one element of the
+        two dims)."""
+        n = self.owners[s].numel()
+        return n * self.cols[s].numel() if self.product else n
+
+    def select(self, full: Tensor, s: int) -> Tensor:
+        """Subnetwork s's compact copy of ``full`` (new; a 0-dim tensor is cloned)."""
+        if full.dim() == 0:
+            return full.clone()
+        rows = self.owners[s].to(full.device)
+        out = full.index_select(self.dim, rows)
+        return out.index_select(self.col_dim, self.cols[s].to(full.device)) if self.product else out
+
+    def flat(self, shape: Sequence[int]) -> "TensorSlices":
+        """A product stated element by element on the flat view of its tensor of ``shape`` (2-D,
+        dims (0, 1)): subnetwork s owns flat index ``row * shape[1] + col`` for every row of
+        ``owners[s]`` and column of ``cols[s]``, row-major (the compact copy's order). Itself when
+        not a product. Costs rows x columns: for consumers that read one dim per tensor."""
+        if not self.product:
+            return self
+        if len(shape) != 2 or (self.dim % 2, self.col_dim % 2) != (0, 1):
+            raise ValueError(f"TensorSlices.flat: {self.name!r} is a product along dims ({self.dim}, {self.col_dim}) "
+                             f"of shape {list(shape)}; the flat view needs a 2-D tensor sliced along (0, 1)")
+        flat = tuple((r.unsqueeze(1) * shape[1] + c.unsqueeze(0)).reshape(-1) for r, c in zip(self.owners, self.cols))
+        return TensorSlices(self.name, 0, flat)
 
 
 @dataclass(frozen=True)
@@ -46,6 +95,12 @@ class SlicePlan:
             if not t.shared and len(t.owners) != self.num_subnetworks:
                 raise ValueError(
                     f"SlicePlan: tensor {t.name!r} has {len(t.owners)} owner lists, expected {self.num_subnetworks}")
+            if t.product and (t.shared or len(t.cols) != self.num_subnetworks or t.col_dim == t.dim):
+                raise ValueError(f"SlicePlan: the product {t.name!r} needs a dim, a distinct col_dim and "
+                                 f"{self.num_subnetworks} column lists; got dims ({t.dim}, {t.col_dim}) and "
+                                 f"{len(t.cols)} column lists")
+            if not t.product and t.cols:
+                raise ValueError(f"SlicePlan: tensor {t.name!r} has column lists but no col_dim")
 
     @property
     def partitioned(self) -> Tuple[TensorSlices, ...]:
@@ -58,6 +113,14 @@ class SlicePlan:
     def names(self) -> Sequence[str]:
         return [t.name for t in self.tensors]
 
+    def flat(self, shapes: Mapping[str, Sequence[int]]) -> "SlicePlan":
+        """This plan with every product stated element by element on its flat view
+        (:meth:`TensorSlices.flat`; ``shapes``: name -> the tensor's shape). The plan itself when it
+        has no product."""
+        if not any(t.product for t in self.tensors):
+            return self
+        return SlicePlan(self.num_subnetworks, tuple(t.flat(shapes[t.name]) for t in self.tensors))
+
     def part(self, tensors: Mapping[str, Tensor], s: int) -> Dict[str, Tensor]:
         """Subnetwork ``s``'s tensors cut from the full ``tensors`` (name -> tensor): the slices it
         owns of every partitioned tensor (new, compact; none where it owns nothing; a 0-dim tensor
@@ -69,22 +132,32 @@ class SlicePlan:
             full = tensors[t.name].detach()
             if t.shared:
                 out[t.name] = full.clone()
-            elif t.owners[s].numel():
-                idx = t.owners[s].to(full.device)
-                out[t.name] = full.clone() if full.dim() == 0 else full.index_select(t.dim, idx)
+            elif t.count(s):
+                out[t.name] = t.select(full, s)
         return out
 
     def with_holders(self, sizes: Mapping[str, int]) -> "SlicePlan":
         """This plan with every slice that no subnetwork owns given to one holder, subnetwork
-        ``slice index mod S`` (``sizes``: name -> length of each partitioned tensor along its dim).
-        The plan itself when every slice is owned."""
+        ``slice index mod S`` (``sizes``: name -> length of each partitioned tensor along its dim;
+        of a product, its 2-D shape). The plan itself when every slice is owned. A product every
+        element of which some subnetwork owns stays a product (checked from its lists:
+        O(patterns x columns)); one with unowned elements is given its holders on the flat view
+        (:meth:`TensorSlices.flat`), element by element."""
         S = self.num_subnetworks
         tensors = []
         for t in self.tensors:
             if t.shared:
                 tensors.append(t)
                 continue
-            n = sizes[t.name]
+            if t.product:
+                shape = tuple(sizes[t.name])
+                if _covered(t, shape):
+                    tensors.append(t)
+                    continue
+                t = t.flat(shape)
+                n = shape[0] * shape[1]
+            else:
+                n = sizes[t.name]
             owned = torch.zeros(n, dtype=torch.bool)
             for o in t.owners:
                 owned[o.cpu()] = True
@@ -98,9 +171,31 @@ class SlicePlan:
         return SlicePlan(S, tuple(tensors))
 
 
-def positions(held: Tensor, owned: Tensor) -> Tensor:
+def _covered(t: TensorSlices, shape: Sequence[int]) -> bool:
+    """Whether the products of ``t`` cover every element of its ``shape``: rows grouped by the set of
+    subnetworks that own them (a bit pattern), each group's owners' columns must cover every column."""
+    n_rows, n_cols = shape[0], shape[1]
+    if n_rows * n_cols == 0:
+        return True
+    pattern = torch.zeros(n_rows, dtype=torch.int64)
+    for s, rows in enumerate(t.owners):
+        pattern[rows.cpu()] += 1 << s
+    for p in torch.unique(pattern).tolist():
+        cols = torch.zeros(n_cols, dtype=torch.bool)
+        for s in range(len(t.owners)):
+            if p >> s & 1:
+                cols[t.cols[s].cpu()] = True
+        if p == 0 or not bool(cols.all()):
+            return False
+    return True
+
+
+def positions(held, owned):
     """Where each of ``owned`` (sorted indices, a subset of ``held``) sits in ``held`` (sorted): the
-    positions of a subnetwork's slices inside the compact tensor of a rank that holds more."""
+    positions of a subnetwork's slices inside the compact tensor of a rank that holds more. Of a
+    product (pairs ``(rows, cols)``), the pair of positions along its two dims."""
+    if isinstance(held, (tuple, list)):
+        return tuple(torch.searchsorted(h, o) for h, o in zip(held, owned))
     return torch.searchsorted(held, owned)
 
 

@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from .._checks import byte_range, check, check_index, check_type, fail, memory_overlap, overlap_words
+from .product import check_product, gather_product, is_product, product_shape, scatter_products_, wrap_pair
 
 REDUCES = ("copy", "sum", "mean")
 MAX_SLICES = (1 << 31) - 1  # slices along one dim the kernels support (csrc/common/slices.h kFastDivMax)
@@ -347,26 +348,41 @@ class PlannedSlices:
     each once before capturing: that call uploads the records).
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], ids: Sequence[int], indices: Sequence[torch.Tensor],
-                 dims: Sequence[int]):
+    def __init__(self, tensors: Sequence[torch.Tensor], ids: Sequence[int], indices: Sequence,
+                 dims: Sequence):
         op = "slice_plan"
         tensors, ids, indices, dims = list(tensors), [int(i) for i in ids], list(indices), list(dims)
         check(len(tensors) > 0, op, "tensors is empty; give at least one tensor")
         check(len(ids) == len(indices), op,
               f"ids and indices must have one entry per segment, got {len(ids)} and {len(indices)}")
+        check(len(dims) == len(tensors), op, f"dims must have one entry per tensors ({len(tensors)}), got {len(dims)}")
         check_ids(op, ids, len(tensors), "ids", "tensors")  # grouping by dtype reads them
         tensors = [t.detach() for t in tensors]
-        groups: dict = {}
-        for t, x in enumerate(tensors):
-            groups.setdefault(x.dtype, []).append(t)
-        if len(groups) > 1:  # checked whole first: errors then name the caller's positions
-            d = wrap_dims(op, tensors, dims, "tensors", same_dtype=False)
-            check_index_lists(op, indices, tensors[0].device)
-            check_index_values(op, indices, [tensors[s].shape[d[s]] for s in ids],
-                               what=[f"tensors[{s}] along dim {d[s]}" for s in ids])
         self.num_tensors = len(tensors)
         self.num_segments = len(ids)
         self.device = tensors[0].device
+        self._views = [None] * self.num_segments
+        # Tensors sliced along a pair of dims: product segments (rows, cols), planned from their lists.
+        pairs = [t for t, d in enumerate(dims) if is_product(d)]
+        self._products = _Products(op, tensors, ids, indices, dims, pairs) if pairs else None
+        if self._products is not None:
+            for j, v in zip(self._products.segs, self._products.views):
+                self._views[j] = v
+        flat = [t for t in range(len(tensors)) if t not in set(pairs)]
+        for j, t in enumerate(ids):
+            if t in flat and is_product(indices[j]):
+                fail(op, f"indices[{j}] is a pair but tensors[{t}] is sliced along one dim (dims[{t}] = {dims[t]}); "
+                     "give a pair of dims for a product slice")
+        groups: dict = {}
+        for t in flat:
+            groups.setdefault(tensors[t].dtype, []).append(t)
+        if len(groups) > 1:  # checked whole first: errors then name the caller's positions
+            fsegs = [j for j, t in enumerate(ids) if t in flat]
+            d = dict(zip(flat, wrap_dims(op, [tensors[t] for t in flat], [dims[t] for t in flat], "tensors",
+                                         same_dtype=False)))
+            check_index_lists(op, [indices[j] for j in fsegs], tensors[0].device)
+            check_index_values(op, [indices[j] for j in fsegs], [tensors[ids[j]].shape[d[ids[j]]] for j in fsegs],
+                               positions=fsegs, what=[f"tensors[{ids[j]}] along dim {d[ids[j]]}" for j in fsegs])
         self._groups: List[_Group] = []
         for members in groups.values():
             local = {t: i for i, t in enumerate(members)}
@@ -386,14 +402,10 @@ class PlannedSlices:
             gather_bytes = 32 + RECORD_BYTES * (len(segs) + 1) + 8 * n_idx
             scatter_bytes = 32 + RECORD_BYTES * (len(members) + len(segs) + 2) + 4 * slices
             self._groups.append(_Group(members, segs, meta, buffer, views, seg_shapes, gather_bytes, scatter_bytes))
-        self._single = len(self._groups) == 1
-        if self._single:
-            self._views = list(self._groups[0].views)
-        else:
-            self._views = [None] * self.num_segments
-            for g in self._groups:
-                for j, v in zip(g.segs, g.views):
-                    self._views[j] = v
+            for j, v in zip(segs, views):
+                self._views[j] = v
+        # one C++ launch over every tensor: the plan's tensors are the launch's, in order
+        self._single = len(self._groups) == 1 and self._products is None
 
     @property
     def segments(self) -> List[torch.Tensor]:
@@ -410,7 +422,9 @@ class PlannedSlices:
         op = "slice_plan_gather_"
         self._check_count(op, sources, "sources")
         if out is not None:
-            check(len(self._groups) == 1, op, f"out is one tensor but the plan has {len(self._groups)} dtypes")
+            check(len(self._groups) == 1 and self._products is None, op,
+                  f"out is one tensor but the plan has {len(self._groups)} dtypes" if self._products is None else
+                  "out is not supported by a plan with product slices (tensors sliced along a pair of dims)")
             g = self._groups[0]
             with torch.no_grad():
                 torch.ops.ist_kernels.slice_plan_gather_(out, sources, g.meta, g.cache("gather_cache"))
@@ -423,6 +437,8 @@ class PlannedSlices:
                 for g in self._groups:
                     torch.ops.ist_kernels.slice_plan_gather_(g.buffer, [sources[t] for t in g.members], g.meta,
                                                              g.cache("gather_cache"))
+                if self._products is not None:
+                    self._products.gather(sources)
         return list(self._views)
 
     def scatter_(self, targets: Sequence[torch.Tensor], updates: Optional[Sequence[torch.Tensor]] = None,
@@ -448,14 +464,23 @@ class PlannedSlices:
                                f"updates[{j}] has dtype {u.dtype} but its target has {g.buffer.dtype}")
                     check(list(u.shape) == shape, op, f"updates[{j}] has shape {list(u.shape)} but the plan's "
                           f"segment {j} needs {shape}")
-            check_no_alias(op, targets, sorted({t for g in self._groups for t in g.members}), updates, [])
+            p = self._products
+            if p is not None:
+                check(reduce in REDUCES, op, f'reduce must be "copy", "sum" or "mean", got "{reduce}"')
+                p.check_updates(op, targets, updates, reduce)
+            members = sorted({t for g in self._groups for t in g.members} | (set(p.members) if p else set()))
+            check_no_alias(op, targets, members, updates, [])
             for g in self._groups:
                 torch.ops.ist_kernels.slice_plan_scatter_([targets[t] for t in g.members], [updates[j] for j in g.segs],
                                                           g.meta, reduce, g.cache("scatter_cache"))
+            if p is not None:
+                p.scatter_(targets, updates, reduce)
 
     def __repr__(self) -> str:
+        dtypes = {str(g.buffer.dtype) for g in self._groups} | (self._products.dtypes() if self._products else set())
         return (f"PlannedSlices(tensors={self.num_tensors}, segments={self.num_segments}, "
-                f"dtypes={[str(g.buffer.dtype) for g in self._groups]}, device={self.device})")
+                f"products={len(self._products.segs) if self._products else 0}, dtypes={sorted(dtypes)}, "
+                f"device={self.device})")
 
 
 def _numel(shape) -> int:
@@ -463,3 +488,77 @@ def _numel(shape) -> int:
     for x in shape:
         n *= x
     return n
+
+
+class _Products:
+    """The product segments of a plan (tensors sliced along a pair of dims): their index lists
+    (checked once, moved to the tensors' device), the compact views (one flat buffer per dtype) and
+    the gather / write-back of :mod:`.product`. Planned in O(rows + cols) per segment."""
+
+    def __init__(self, op: str, tensors, ids, indices, dims, members):
+        self.members = list(members)
+        self.dims = {t: wrap_pair(op, tensors[t], dims[t], f"tensors[{t}]") for t in self.members}
+        self.shapes = {t: tuple(tensors[t].shape) for t in self.members}
+        self.dtype = {t: tensors[t].dtype for t in self.members}
+        device = tensors[0].device
+        for t in self.members:
+            check(tensors[t].device == device, op, f"tensors[{t}] is on {tensors[t].device} but tensors[0] is on "
+                  f"{device}; all tensors must be on one device")
+        self.segs = [j for j, t in enumerate(ids) if t in self.dims]
+        self.index = {}
+        seg_shapes = []
+        for j in self.segs:
+            t = ids[j]
+            check_product(op, j, indices[j], tensors[t], self.dims[t], f"tensors[{t}]")
+            rows, cols = (i.to(device) for i in indices[j])
+            self.index[j] = (rows, cols)
+            seg_shapes.append(product_shape(self.shapes[t], self.dims[t], rows.numel(), cols.numel()))
+        self.ids = {j: ids[j] for j in self.segs}
+        self.seg_shapes = dict(zip(self.segs, seg_shapes))
+        by_dtype: dict = {}
+        for j in self.segs:
+            by_dtype.setdefault(self.dtype[ids[j]], []).append(j)
+        self.views = [None] * len(self.segs)
+        pos = {j: k for k, j in enumerate(self.segs)}
+        for dtype, segs in by_dtype.items():
+            numels = [_numel(self.seg_shapes[j]) for j in segs]
+            buffer = torch.empty(sum(numels), dtype=dtype, device=device)
+            for j, part in zip(segs, torch.split(buffer, numels)):
+                self.views[pos[j]] = part.view(self.seg_shapes[j])
+
+    def dtypes(self) -> set:
+        return {str(d) for d in self.dtype.values()}
+
+    def gather(self, sources) -> None:
+        for t in self.members:
+            x = sources[t]
+            check(tuple(x.shape) == self.shapes[t] and x.dtype == self.dtype[t], "slice_plan_gather_",
+                  f"sources[{t}] is {list(x.shape)} {x.dtype} but the plan was built for {list(self.shapes[t])} "
+                  f"{self.dtype[t]}")
+        for j, v in zip(self.segs, self.views):
+            t = self.ids[j]
+            gather_product(sources[t], self.dims[t], self.index[j], v)
+
+    def check_updates(self, op: str, targets, updates, reduce: str) -> None:
+        for t in self.members:
+            x = targets[t]
+            check(tuple(x.shape) == self.shapes[t] and x.dtype == self.dtype[t], op,
+                  f"targets[{t}] is {list(x.shape)} {x.dtype} but the plan was built for {list(self.shapes[t])} "
+                  f"{self.dtype[t]}")
+            if reduce != "copy" and x.dtype not in REDUCIBLE:
+                fail(op, f'reduce="{reduce}" needs a floating or integer dtype, got {x.dtype}; use reduce="copy"',
+                     TypeError)
+        for j in self.segs:
+            u, t = updates[j], self.ids[j]
+            check_type(u.dtype == self.dtype[t], op, f"updates[{j}] has dtype {u.dtype} but its target has "
+                       f"{self.dtype[t]}")
+            check(list(u.shape) == list(self.seg_shapes[j]), op, f"updates[{j}] has shape {list(u.shape)} but the "
+                  f"plan's segment {j} needs {list(self.seg_shapes[j])}")
+            check(u.device == targets[t].device, op, f"updates[{j}] is on {u.device} but targets[{t}] is on "
+                  f"{targets[t].device}")
+
+    def scatter_(self, targets, updates, reduce: str) -> None:
+        for t in self.members:
+            segs = [j for j in self.segs if self.ids[j] == t]
+            scatter_products_(targets[t], self.dims[t], [self.index[j] for j in segs], [updates[j] for j in segs],
+                              reduce)

@@ -1,0 +1,190 @@
+"""Product slices: a tensor sliced along two dims at once, ``x.index_select(d0, rows).index_select(d1, cols)``.
+
+A tensor partitioned along two dims (an MLP's hidden-to-hidden weight: the rows of a layer's neurons
+x the columns of the previous layer's) is described by its two index lists, never element by
+element: its plan, checks and write-back cost O(len(rows) + len(cols)) beyond the data they move.
+The index math of every product consumer is here, once: the compact shape, the gather (two
+``index_select``), the write-back with ``reduce`` = copy / sum / mean over the owners and the
+index-list checks. :class:`~ist_kernels.ops.slices.PlannedSlices` runs a product segment through
+these, a one-dim segment through the C++ plan.
+
+The write-back equals, bit for bit, the kernels' scatter of the same segments stated on a flat
+view (one slice per element, ``row * size(d1) + col``; csrc/common/slices.h): owners reduced in
+segment order, counted from the index lists; copy: the last owner's value; sum: ``((target + u_1)
++ u_2) + ...``; mean: OwnerMean (``u_1 + (sum_{l>=2} (u_l - u_1)) / k``, exactly ``u_1`` where that
+sum is 0, and ``(sum_l u_l 2^-64) / k 2^64`` where that form overflows), accumulated in float for
+half / bfloat16 and in int64 for integers (the mean rounded toward zero), rounded once. Slices no
+segment owns keep their value.
+"""
+from typing import List, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .._checks import check, check_index, check_type, fail
+
+Product = Tuple[Tensor, Tensor]  # (rows along d0, cols along d1)
+
+_DOWN = 5.42101086242752217e-20  # 2^-64 (exact in float)
+_UP = 1.8446744073709551616e19  # 2^64
+
+
+def is_product(index) -> bool:
+    """Whether an index entry (or a dims entry) is a pair: a product slice."""
+    return isinstance(index, (tuple, list))
+
+
+def wrap_pair(op: str, x: Tensor, dims, name: str) -> Tuple[int, int]:
+    """The two dims of a product tensor, wrapped; distinct and in range."""
+    if len(dims) != 2:
+        fail(op, f"the dims of {name} must be one int or a pair (d0, d1), got {tuple(dims)}")
+    nd = x.dim()
+    if nd < 2:
+        fail(op, f"{name} has {nd} dimensions; a product slice needs at least 2")
+    out = []
+    for d in dims:
+        if not -nd <= int(d) < nd:
+            fail(op, f"dim {d} of the pair {tuple(dims)} is out of range for {name} with {nd} dimensions", IndexError)
+        out.append(int(d) % nd)
+    if out[0] == out[1]:
+        fail(op, f"the pair of dims of {name} names dim {out[0]} twice; give two distinct dims")
+    return out[0], out[1]
+
+
+def product_shape(shape: Sequence[int], dims: Tuple[int, int], rows: int, cols: int) -> List[int]:
+    """The compact shape of a product slice: ``shape`` with ``rows`` along dims[0], ``cols`` along dims[1]."""
+    out = list(shape)
+    out[dims[0]], out[dims[1]] = rows, cols
+    return out
+
+
+def check_product(op: str, j: int, index, x: Tensor, dims: Tuple[int, int], name: str) -> None:
+    """Segment ``j``'s product index ``(rows, cols)`` into ``x`` (``name``) along ``dims``: two
+    int64 1-D lists on the CPU or ``x``'s device, in range, without repeats (vectorised, a sync each)."""
+    if not is_product(index) or len(index) != 2:
+        fail(op, f"indices[{j}] must be a pair (rows, cols) of index lists: {name} is sliced along the pair of dims "
+             f"{dims}")
+    for k, (idx, d) in enumerate(zip(index, dims)):
+        what = f"indices[{j}][{k}]"
+        if not isinstance(idx, Tensor):
+            fail(op, f"{what} must be a tensor, got {type(idx).__name__}", TypeError)
+        check_type(idx.dtype == torch.int64, op, f"{what} must be int64, got {idx.dtype}")
+        check(idx.dim() == 1, op, f"{what} must be 1-D, got {idx.dim()} dimensions")
+        check(idx.device.type == "cpu" or idx.device == x.device, op,
+              f"{what} is on {idx.device} but {name} is on {x.device}; index lists must be on the CPU or the tensor's "
+              "device")
+        if idx.numel():
+            size = x.shape[d]
+            lo, hi = int(idx.min()), int(idx.max())
+            check_index(lo >= 0 and hi < size, op, f"{what} holds {lo if lo < 0 else hi}, out of range for {name} "
+                        f"along dim {d} of size {size}")
+            check(torch.unique(idx).numel() == idx.numel(), op, f"{what} must not repeat an index; a segment holds "
+                  "each slice at most once")
+
+
+def gather_product(x: Tensor, dims: Tuple[int, int], index: Product, out: Tensor) -> Tensor:
+    """``x.index_select(dims[0], rows).index_select(dims[1], cols)`` into ``out`` (contiguous, the
+    compact shape)."""
+    rows, cols = index
+    return torch.index_select(x.index_select(dims[0], rows), dims[1], cols, out=out)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    if dtype.is_floating_point or dtype.is_complex:
+        return dtype
+    return torch.int64
+
+
+def _front(x: Tensor, dims: Tuple[int, int]) -> Tensor:
+    """A view of ``x`` with dims[0], dims[1] moved to the front (written through)."""
+    return x.movedim(dims, (0, 1))
+
+
+def _overlap(index: Sequence[Product], sizes: Tuple[int, int]) -> bool:
+    """Whether some element is owned by two of the segments: their rows and their cols both meet."""
+    if len(index) < 2:
+        return False
+    marks = []
+    for k in range(2):
+        m = torch.zeros(len(index), sizes[k], dtype=torch.float32, device=index[0][k].device)
+        for j, p in enumerate(index):
+            m[j, p[k]] = 1.0
+        marks.append(m @ m.T > 0)  # J x J: segments whose lists meet along dim k
+    both = marks[0] & marks[1]
+    both.fill_diagonal_(False)
+    return bool(both.any())
+
+
+@torch.no_grad()
+def scatter_products_(target: Tensor, dims: Tuple[int, int], index: Sequence[Product], updates: Sequence[Tensor],
+                      reduce: str) -> None:
+    """Write ``updates[j]`` (the compact shape of ``index[j]``) back into ``target`` in place, the
+    owners of each element reduced in segment order (``reduce`` = copy / sum / mean; see the module
+    docstring). Arguments are checked by the caller; index lists are on ``target``'s device."""
+    if not index:
+        return
+    t = _front(target, dims)
+    ups = [_front(u, dims) for u in updates]
+    rest = [1] * (t.dim() - 2)
+    if not _overlap(index, (t.shape[0], t.shape[1])):  # every element has at most one owner
+        for (rows, cols), u in zip(index, ups):
+            at = (rows[:, None], cols[None, :])
+            if reduce == "sum":
+                acc = _acc_dtype(t.dtype)
+                u = (t[at].to(acc) + u.to(acc)).to(t.dtype)
+            t.index_put_(at, u)  # copy, and the mean of one owner (u_1, exactly)
+        return
+    # Several owners somewhere: reduce over the union block of every segment's rows x cols.
+    urows = torch.unique(torch.cat([p[0] for p in index]))
+    ucols = torch.unique(torch.cat([p[1] for p in index]))
+    block_at = (urows[:, None], ucols[None, :])
+    old = t[block_at]
+    if reduce == "copy":
+        new = old.clone()
+        for (rows, cols), u in zip(index, ups):
+            new.index_put_(_block(urows, ucols, rows, cols), u)
+        t.index_put_(block_at, new)
+        return
+    acc = _acc_dtype(t.dtype)
+    integral = not (acc.is_floating_point or acc.is_complex)
+    k = torch.zeros(urows.numel(), ucols.numel(), dtype=torch.int64, device=t.device)
+    if reduce == "sum":
+        total = old.to(acc)
+        for (rows, cols), u in zip(index, ups):
+            at = _block(urows, ucols, rows, cols)
+            total.index_put_(at, total[at] + u.to(acc))
+        t.index_put_(block_at, total.to(t.dtype))
+        return
+    first = torch.zeros(old.shape, dtype=acc, device=t.device)
+    dev, scaled = torch.zeros_like(first), torch.zeros_like(first)
+    for (rows, cols), u in zip(index, ups):
+        at = _block(urows, ucols, rows, cols)
+        u = u.to(acc)
+        kk = k[at]
+        new = (kk == 0).view(*kk.shape, *rest)
+        f_old = first[at]
+        first.index_put_(at, torch.where(new, u, f_old))
+        if integral:
+            dev.index_put_(at, torch.where(new, u, dev[at] + u))
+        else:
+            dev.index_put_(at, torch.where(new, torch.zeros_like(u), dev[at] + (u - f_old)))
+            down = u * _DOWN
+            scaled.index_put_(at, torch.where(new, down, scaled[at] + down))
+        k.index_put_(at, kk + 1)
+    owned = (k > 0).view(*k.shape, *rest)
+    kf = k.clamp_min(1).view(*k.shape, *rest)
+    if integral:
+        mean = torch.div(dev, kf, rounding_mode="trunc")
+    else:
+        kf = kf.to(acc)
+        m = first + dev / kf
+        safe = torch.isfinite(dev) & torch.isfinite(m)
+        mean = torch.where(dev == 0, first, torch.where(safe, m, scaled / kf * _UP))
+    t.index_put_(block_at, torch.where(owned, mean.to(t.dtype), old))
+
+
+def _block(urows: Tensor, ucols: Tensor, rows: Tensor, cols: Tensor):
+    """The advanced index of a segment's rows x cols inside the union block ``urows`` x ``ucols``."""
+    return torch.searchsorted(urows, rows)[:, None], torch.searchsorted(ucols, cols)[None, :]
