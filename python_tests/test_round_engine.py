@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ist_kernels.train import cli
+from ist_kernels.train.phases import Phase, Phases
 from ist_kernels.train.rounds import PartitionPayoffWarning, payoff
 from ist_kernels.train.timing import PARTS, TRAIN_PARTS, Clock
 
@@ -20,6 +21,59 @@ from train_helpers import TINY_MLP, outputs
 PKG = os.path.join(os.path.dirname(__file__), "..", "ist_kernels")
 TINY_CNN = ["--dataset", "digits", "--batch-size", "8", "--local-steps", "2", "--no-progress", "--no-plots",
             "--threads", "1", "--device", "cpu"]
+
+
+# ------------------------------------------------------------------------------------------ phases
+
+class _Eng:  # a round engine that records what it was asked
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def begin(self, r, phase=None):
+        self.log.append((self.name, "begin", r, phase))
+        return []
+
+    def end(self, r, losses):
+        self.log.append((self.name, "end", r))
+        return r
+
+
+class _Ctx:
+    rounds = 6
+
+    def __init__(self):
+        self.clock = Clock()
+
+
+def test_phases_start_each_engine_once_at_its_first_round_and_tag_its_rounds():
+    log, started = [], []
+
+    def start(name):
+        def make(r):
+            started.append((name, r))
+            return _Eng(name, log)
+        return make
+
+    ph = Phases(_Ctx(), [Phase(2, start("a")), Phase(0, start("skipped")), Phase(None, start("b"))])
+    assert [ph.index(r) for r in range(6)] == [0, 0, 2, 2, 2, 2]
+    for r in range(6):
+        ph.begin(r)
+        assert ph.end(r, []) == r
+    assert started == [("a", 0), ("b", 2)]  # the empty phase never starts; its index stays for the tags
+    assert [e for e in log if e[1] == "begin"] == [("a", "begin", 0, 0), ("a", "begin", 1, 0)] + \
+        [("b", "begin", r, 2) for r in range(2, 6)]
+    with pytest.raises(RuntimeError, match="round 3 was not begun"):
+        ph.end(3, [])
+    with pytest.raises(ValueError, match="round 6 is past"):
+        ph.index(6)
+    one = Phases(_Ctx(), [Phase(None, start("c"))])  # one phase: no tag
+    one.begin(0)
+    assert log[-1] == ("c", "begin", 0, None)
+    resumed = Phases(_Ctx(), [Phase(2, start("a2")), Phase(None, start("b2"))])
+    eng = _Eng("restored", log)
+    resumed.resume(4, eng)  # a checkpoint's engine: the transition does not run again
+    resumed.begin(4)
+    assert log[-1] == ("restored", "begin", 4, 1) and ("b2", 4) not in started and resumed.current is eng
 
 
 # ------------------------------------------------------------------------------------------ clock

@@ -12,12 +12,13 @@ prunes) and local SGD fine-tunes the pruned model, with fresh optimizers, for th
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from torch import nn
 
 from ...prune import prune_filters
+from ..phases import Phase, Phases
 from ..rounds import LocalModels, count_params, phase_rounds
 from . import ConfigError, Method, Option, register_method
 
@@ -56,6 +57,8 @@ class LocalSGD(Method):
         self.full_params = count_params(self.local.model)
         self.full_state_bytes = ctx.full_state_bytes(self.local.model)
         self.dense = None  # the pre-trained model, once pruned
+        first = Phase(self.pretrain_rounds, lambda r: self.local)
+        self.schedule = Phases(ctx, [first, Phase(None, self._prune)] if self.prunes else [first])
 
     @property
     def models(self) -> Dict[int, nn.Module]:
@@ -66,21 +69,20 @@ class LocalSGD(Method):
     def optimizers(self) -> Dict[int, torch.optim.Optimizer]:
         return self.local.optimizers
 
-    def _prune(self):
+    def _prune(self, r: Optional[int] = None) -> LocalModels:
+        """Fine-tuning (from round ``r``): the pre-trained model pruned, one copy per local worker."""
         self.dense = self.local.model
         # every local worker gets the same pruned copy (deterministic, so equal on every rank)
         ratio = self.ctx.hp.prune_ratio
         self.local = LocalModels(self.ctx, {s: prune_filters(self.dense, ratio) for s in self.ctx.local_workers},
                                  outer=True, reset_state=self.reset_state)
+        return self.local
 
     def begin_round(self, r: int):
-        if self.prunes and r >= self.pretrain_rounds and self.dense is None:
-            with self.ctx.clock("plan"):
-                self._prune()
-        return self.local.begin(r, phase=int(self.dense is not None) if self.prunes else None)
+        return self.schedule.begin(r)
 
     def end_round(self, r: int, losses):
-        return self.local.end(r, losses)
+        return self.schedule.end(r, losses)
 
     def global_model(self):
         return self.local.model
@@ -104,5 +106,5 @@ class LocalSGD(Method):
     def load_state_dict(self, state):
         if "pretrain" in state and self.dense is None:
             self.local.model.load_state_dict(state["pretrain"])
-            self._prune()
+            self.schedule.resume(self.pretrain_rounds, self._prune())
         self.local.load_state_dict(state)

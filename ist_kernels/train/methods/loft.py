@@ -29,6 +29,7 @@ from ...partition.loft import LoftPlan
 from ...partition.resnet_blocks import find_resnet
 from ...prune import filter_norms, keep_largest, kept_filters_by_block, prune_filters
 from ..model_registry import is_external_model, probe_model
+from ..phases import Phase, Phases
 from ..rounds import MOMENTUM_OPTION, LocalModels, SubnetRounds, count_params, phase_rounds
 from . import ConfigError, Method, Option, register_method
 
@@ -77,11 +78,17 @@ class Loft(Method):
         self.split = self.rounds.open(0, "loft", f" on {ctx.hp.model}", ctx.param_state_tensors)
         self.finetune = None  # localsgd.LocalModels of the pruned model, once fine-tuning started
         self.kept = None  # block -> kept filters (decentralized: rebuilds the pruned structure on resume)
+        self.schedule = Phases(ctx, [Phase(self.pretrain_rounds, lambda r: self.rounds),
+                                   Phase(None, self._start_finetune)])
 
     def plan(self, r: int):
         return loft_plan(self.model, self.ctx.num_workers, self.ctx.generator(PLAN, r))
 
     # ---- phases
+    def _start_finetune(self, r: int) -> LocalModels:
+        self._prune(r)
+        return self.finetune
+
     def _prune(self, r: int, resumed: bool = False) -> None:
         """The pre-trained model pruned on every worker (its bytes counted, unless ``resumed``:
         rebuilt from a checkpoint, nothing sent)."""
@@ -130,15 +137,10 @@ class Loft(Method):
         comm.count_exchange(plan.slices, pruned.slices, rounds.spec, names=[t.name for t in plan.partitioned])
 
     def begin_round(self, r: int):
-        if r < self.pretrain_rounds:
-            return self.rounds.begin(r, last=r == self.pretrain_rounds - 1, phase=0)
-        if self.finetune is None:
-            with self.ctx.clock("plan"):
-                self._prune(r)
-        return self.finetune.begin(r, phase=1)
+        return self.schedule.begin(r)
 
     def end_round(self, r: int, losses):
-        return (self.rounds if r < self.pretrain_rounds else self.finetune).end(r, losses)
+        return self.schedule.end(r, losses)
 
     def global_model(self):
         return self.rounds.global_model() if self.finetune is None else self.finetune.model
@@ -171,3 +173,4 @@ class Loft(Method):
         else:
             self._prune(self.pretrain_rounds, resumed=True)
         self.finetune.load_state_dict(state)
+        self.schedule.resume(self.pretrain_rounds, self.finetune)

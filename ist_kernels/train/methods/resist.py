@@ -23,6 +23,7 @@ a partitioned block's two branches carry the full model's ``residual_scale``.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -30,6 +31,7 @@ from ...models.gpt import gpt_shape
 from ...partition import check_resist, is_transformer, resist_plan, transformer_resist_plan
 from ...partition.resnet_blocks import find_resnet
 from ..model_registry import is_external_model, language_models, load_model_spec, probe_model
+from ..phases import Phase, Phases
 from ..rounds import MOMENTUM_OPTION, LocalModels, SubnetRounds, phase_rounds, state_split, warn_payoff
 from . import ConfigError, Method, Option, register_method
 
@@ -106,6 +108,7 @@ class ResIST(Method):
         for m in models.values():  # the warm-up trains with the ResIST rounds' scales already
             full_model.scale_residuals(m)
         self.warmup = LocalModels(ctx, models, outer=True)
+        self.schedule = Phases(ctx, [Phase(self.warmup_rounds, lambda r: self.warmup), Phase(None, self._start_resist)])
 
     def _full_model_scales(self):
         """A plan whose ``scale_residuals(model)`` sets the scale every ResIST round's aggregation
@@ -116,22 +119,22 @@ class ResIST(Method):
     def plan(self, r: int):
         return self.make_plan(self.model, self.ctx.num_workers, self.min_depth, self.ctx.generator(PLAN, r))
 
-    def _start_resist(self):
+    def _start_resist(self, r: Optional[int] = None) -> SubnetRounds:
+        """The sub-ResNets' rounds after the warm-up: holding round ``r``'s plan (None: restored
+        from a checkpoint by the caller)."""
         self.warmup = None  # after the warm-up's averaging every copy is self.model
         self.rounds = SubnetRounds(self.ctx, self.model, self.momentum_state, self.plan)
         self.split = state_split(self.rounds.plan(self.warmup_rounds).slices, self.rounds.spec,
                                  self.rounds.param_names, self.ctx.param_state_tensors)
+        if r is not None:
+            self.rounds.start(r)
+        return self.rounds
 
     def begin_round(self, r: int):
-        if r < self.warmup_rounds:
-            return self.warmup.begin(r, phase=0)
-        if self.rounds is None:
-            self._start_resist()
-            self.rounds.start(r)
-        return self.rounds.begin(r, last=r == self.ctx.rounds - 1, phase=1)
+        return self.schedule.begin(r)
 
     def end_round(self, r: int, losses):
-        return (self.warmup if r < self.warmup_rounds else self.rounds).end(r, losses)
+        return self.schedule.end(r, losses)
 
     def global_model(self):
         return self.model if self.rounds is None else self.rounds.global_model()
@@ -148,6 +151,6 @@ class ResIST(Method):
         if state["phase"] == "warmup":
             self.warmup.load_state_dict(state)
             return
-        self._start_resist()
+        self.schedule.resume(self.warmup_rounds, self._start_resist())
         self.rounds.load_state_dict(state["rounds"])
         self._full_model_scales().scale_residuals(self.model)  # attributes or hooks, as aggregation sets them
