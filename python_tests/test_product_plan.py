@@ -1,0 +1,229 @@
+"""Product slices (issue 37 item 3): a tensor partitioned along two dims is planned as the product of
+its row and column index lists. Checked against an element-wise float64 reference written from the
+math (loops over elements and owners) and, bit for bit, against the kernels' scatter of the same
+segments stated on the flat view (one slice per element)."""
+import pytest
+import torch
+
+import ist_kernels.functional as IF
+from ist_kernels.nn import SubnetMLP
+from ist_kernels.partition import SlicePlan, TensorSlices, positions
+
+
+def _owners(g, n, S, kind):
+    """S sorted index lists into range(n): disjoint, Bernoulli (overlapping, some unowned) or empty."""
+    if kind == "disjoint":
+        perm = torch.randperm(n, generator=g)
+        return [perm[s::S].sort().values for s in range(S)]
+    if kind == "bernoulli":
+        return [torch.nonzero(torch.rand(n, generator=g) < 0.6).flatten() for _ in range(S)]
+    return [torch.empty(0, dtype=torch.int64) for _ in range(S)]
+
+
+def _reference(target, rows, cols, updates, reduce):
+    """Element by element, float64: every element's owners in segment order, then copy (the last),
+    sum (target plus all) or mean (of the owners); unowned elements keep their value."""
+    out = target.clone()
+    n0, n1 = target.shape[:2]
+    for i in range(n0):
+        for k in range(n1):
+            vals = [u[list(r).index(i), list(c).index(k)] for r, c, u in
+                    zip([r.tolist() for r in rows], [c.tolist() for c in cols], updates) if i in r and k in c]
+            if not vals:
+                continue
+            if reduce == "copy":
+                out[i, k] = vals[-1]
+            elif reduce == "sum":
+                out[i, k] = target[i, k] + sum(vals)
+            else:
+                out[i, k] = sum(vals) / len(vals)
+    return out
+
+
+def _flat_scatter(target, rows, cols, updates, reduce):
+    """The same write-back through the kernels, on the flat view (one slice per element)."""
+    out = target.clone()
+    n1 = target.shape[1]
+    idx = [(r[:, None] * n1 + c[None, :]).reshape(-1) for r, c in zip(rows, cols)]
+    IF.scatter_slices_([out.view(-1)], [0] * len(idx), [u.reshape(-1) for u in updates], idx, [0], reduce=reduce)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["disjoint", "bernoulli", "empty"])
+@pytest.mark.parametrize("reduce", ["copy", "sum", "mean"])
+def test_product_plan_float64_reference(kind, reduce):
+    g = torch.Generator().manual_seed(hash((kind, reduce)) % 1000)
+    n0, n1, S = 7, 5, 3
+    W = torch.randn(n0, n1, dtype=torch.float64, generator=g)
+    rows, cols = _owners(g, n0, S, kind), _owners(g, n1, S, "bernoulli" if kind == "empty" else kind)
+    plan = IF.slice_plan([W], [0] * S, list(zip(rows, cols)), [(0, 1)])
+    segs = plan.gather([W])
+    for r, c, seg in zip(rows, cols, segs):
+        assert seg.shape == (len(r), len(c))
+        want = torch.tensor([[W[i, k].item() for k in c.tolist()] for i in r.tolist()], dtype=torch.float64)
+        assert torch.equal(seg, want.view(len(r), len(c)))
+    updates = [torch.randn(seg.shape, dtype=torch.float64, generator=g) for seg in segs]
+    got = W.clone()
+    plan.scatter_([got], updates, reduce=reduce)
+    torch.testing.assert_close(got, _reference(W, rows, cols, updates, reduce), rtol=1e-14, atol=1e-14)
+    assert torch.equal(got, _flat_scatter(W, rows, cols, updates, reduce))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32])
+@pytest.mark.parametrize("reduce", ["copy", "sum", "mean"])
+def test_product_scatter_bit_identical_to_flat(dtype, reduce):
+    """Overlapping Bernoulli owners, odd shape, every dtype the kernels reduce, and a second tensor
+    sliced along one dim in the same plan: bit for bit the flat kernels' scatter."""
+    g = torch.Generator().manual_seed(7)
+    n0, n1, S = 13, 11, 4
+    W = (torch.randn(n0, n1, generator=g) * 50).to(dtype)
+    b = (torch.randn(9, generator=g) * 50).to(dtype)
+    rows, cols = _owners(g, n0, S, "bernoulli"), _owners(g, n1, S, "bernoulli")
+    ids, idx = [], []
+    for s in range(S):
+        ids += [0, 1]
+        idx += [(rows[s], cols[s]), torch.arange(s, 9, 2)]
+    plan = IF.slice_plan([W, b], ids, idx, [(0, 1), 0])
+    segs = plan.gather([W, b])
+    updates = [(torch.randn(x.shape, generator=g) * 50).to(dtype) for x in segs]
+    W1, b1 = W.clone(), b.clone()
+    plan.scatter_([W1, b1], updates, reduce=reduce)
+    assert torch.equal(W1, _flat_scatter(W, rows, cols, updates[0::2], reduce))
+    b2 = b.clone()
+    IF.scatter_slices_([b2], [0] * S, updates[1::2], idx[1::2], [0], reduce=reduce)
+    assert torch.equal(b1, b2)
+
+
+def test_product_mean_edge_values_as_flat():
+    """Owners of opposite sign near the largest float, infinities, NaN and owners all equal: the
+    OwnerMean's fallbacks, bit for bit (NaN where the flat kernels give NaN)."""
+    W = torch.zeros(3, 4)
+    rows = [torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2]), torch.tensor([1, 2])]
+    cols = [torch.tensor([0, 1, 2, 3]), torch.tensor([0, 1, 2, 3]), torch.tensor([0, 3])]
+    big = 3e38
+    u0 = torch.tensor([[big, float("inf"), 1.0, float("nan")], [big, -big, 2.0, 5.0], [1e-45, 0.1, -0.0, 7.0]])
+    u1 = torch.tensor([[-big, big, 1.0, 1.0], [big, float("-inf"), 2.0, 5.0], [-1e-45, 0.2, 0.0, 7.0]])
+    u2 = torch.tensor([[big, 5.0], [0.3, 7.0]])
+    plan = IF.slice_plan([W], [0, 0, 0], list(zip(rows, cols)), [(0, 1)])
+    got = W.clone()
+    plan.scatter_([got], [u0, u1, u2], reduce="mean")
+    torch.testing.assert_close(got, _flat_scatter(W, rows, cols, [u0, u1, u2], "mean"), rtol=0, atol=0,
+                               equal_nan=True)
+    assert got[0, 0] == 0.0 and got[0, 1] == float("inf") and got[1, 3] == 5.0
+
+
+def test_product_on_a_conv_weight_along_channels():
+    """A conv's filters by (out, in) channels: dims (0, 1) of a 4-D weight, and dims (1, 0)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(6, 5, 3, 3, dtype=torch.float64, generator=g)
+    rows, cols = _owners(g, 6, 2, "bernoulli"), _owners(g, 5, 2, "bernoulli")
+    for dims in ((0, 1), (1, 0)):
+        if dims == (1, 0):  # the first list runs along dim 1 (in channels), the second along dim 0
+            rows, cols = cols, rows
+        plan = IF.slice_plan([w], [0, 0], list(zip(rows, cols)), [dims])
+        segs = plan.gather([w])
+        for r, c, seg in zip(rows, cols, segs):
+            assert torch.equal(seg, w.index_select(dims[0], r).index_select(dims[1], c))
+        updates = [torch.randn(s.shape, dtype=torch.float64, generator=g) for s in segs]
+        got = w.clone()
+        plan.scatter_([got], updates, reduce="mean")
+        front = [u.movedim(dims, (0, 1)) for u in updates]
+        want = w.movedim(dims, (0, 1)).clone()
+        for q in range(3 * 3):  # every kernel position on its own: a 2-D reference each
+            i, k = divmod(q, 3)
+            want[:, :, i, k] = _reference(want[:, :, i, k], rows, cols, [u[:, :, i, k] for u in front], "mean")
+        torch.testing.assert_close(got.movedim(dims, (0, 1)), want, rtol=1e-14, atol=1e-14)
+
+
+def test_product_plan_bad_input():
+    W = torch.zeros(4, 3)
+    r, c = torch.tensor([0, 2]), torch.tensor([1])
+    with pytest.raises(IndexError, match=r"indices\[0\]\[0\] holds 4, out of range for tensors\[0\] along dim 0"):
+        IF.slice_plan([W], [0], [(torch.tensor([4]), c)], [(0, 1)])
+    with pytest.raises(ValueError, match=r"indices\[0\]\[1\] must not repeat"):
+        IF.slice_plan([W], [0], [(r, torch.tensor([1, 1]))], [(0, 1)])
+    with pytest.raises(ValueError, match=r"indices\[0\] must be a pair"):
+        IF.slice_plan([W], [0], [r], [(0, 1)])
+    with pytest.raises(ValueError, match="names dim 0 twice"):
+        IF.slice_plan([W], [0], [(r, c)], [(0, -2)])
+    with pytest.raises(ValueError, match=r"indices\[0\] is a pair but tensors\[0\] is sliced along one dim"):
+        IF.slice_plan([W], [0], [(r, c)], [0])
+    with pytest.raises(TypeError, match=r"indices\[0\]\[1\] must be int64"):
+        IF.slice_plan([W], [0], [(r, c.int())], [(0, 1)])
+    plan = IF.slice_plan([W], [0], [(r, c)], [(0, 1)])
+    with pytest.raises(ValueError, match=r"updates\[0\] has shape \[3, 1\] but the plan's segment 0 needs \[2, 1\]"):
+        plan.scatter_([W], [torch.zeros(3, 1)])
+    with pytest.raises(ValueError, match="out is not supported by a plan with product slices"):
+        plan.gather([W], out=torch.empty(2))
+    before = W.clone()
+    with pytest.raises(ValueError, match="sources\\[0\\] is \\[4, 4\\]"):
+        plan.gather([torch.zeros(4, 4)])
+    assert torch.equal(W, before)
+
+
+def test_slice_plan_product_kind():
+    """TensorSlices products: part, flat, positions, with_holders (covered: stays a product;
+    unowned elements: holders on the flat view, every element held once)."""
+    g = torch.Generator().manual_seed(5)
+    W = torch.randn(7, 5, generator=g)
+    rows, cols = _owners(g, 7, 3, "bernoulli"), _owners(g, 5, 3, "bernoulli")
+    t = TensorSlices("w", 0, tuple(rows), tuple(cols), 1)
+    plan = SlicePlan(3, (t,))
+    flat = plan.flat({"w": (7, 5)})
+    for s in range(3):
+        part = plan.part({"w": W}, s)
+        assert t.count(s) == len(rows[s]) * len(cols[s])
+        if t.count(s):
+            assert torch.equal(part["w"], W[rows[s]][:, cols[s]])
+            assert torch.equal(flat.part({"w": W.view(-1)}, s)["w"], part["w"].reshape(-1))
+        else:
+            assert "w" not in part
+    held = plan.with_holders({"w": (7, 5)})
+    assert not held.tensors[0].product  # Bernoulli owners leave elements unowned: holders element-wise
+    every = torch.cat(held.tensors[0].owners)
+    owned = torch.cat(flat.tensors[0].owners).unique()
+    assert torch.equal(every.unique(), torch.arange(35))  # every element held, each unowned one once
+    assert every.numel() == torch.cat(flat.tensors[0].owners).numel() + 35 - owned.numel()
+    full = TensorSlices("w", 0, (torch.tensor([0, 1]), torch.tensor([1, 2])), (torch.tensor([0, 1]),) * 2, 1)
+    covered = SlicePlan(2, (full,)).with_holders({"w": (3, 2)})
+    assert covered.tensors[0] is full
+    pos = positions((torch.tensor([1, 3, 4]), torch.tensor([0, 2])), (torch.tensor([3, 4]), torch.tensor([2])))
+    assert [p.tolist() for p in pos] == [[1, 2], [1]]
+    with pytest.raises(ValueError, match="the product 'w' needs"):
+        SlicePlan(3, (TensorSlices("w", 0, tuple(rows), tuple(cols[:2]), 1),))
+
+
+@pytest.mark.parametrize("masks", ["balanced", "bernoulli"])
+def test_subnet_mlp_product_round_as_flat(masks):
+    """SubnetMLP (depth 3, odd width) on the product plan: the compact round's gather and owner-mean
+    write-back equal the flat form's (slice_plan on the flattened weights) bit for bit."""
+    g = torch.Generator().manual_seed(11)
+    m = SubnetMLP(6, 9, 3, 2, bias=True, train_output=True, generator=g)
+    S = 3
+    if masks == "balanced":
+        perms = [torch.randperm(9, generator=g) for _ in range(3)]
+        neurons = [[p[s::S].sort().values for p in perms] for s in range(S)]
+    else:
+        neurons = [[torch.nonzero(torch.rand(9, generator=g) < 0.5).flatten() for _ in range(3)] for _ in range(S)]
+    full = {n: p.detach().clone() for n, p in m.named_parameters()}
+    sp = m.slice_plan(neurons)
+    pp = m.product_plan(neurons)
+    assert [t.product for t in pp.tensors] == [False, False, True, False, True, False, False, False]
+    flat_t = [full[t.name].view(-1) if m._flat(t.name) else full[t.name] for t in sp.partitioned]
+    ids = [k for _ in range(S) for k in range(len(flat_t))]
+    fplan = IF.slice_plan(flat_t, ids, [t.owners[s] for s in range(S) for t in sp.partitioned],
+                          [t.dim for t in sp.partitioned])
+    fsegs = fplan.gather(flat_t)
+    rnd = m.compact(neurons)
+    got = [p for params in rnd.params for p in params if p is not None]
+    shared = [k for k, t in enumerate(sp.tensors) if t.shared]
+    mine = [p for s in range(S) for k, p in enumerate(rnd.params[s]) if k not in shared]
+    assert all(torch.equal(a.reshape(-1), b.reshape(-1)) for a, b in zip(mine, fsegs))
+    for p in got:
+        p.add_(torch.randn(p.shape, generator=g))
+    rnd.write_back()
+    names = [t.name for t in sp.partitioned] * S
+    fplan.scatter_(flat_t, [m.exchange_view(n, p) for n, p in zip(names, mine)], reduce="mean")
+    now = dict(m.named_parameters())
+    for t in sp.partitioned:
+        assert torch.equal(now[t.name], full[t.name]), t.name
