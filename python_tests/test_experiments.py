@@ -124,6 +124,34 @@ def test_grelu_reports_divergence_with_its_lr(tmp_path):
     assert "diverged" in (tmp_path / "grelu.md").read_text() and "lr 50" in (tmp_path / "grelu.md").read_text()
 
 
+@pytest.mark.parametrize("cell", [("bernoulli", 2, 0.5, 2, 0), ("categorical", 3, (0.5, 0.3, 0.2), 1, 1)])
+def test_masked_experiment_through_the_engine_is_paper_001_algorithm_1(cell, monkeypatch):
+    """The experiment trains through the round engine (method masked, the user's loop); given the
+    same masks, it is bit for bit paper 001's standalone Algorithm 1 (train/paper001.py: compact
+    dense subnetworks, full-batch GD, owner-averaged write-back), the independent reference."""
+    import torch
+
+    from ist_kernels.experiments import masked as experiment
+    from ist_kernels.nn.subnet import SubnetMLP
+    from ist_kernels.partition.neurons import round_generator
+    from ist_kernels.train import paper001
+    from ist_kernels.train.methods.masked import Masked
+
+    masks, S, xi, tau, seed = cell
+    args = experiment.parse(["--quick", "--width", "24", "--n", "10", "--rounds", "4", "--features", "6"])
+    monkeypatch.setattr(Masked, "plan", lambda self, r: paper001.sample_neurons(
+        self.net, S, self.masks, self.xi, round_generator(seed, r)))  # the reference's draws
+    got = experiment.run_cell(args, cell)
+    x, y = experiment.load_data(args, seed)
+    model = SubnetMLP(x.shape[1], args.width, 1, 1, kappa=args.kappa,
+                      generator=torch.Generator().manual_seed(seed + 7919))
+    ref = paper001.train(model, x, y, subnetworks=S, rounds=args.rounds, local_steps=tau, lr=args.lr,
+                         masks=masks, xi=list(xi) if isinstance(xi, tuple) else xi, seed=seed)
+    assert got["diverged_at"] == -1 and len(got["errors"]) == args.rounds + 1
+    assert got["errors"] == ref.errors and got["sampled"] == ref.sampled and got["local"] == ref.local
+    assert ref.errors[-1] < ref.errors[0]
+
+
 def test_masked_quick(tmp_path):
     doc, md = _run_quick("masked", tmp_path)
     assert doc["floor_reached"]["of"] == len(doc["runs"]) == 2 * (4 + 4 + 2)

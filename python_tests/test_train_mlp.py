@@ -335,3 +335,40 @@ def test_bad_options_rejected_before_work(tmp_path, capsys, args, option, why):
 def test_bad_options_raise_config_error():
     with pytest.raises(ConfigError, match="options.masks"):
         TrainConfig(method="masked", options={"masks": "x"}).validate()
+
+
+def _user_subnet_mlp():
+    from ist_kernels.nn import SubnetMLP
+
+    return SubnetMLP(64, 12, 1, 10, bias=True, train_output=True)
+
+
+def test_masked_on_a_users_subnet_mlp_with_categorical_probabilities(tmp_path):
+    """masked trains a user's SubnetMLP (MODULE:FACTORY / Engine(model=...)) with a categorical ξ
+    vector (paper 001 §3); settings that cannot apply are refused by name, before any round."""
+    from torch import nn
+
+    from ist_kernels.train import Engine
+
+    common = dict(method="masked", workers=2, rounds=2, local_steps=1, dataset="digits", batch_size=8,
+                  threads=1, out_dir=str(tmp_path), plots=False)
+    eng = Engine(_user_subnet_mlp, options={"masks": "categorical", "probs": "0.75:0.25"}, **common)
+    for rnd in eng.rounds():
+        for w in rnd:
+            for x, y in w.batches():
+                w.optimizer.zero_grad()
+                loss = w.loss(w.model(x), y)
+                loss.backward()
+                w.optimizer.step()
+                w.add_loss(loss)
+    summary = eng.close()
+    assert summary["rounds"] == 2 and summary["masks"] == "categorical" and summary["xi"] == 0.5
+    assert summary["probs"] == [0.75, 0.25] and summary["train_loss"] > 0
+    for options, key in [({"masks": "bernoulli", "probs": "0.5:0.5"}, "options.probs"),
+                         ({"masks": "categorical", "probs": "0.2:0.3:0.5"}, "options.probs"),
+                         ({"masks": "categorical", "probs": "0.7:0.7"}, "options.probs"),
+                         ({"kappa": 0.5}, "options.kappa")]:
+        with pytest.raises(ConfigError, match=key):
+            Engine(_user_subnet_mlp, options=options, **common)
+    with pytest.raises(ConfigError, match="SubnetMLP; .* built a Linear"):
+        Engine(lambda: nn.Linear(64, 10), **common)

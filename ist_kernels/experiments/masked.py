@@ -28,12 +28,20 @@ Categorical masks draw each neuron's owner from Categorical(ξ): ``--xi-vectors`
 general probability vectors ξ ∈ R^S (e.g. 0.7:0.3); the full model is scaled by 1/S whatever ξ
 is, since u = (1/S) Σ_l û^l holds for any partition (Appendix F).
 
+Every run trains through the round engine (:class:`ist_kernels.train.Engine`, method ``masked``
+on the experiment's own SubnetMLP, S simulated workers, full-batch GD in the experiment's loop);
+given the same masks it is bit for bit paper 001's standalone Algorithm 1
+(``ist_kernels.train.paper001.train``, the reference its test compares with). The masks come from
+the engine's plan generator: ``results/masked.*`` were made by the standalone trainer's draws
+(same distribution, other samples), so a rerun gives other values within the seeds' spread.
+
 Diagnostics for Figure 2c: per τ, the mean surrogate loss ½‖y − û‖² of the subnetworks right
 after sampling and after their τ local steps (Figure 2a's jumps), averaged over the floor window.
 """
 import argparse
 import math
 import sys
+import tempfile
 import time
 from typing import Dict, List, Sequence, Tuple
 
@@ -41,6 +49,7 @@ import torch
 
 from ..nn.subnet import SubnetMLP
 from ..train import paper001 as simulated
+from ..train.engine import Engine
 from ..train.paper_data import communities_regression, diabetes_regression, teacher_regression
 from . import harness as C
 
@@ -135,28 +144,62 @@ def ntk_eigenvalues(x: torch.Tensor) -> Tuple[float, float]:
 
 
 def run_cell(args, cell) -> Dict:
-    """One run of Algorithm 1: cell = (masks, S, xi, tau, seed); xi a float (Bernoulli), a tuple
-    (categorical ξ vector) or None (categorical, uniform)."""
+    """One run of Algorithm 1 through the round engine (:class:`ist_kernels.train.Engine`, method
+    ``masked``, S simulated workers, full-batch GD of size η on ½‖y − f‖², τ steps a round): cell =
+    (masks, S, xi, tau, seed); xi a float (Bernoulli), a tuple (categorical ξ vector) or None
+    (categorical, uniform). The engine scores the full model (hidden outputs scaled by ξ) before
+    the first round and after each; the loop records each round's subnetworks' surrogate loss right
+    after sampling and after their local steps."""
     torch.set_num_threads(1)
     masks, S, xi, tau, seed = cell
     x, y = load_data(args, seed)
-    model = SubnetMLP(x.shape[1], args.width, 1, 1, kappa=args.kappa,
-                      generator=torch.Generator().manual_seed(seed + 7919))
 
-    def watch(k, hist):
-        at = C.diverged_at(hist.errors)
+    def model():
+        return SubnetMLP(x.shape[1], args.width, 1, 1, kappa=args.kappa,
+                         generator=torch.Generator().manual_seed(seed + 7919))
+
+    errors: List[float] = []
+
+    def training_error(full) -> Dict[str, float]:  # ‖y − u‖², u the full model scaled by ξ
+        with torch.no_grad():
+            e = float((full(x) - y.reshape(-1, 1)).square().sum())
+        errors.append(e)
+        at = C.diverged_at(errors)
         if at is not None:
-            raise _Diverged(at, hist.errors[at])
+            raise _Diverged(at, errors[at])
+        return {"error": e}
 
-    out = {"diverged_at": -1}
-    try:
-        hist = simulated.train(model, x, y, subnetworks=S, rounds=args.rounds, local_steps=tau, lr=args.lr,
-                               masks=masks, xi=list(xi) if isinstance(xi, tuple) else xi, seed=seed,
-                               progress=watch)
-    except _Diverged as e:
-        return {"diverged_at": e.k, "value": e.value, "errors": None, "sampled": None, "local": None}
-    out.update(errors=hist.errors, sampled=hist.sampled, local=hist.local)
-    return out
+    options = {"masks": masks}
+    if masks == "bernoulli":
+        options["xi"] = xi
+    elif xi is not None:
+        options["probs"] = ":".join(repr(float(v)) for v in xi)
+    sampled: List[float] = []
+    local: List[float] = []
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            engine = Engine(model, method="masked", workers=S, rounds=args.rounds, local_steps=tau, lr=args.lr,
+                            momentum=0.0, weight_decay=0.0, seed=seed, threads=1, storage="replicated",
+                            options=options, evaluate=training_error, out_dir=out, plots=False)
+            for rnd in engine.rounds():
+                first, last = [], []
+                for worker in rnd:
+                    net, opt = worker.model, worker.optimizer
+                    for i in range(tau):
+                        opt.zero_grad(set_to_none=True)
+                        loss = simulated.regression_loss(net(x), y)
+                        loss.backward()
+                        opt.step()
+                        if i == 0:
+                            first.append(loss.detach())
+                    with torch.no_grad():
+                        last.append(simulated.regression_loss(net(x), y))
+                sampled.append(float(torch.stack(first).mean()))
+                local.append(float(torch.stack(last).mean()))
+            engine.close()
+        except _Diverged as e:
+            return {"diverged_at": e.k, "value": e.value, "errors": None, "sampled": None, "local": None}
+    return {"diverged_at": -1, "errors": errors, "sampled": sampled, "local": local}
 
 
 def floor(args, run: Dict) -> Dict:

@@ -8,9 +8,12 @@ from ``ctx.generator(PLAN, r)`` (the same on every rank, never sent) by
 into S disjoint groups whose sizes differ by at most one (ξ = 1/S; ``ist`` always does this),
 ``masks=categorical`` into S disjoint groups with each neuron's owner drawn uniformly
 (multinomial sizes, paper 001 Theorem 4), ``masks=bernoulli`` lets each subnetwork keep each
-neuron with probability ``xi`` (overlaps and unowned neurons). A draw that leaves a subnetwork
-without neurons in some layer is drawn again (an empty subnetwork is never trained); settings
-where most draws would be are rejected before the run. A worker copies its subnetwork's compact
+neuron with probability ``xi`` (overlaps and unowned neurons); ``probs=0.7:0.3`` draws each
+neuron's categorical owner from those S probabilities instead of uniformly (paper 001 §3's
+general ξ). A draw that leaves a subnetwork without neurons in some layer is drawn again (an empty
+subnetwork is never trained); settings where most draws would be are rejected before the run. The
+model is the package's ``mlp`` or a user's :class:`~ist_kernels.nn.SubnetMLP` (``--model
+MODULE:FACTORY``, ``Engine(model=factory)``). A worker copies its subnetwork's compact
 parameters out of the full :class:`~ist_kernels.nn.SubnetMLP` (``extract_all``), trains them for
 τ = ``local_steps`` SGD steps on its shard (the trainer's optimizer and learning-rate schedule; a
 fresh optimizer each round, since the subnetwork changes), and the full model is aggregated
@@ -185,6 +188,18 @@ class NeuronPlan(RoundPlan):
         return comm.ps_bytes_of(store, m.spec, s) // 2 + copies + held_bytes(m.fixed)
 
 
+def _probs(v: str):
+    """``0.7:0.3`` -> (0.7, 0.3), or None if it is no probability vector."""
+    try:
+        p = tuple(float(e) for e in v.split(":"))
+    except ValueError:
+        return None
+    return p if len(p) >= 2 and all(e >= 0 for e in p) and abs(sum(p) - 1) <= 1e-6 else None
+
+
+BUILT_IN_ONLY = ("train_output", "bias", "kappa")  # options of the package's mlp, not of a user's SubnetMLP
+
+
 @register_method("masked")
 class Masked(Method):
     options = {
@@ -195,6 +210,10 @@ class Masked(Method):
                         check=lambda v: v in MASKS, expected=", ".join(MASKS[:-1]) + " or " + MASKS[-1]),
         "xi": Option(0.5, float, "bernoulli: the probability a subnetwork keeps a neuron",
                      check=lambda v: 0 < v <= 1, expected="a probability in (0, 1]"),
+        "probs": Option("", str, "categorical: the probabilities xi_1:...:xi_S that a neuron's owner is worker "
+                        "1..S (paper 001 §3's general categorical mask; default: uniform)",
+                        check=lambda v: v == "" or _probs(v) is not None,
+                        expected="S numbers >= 0 separated by ':' that sum to 1, e.g. 0.7:0.3"),
         "train_output": Option(True, boolean, "train the output layer (paper 001 keeps it fixed at ±1)"),
         "bias": Option(True, boolean, "hidden and output biases (paper 001 has none)"),
         "kappa": Option(1.0, float, "std of the first layer's initial weights (paper 001: κ)",
@@ -209,17 +228,35 @@ class Masked(Method):
     @classmethod
     def validate(cls, hp):
         super().validate(hp)
-        if hp.model != "mlp":
-            raise ConfigError("model", f"method {cls.name!r} trains an MLP of hidden neurons (model mlp), "
-                              f"got {hp.model!r}")
+        width = hp.width or 128
+        if is_external_model(hp.model):  # a user's model: it must be a SubnetMLP (its hidden neurons)
+            net = probe_model(hp)
+            if not isinstance(net, SubnetMLP):
+                raise ConfigError("model", f"method {cls.name!r} trains the hidden neurons of an "
+                                  f"ist_kernels.nn.SubnetMLP; {hp.model!r} built a {type(net).__name__}")
+            for key in BUILT_IN_ONLY:
+                if hp.options.get(key, cls.options[key].default) != cls.options[key].default:
+                    raise ConfigError(f"options.{key}", f"applies to the package's mlp; {hp.model!r} builds its "
+                                      "SubnetMLP itself (set it there)")
+            width = net.width
+        elif hp.model != "mlp":
+            raise ConfigError("model", f"method {cls.name!r} trains an MLP of hidden neurons (model mlp, or "
+                              f"MODULE:FACTORY returning a SubnetMLP), got {hp.model!r}")
         masks = cls.fixed_masks or hp.options.get("masks", "bernoulli")
+        S = hp.num_workers
         xi = hp.options.get("xi") if masks == "bernoulli" else None
-        width, S = hp.width or 128, hp.num_workers
+        if hp.options.get("probs", ""):
+            if masks != "categorical":
+                raise ConfigError("options.probs", f"is for masks=categorical, got masks={masks}")
+            xi = _probs(hp.options["probs"])
+            if len(xi) != S:
+                raise ConfigError("options.probs", f"needs S={S} probabilities (one per worker), got {len(xi)}")
         # an empty subnetwork is re-drawn (sample_neurons); reject settings where most draws are
         p = nonempty_probability(masks, width, S, xi)
         if p == 0.0 and masks != "bernoulli":
             raise ConfigError("width", f"a partition of {width} neurons into {S} subnetworks leaves some "
-                              "empty; use width >= workers")
+                              "empty; use width >= workers" + (" and probabilities > 0" if hp.options.get("probs")
+                                                              else ""))
         if p < MIN_NONEMPTY:
             raise ConfigError("options.xi" if masks == "bernoulli" else "width",
                               f"a draw of {masks} masks over {width} neurons leaves one of the {S} subnetworks "
@@ -231,11 +268,14 @@ class Masked(Method):
         super().__init__(ctx)
         o = ctx.options
         self.masks = self.fixed_masks or o["masks"]
-        self.xi = o.get("xi") if self.masks == "bernoulli" else None
+        self.xi = o.get("xi") if self.masks == "bernoulli" else (_probs(o["probs"]) if o.get("probs") else None)
         hp = ctx.hp
-        self.net = ctx.build_model(lambda: SubnetMLP(
-            ctx.in_features, hp.width or 128, hp.depth or 1, ctx.num_outputs, bias=o["bias"],
-            train_output=o["train_output"], kappa=o["kappa"]))
+        if is_external_model(hp.model):  # the user's SubnetMLP (validate checked it is one)
+            self.net = ctx.build_model()
+        else:
+            self.net = ctx.build_model(lambda: SubnetMLP(
+                ctx.in_features, hp.width or 128, hp.depth or 1, ctx.num_outputs, bias=o["bias"],
+                train_output=o["train_output"], kappa=o["kappa"]))
         self.full_state_bytes = ctx.full_state_bytes(self.net)
         self.keep = selection_probability(self.masks, ctx.num_workers, self.xi)
         self.workers = ctx.local_workers
@@ -291,7 +331,10 @@ class Masked(Method):
         self._restore_fixed()
 
     def summary(self):
-        return {"masks": self.masks, "xi": self.keep}
+        out = {"masks": self.masks, "xi": self.keep}
+        if self.masks == "categorical" and self.xi is not None:
+            out["probs"] = list(self.xi)
+        return out
 
 
 @register_method("ist")
@@ -300,7 +343,7 @@ class IST(Masked):
     on a transformer (``gpt_tiny``, ``gpt_small``) its FFN units and/or attention heads
     (:class:`.ist_transformer.TransformerIST`, which ``IST(ctx)`` then returns)."""
 
-    options = {**{k: v for k, v in Masked.options.items() if k not in ("masks", "xi")},
+    options = {**{k: v for k, v in Masked.options.items() if k not in ("masks", "xi", "probs")},
                "partition": Option("ffn", str, "transformers: what each worker gets 1/S of in every block: ffn "
                                    "(FFN hidden units), heads (attention heads) or both; the mlp: ffn (its hidden "
                                    "neurons)", check=lambda v: v in PARTITIONS, expected=", ".join(PARTITIONS)),
