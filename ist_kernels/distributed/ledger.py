@@ -13,12 +13,17 @@ per-rank bytes) live here and nowhere else:
 - codecs: :data:`CODEC_BYTES` (fp32 / bf16 / int8: 4 / 2 / 1 bytes per value), :data:`SCALE_BYTES`
   (int8's fp32 scale), :func:`coded_bytes`, :func:`slice_bytes` (a slice under ``--compress``),
   :func:`coded_average_bytes` (DiLoCo's coded reduce-scatter + all-gather), :func:`wire_fraction`;
+- optimizer moments (``momentum_state``, :mod:`.blockwise`): :data:`MOMENT_CODES` (what each option
+  sends of a first and a second moment), :func:`moment_code`, :func:`block_coded_bytes` (a slice
+  block-wise coded: ceil(n bits / 8) + 4 ceil(n / 256)), :func:`state_coded`,
+  :func:`state_slice_bytes`, :func:`state_exchange_bytes` (an exchange's uncoded count, coded),
+  :func:`moment_tensors_sent` (the cost model's float32 moments per parameter);
 - the parameter-server convention of the papers (paper 000 Table 1, paper 003 Table 1: every worker
   uploads its subnetwork and downloads the next): :func:`subnet_bytes`, :func:`ps_bytes`,
   :func:`ps_model_bytes`;
 - held state: :func:`held_bytes` (measured: distinct tensors), :func:`full_state_bytes` (one worker
   training the whole model), :func:`state_split` (shared vs partitioned, from a plan),
-  :func:`rank_state_bytes` (the cost model's);
+  :func:`rank_state_bytes` (the cost model's; ``momentum_state=local`` keeps every slice's moments);
 - the cost model's per-rank round bytes: :func:`subnet_round_bytes`, :func:`localsgd_round_bytes`,
   :func:`diloco_round_bytes`, and :func:`payoff` (a subnetwork round's bytes over local SGD's).
 
@@ -41,6 +46,16 @@ COMPRESS = ("none", "bf16", "int8")
 CODEC_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
 #: bytes of one int8 scale (float32)
 SCALE_BYTES = 4
+#: values per block of a block-wise coded optimizer moment (Dettmers et al., arXiv 2110.02861)
+MOMENT_BLOCK = 256
+#: optimizer state keys of second moments (non-negative: the unsigned log code); every other state
+#: tensor of a parameter's shape is a first moment (AdamW's exp_avg, SGD's momentum_buffer)
+SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq")
+#: per ``momentum_state``, how a subnetwork's first / second moments travel when its slices change
+#: owners: "exact" (in their dtype), bits of a block-wise code (:mod:`.blockwise`), or absent: not sent
+MOMENT_CODES = {"reset": {}, "aggregate": {"first": "exact", "second": "exact"},
+                "int8": {"first": 8, "second": 8}, "int8-v4": {"first": 8, "second": 4},
+                "local": {}, "second": {"second": "exact"}}
 
 
 # ---------------------------------------------------------------- codecs
@@ -99,6 +114,60 @@ def tensor_bytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# ---------------------------------------------------------------- optimizer moments
+
+def moment_code(momentum_state: str, key: str) -> Union[None, str, int]:
+    """How optimizer state ``key`` (a tensor of its parameter's shape) travels under
+    ``momentum_state`` (:data:`MOMENT_CODES`): None (not sent), "exact" or the bits of its block code."""
+    if momentum_state not in MOMENT_CODES:
+        raise ValueError(f"moment_code: momentum_state must be one of {', '.join(MOMENT_CODES)}, "
+                         f"got {momentum_state!r}")
+    return MOMENT_CODES[momentum_state].get("second" if key in SECOND_MOMENTS else "first")
+
+
+def block_coded_bytes(numel: int, bits: int, block: int = MOMENT_BLOCK) -> int:
+    """Bytes of one slice of ``numel`` values block-wise coded at ``bits`` bits: the codes packed
+    (ceil(numel bits / 8)) and one float32 scale per block of ``block`` values (ceil(numel / block))."""
+    if numel <= 0:
+        return 0
+    return -(-numel * bits // 8) + SCALE_BYTES * -(-numel // block)
+
+
+def state_coded(numel: int, bits: int, esize: int, block: int = MOMENT_BLOCK) -> bool:
+    """Whether a slice of ``numel`` values of ``esize`` bytes travels block-coded (else exactly):
+    where its code is smaller than its values (a one-element slice stays exact)."""
+    return numel > 0 and block_coded_bytes(numel, bits, block) < numel * esize
+
+
+def state_slice_bytes(numel: int, esize: int, code: Union[None, str, int], block: int = MOMENT_BLOCK) -> int:
+    """Bytes of one slice of a moment on the wire: ``code`` None or "exact": numel x esize; bits: its
+    block code where :func:`state_coded`."""
+    if code is None or code == "exact" or not state_coded(numel, code, esize, block):
+        return numel * esize
+    return block_coded_bytes(numel, code, block)
+
+
+def state_exchange_bytes(raw: int, slice_numel: int, esize: int, code: Union[None, str, int]) -> int:
+    """An exchange's ``raw`` bytes (whole slices of ``slice_numel`` values of ``esize`` bytes, as
+    the uncoded count has them) with every slice coded as ``code`` codes it."""
+    per = slice_numel * esize
+    if per == 0:
+        return 0
+    return raw // per * state_slice_bytes(slice_numel, esize, code)
+
+
+def moment_tensors_sent(momentum_state: str, keys: Sequence[str], esize: int = 4) -> float:
+    """The cost model's moments sent per parameter, in parameter-sized tensors: each state ``key``
+    that travels under ``momentum_state``, exact as 1, block-coded as its bytes per value (a full
+    block's scale included) over ``esize`` (int8 of float32: (1 + 4/256) / 4)."""
+    total = 0.0
+    for key in keys:
+        code = moment_code(momentum_state, key)
+        if code is not None:
+            total += 1.0 if code == "exact" else block_coded_bytes(MOMENT_BLOCK, code) / (MOMENT_BLOCK * esize)
+    return total
+
+
 # ---------------------------------------------------------------- the wire
 
 def ring_factor(S: int) -> float:
@@ -154,14 +223,22 @@ def normalise_spec(spec: Spec) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]
 
 
 def subnet_bytes(plan, spec: Spec, *, names: Optional[Sequence[str]] = None,
-                 compress: Optional[str] = None) -> List[int]:
+                 compress: Optional[str] = None, state_code: Union[None, str, int] = None) -> List[int]:
     """Per worker, the bytes of the floating tensors of its subnetwork under ``plan`` (a
     ``SlicePlan``): its slices of the partitioned tensors, the shared ones whole; ``names`` only
     (default: all the plan's); ``compress``: encoded as the exchange encodes them (int8: a scale per
-    slice of a partitioned tensor, one per shared tensor; a one-element slice stays fp32). Integer
-    tensors (step counters) are not counted."""
+    slice of a partitioned tensor, one per shared tensor; a one-element slice stays fp32);
+    ``state_code``: the tensors are optimizer moments coded so (:func:`state_slice_bytes`, a shared
+    tensor one slice). Integer tensors (step counters) are not counted."""
     spec = normalise_spec(spec)
     compress = check(compress, "subnet_bytes")
+    if compress is not None and state_code not in (None, "exact"):
+        raise ValueError("subnet_bytes: give compress (weights) or state_code (moments), not both")
+
+    def sized(numel: int, esize: int) -> int:
+        if state_code is not None:
+            return state_slice_bytes(numel, esize, state_code)
+        return slice_bytes(compress, numel, esize)
     chosen = set(names if names is not None else plan.names())
     out = [0] * plan.num_subnetworks
     for t in plan.tensors:
@@ -171,23 +248,25 @@ def subnet_bytes(plan, spec: Spec, *, names: Optional[Sequence[str]] = None,
         esize = dtype_bytes(dtype)
         for s in range(plan.num_subnetworks):
             if t.shared:
-                out[s] += slice_bytes(compress, prod(shape), esize)
+                out[s] += sized(prod(shape), esize)
             elif t.owners[s].numel():
-                out[s] += (slice_bytes(compress, prod(shape) // shape[t.dim], esize) * t.owners[s].numel()
-                           if shape else slice_bytes(compress, 1, esize))
+                out[s] += (sized(prod(shape) // shape[t.dim], esize) * t.owners[s].numel()
+                           if shape else sized(1, esize))
     return out
 
 
 def ps_bytes(plan, spec: Spec, *, download=None, names: Optional[Sequence[str]] = None,
-             compress: Optional[str] = None) -> List[int]:
+             compress: Optional[str] = None, state_code: Union[None, str, int] = None) -> List[int]:
     """The papers' parameter-server count of one round (paper 000 Table 1, paper 003 Table 1): per
     worker, the bytes of the floating tensors it uploads (its subnetwork under ``plan``,
     :func:`subnet_bytes`) plus those it downloads (its subnetwork under ``download``, default
     ``plan``). Local SGD moves 2 full models per worker by this count (:func:`ps_model_bytes`).
-    Integer tensors (step counters) are not counted, as local SGD does not average them."""
+    Integer tensors (step counters) are not counted, as local SGD does not average them.
+    ``state_code``: optimizer moments, coded so (:func:`subnet_bytes`)."""
     compress = check(compress, "ps_bytes")
-    up = subnet_bytes(plan, spec, names=names, compress=compress)
-    down = up if download is None else subnet_bytes(download, spec, names=names, compress=compress)
+    up = subnet_bytes(plan, spec, names=names, compress=compress, state_code=state_code)
+    down = up if download is None else subnet_bytes(download, spec, names=names, compress=compress,
+                                                    state_code=state_code)
     return [a + b for a, b in zip(up, down)]
 
 
@@ -241,7 +320,7 @@ def full_state_bytes(model: torch.nn.Module, state_tensors_per_param: int = 0,
 
 def state_split(plan, spec: Spec, param_names: Sequence[str], momentum) -> Dict[str, int]:
     """The whole model's state (parameters, buffers, and ``momentum`` optimizer state tensors of its
-    shape per parameter; True counts as 1) split into what every subnetwork holds whole
+    shape per parameter; True counts as 1; a float, e.g. :func:`moment_tensors_sent`, gives float bytes) split into what every subnetwork holds whole
     (``shared_state_bytes``) and what ``plan`` partitions (``partitioned_state_bytes``): a worker of
     S holds about shared + partitioned / S."""
     spec = normalise_spec(spec)
@@ -251,16 +330,25 @@ def state_split(plan, spec: Spec, param_names: Sequence[str], momentum) -> Dict[
         shape, dtype = spec[t.name]
         n = prod(shape) * dtype_bytes(dtype)
         key = "shared_state_bytes" if t.shared else "partitioned_state_bytes"
-        out[key] += n * (1 + int(momentum) if t.name in params else 1)
+        out[key] += n * (1 + (int(momentum) if isinstance(momentum, bool) else momentum) if t.name in params else 1)
     return out
 
 
 def rank_state_bytes(partitioned: float, shared: float, S: int, owners: float = 1.0,
-                     optimizer_copies: float = 1.0) -> float:
+                     optimizer_copies: float = 1.0, momentum_state: str = "aggregate") -> float:
     """Memory a rank holds for its subnetwork: its share of the partitioned state plus the shared
     state, times (1 + ``optimizer_copies``) for parameters that carry optimizer state (SGD with
-    momentum: 1 buffer; Adam: 2); pass the parameter bytes, buffers count once."""
-    return (partitioned * min(owners, S) / S + shared) * (1.0 + optimizer_copies)
+    momentum: 1 buffer; Adam: 2); pass the parameter bytes, buffers count once.
+    ``momentum_state="local"``: a worker keeps the moments of every slice it has trained, in the
+    long run of every slice: its share of the weights plus ``optimizer_copies`` x (partitioned +
+    shared) (every other option holds its subnetwork's moments only, sent coded or not)."""
+    if momentum_state not in MOMENT_CODES:
+        raise ValueError(f"rank_state_bytes: momentum_state must be one of {', '.join(MOMENT_CODES)}, "
+                         f"got {momentum_state!r}")
+    weights = partitioned * min(owners, S) / S + shared
+    if momentum_state == "local":
+        return weights + optimizer_copies * (partitioned + shared)
+    return weights * (1.0 + optimizer_copies)
 
 
 # ---------------------------------------------------------------- the cost model's round bytes

@@ -19,10 +19,21 @@ value too. Distributed, the collectives move the encoded bytes; simulated, the s
 is applied to each worker's values (:meth:`compress_contributions`, :meth:`average_models_`) in
 the same order, so both give the same model bit for bit, and both count the encoded bytes (scales
 included), in both conventions.
+
+Optimizer moments coded block-wise (``momentum_state=int8|int8-v4``, :mod:`ist_kernels.distributed.
+blockwise`): the sender codes and decodes its moments in place before the exchange (the simulated
+run the same values before it aggregates), so every copy of a moment is its decoded value; the
+Exchange then moves the decoded values in float32 (it has no block codec), and the bytes counted,
+in both launch modes, are the coded ones (``state_code`` of :meth:`exchange`,
+:meth:`count_exchange`, :meth:`ps_bytes`: the plan's uncoded count per slice size, each slice at its
+block code, :func:`~ist_kernels.distributed.ledger.state_exchange_bytes`; a shared tensor one slice
+through the ring all-reduce's 2 (S - 1) / S). A link emulated under a distributed run therefore
+carries float32 moments: its time is not the counted bytes' time.
 """
 from __future__ import annotations
 
 import time
+from math import prod
 from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
@@ -128,27 +139,69 @@ class Comm:
     def exchange(self, current, next, spec, local: Mapping[str, Tensor], *, round: int,
                  names: Optional[Sequence[str]] = None, storage: str = "decentralized",
                  shared: Optional[str] = None, drop_unowned: bool = False,
-                 compress: Optional[str] = None) -> Dict[str, Tensor]:
+                 compress: Optional[str] = None, state_code=None) -> Dict[str, Tensor]:
         """Distributed: move this rank from its part of plan ``current`` to its part of ``next``
         (``ist_kernels.distributed.Exchange``; replicated storage: owner-average the full tensors in
         place). ``shared``: how shared tensors are averaged (default: the run's ``--shared``).
         ``compress``: encode what is sent (pass :attr:`compress` for the rounds' exchanges).
-        Returns this rank's tensors for the next round."""
+        ``state_code`` (bits of a block code): ``local`` are optimizer moments already coded and
+        decoded in place (module docstring); their coded bytes are counted. Returns this rank's
+        tensors for the next round."""
         if not self.distributed:
             raise RuntimeError("Comm.exchange needs a distributed run; simulated runs aggregate in process "
                                "and count with Comm.count_exchange")
         ex = Exchange(current, next, spec, storage=storage, shared=shared or self.shared, round=round,
                       drop_unowned=drop_unowned, compress=compress)
         out = ex(local, names=names)
-        self._sent(ex.last_stats.bytes_sent, received=ex.last_stats.bytes_received)
+        if state_code in (None, "exact"):
+            self._sent(ex.last_stats.bytes_sent, received=ex.last_stats.bytes_received)
+        else:
+            sent, received = self._coded_state_bytes(current, next, spec, names, storage, shared, state_code)[self.rank]
+            self._sent(sent, received=received)
         self._charge(ex.last_stats)
         return out
 
+    def _coded_state_bytes(self, current, next, spec, names, storage: str, shared: Optional[str], code):
+        """Per rank, (sent, received) of an exchange of optimizer moments coded block-wise as
+        ``code``: the plan's uncoded count of the tensors of each slice size, every slice coded
+        (:func:`~ist_kernels.distributed.ledger.state_exchange_bytes`), and the shared tensors'
+        ring all-reduce of their coded bytes (each tensor one slice)."""
+        spec = ledger.normalise_spec(spec)
+        shared = shared or self.shared
+        chosen = set(names if names is not None else current.names())
+        groups: Dict[tuple, List[str]] = {}
+        ring = 0  # the coded bytes of the shared tensors the ring all_reduce averages
+        for t in current.tensors:
+            shape, dtype = spec[t.name]
+            if t.name not in chosen or not dtype.is_floating_point:
+                continue
+            esize = ledger.dtype_bytes(dtype)
+            numel = prod(shape)
+            if t.shared and shared == "all_reduce":
+                ring += ledger.state_slice_bytes(numel, esize, code)
+                continue
+            slice_numel = numel if t.shared or not shape else numel // shape[t.dim]
+            groups.setdefault((slice_numel, esize), []).append(t.name)
+        S = current.num_subnetworks
+        out = [[0, 0] for _ in range(S)]
+        for (slice_numel, esize), group in groups.items():
+            for r, st in enumerate(plan_bytes(current, next, spec, storage=storage, shared=shared, names=group)):
+                out[r][0] += ledger.state_exchange_bytes(st.all_to_all_bytes_sent, slice_numel, esize, code)
+                out[r][1] += ledger.state_exchange_bytes(st.all_to_all_bytes_received, slice_numel, esize, code)
+        wire = ledger.all_reduce_wire_bytes(ring, S)
+        return [(a + wire, b + wire) for a, b in out]
+
     def count_exchange(self, current, next, spec, *, names: Optional[Sequence[str]] = None,
                        storage: str = "decentralized", shared: Optional[str] = None,
-                       compress: Optional[str] = None) -> None:
+                       compress: Optional[str] = None, state_code=None) -> None:
         """Simulated: count what :meth:`exchange` would send for this process's workers."""
         if self.world_size < 2:
+            return
+        if state_code not in (None, "exact"):
+            with self.clock("metrics"):
+                per = self._coded_state_bytes(current, next, spec, names, storage, shared, state_code)
+                for s in self.local_workers:
+                    self._sent(per[s][0], [s], received=per[s][1])
             return
         with self.clock("metrics"):
             stats = plan_bytes(current, next, spec, storage=storage, shared=shared or self.shared, names=names,
@@ -157,12 +210,13 @@ class Comm:
                 self._sent(stats[s].bytes_sent, [s], received=stats[s].bytes_received)
 
     def ps_bytes(self, plan, spec, *, names: Optional[Sequence[str]] = None, download=None,
-                 compress: Optional[str] = None) -> int:
+                 compress: Optional[str] = None, state_code=None) -> int:
         """The papers' parameter-server bytes of this process's workers in a round of ``plan``
         (each uploads its subnetwork and downloads its next one, or ``download``'s part), encoded
-        as ``compress`` encodes them."""
+        as ``compress`` encodes them (``state_code``: optimizer moments, coded so)."""
         with self.clock("metrics"):
-            per = ledger.ps_bytes(plan, spec, names=names, download=download, compress=compress)
+            per = ledger.ps_bytes(plan, spec, names=names, download=download, compress=compress,
+                                  state_code=state_code)
             return sum(per[s] for s in self.local_workers)
 
     def ps_bytes_of(self, plan, spec, worker: int, *, names: Optional[Sequence[str]] = None) -> int:

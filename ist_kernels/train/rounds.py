@@ -17,7 +17,7 @@ and storage.
     The compact module and its optimizer are kept across rounds while the plan's shapes do not
     change (LOFT: every round): the exchanged tensors are copied into them in place, and the
     optimizer's state is cleared (``momentum_state=reset``: what a fresh optimizer has) or refilled
-    with the exchanged momentum (``aggregate``). The global model is a structure on the meta device;
+    with the exchanged or kept state (the other options: Momentum, below). The global model is a structure on the meta device;
     the full model is assembled on rank 0 only to evaluate or save it.
   * distributed, replicated storage (``--storage replicated``, for testing): every rank holds the
     global model, writes its subnetwork into it and a replicated exchange owner-averages every
@@ -33,17 +33,39 @@ second into ``ctx.clock`` (:mod:`.timing`).
 Compression (``--compress bf16|int8``, ``ctx.comm.compress``): every round's exchange of weights and
 every local-SGD average encode what a worker sends (its own copy too); the simulated path encodes
 the same values (``plan.compact(sub)`` or ``plan.tensors_of(sub)``: a subnetwork's tensors in the
-plan's view) before aggregating them. Momentum (``momentum_state=aggregate``) and the one-time moves
-of pruning travel uncompressed. Nothing is kept between rounds (no error feedback): resume stays
+plan's view) before aggregating them. Momentum (``momentum_state``: its own codes, below) and the
+one-time moves of pruning do not take ``--compress``. Nothing is kept between rounds (no error feedback): resume stays
 exact.
 
-Momentum (option ``momentum_state``): ``"reset"`` (default; paper 000 Algorithm 1 and the ResIST
-reference code aggregate only the weights) starts every subnetwork's round with empty optimizer
-state; ``"aggregate"`` slices the optimizer's state tensors of their parameter's shape (SGD's
-momentum buffer, AdamW's two moments) with the weights and aggregates / exchanges them too (their
-bytes counted too). A 0-dim state (AdamW's step: the same count on every worker, each takes
-``local_steps`` steps a round) is not sent: under decentralized storage a rank gives the slices it
-receives the step of the ones it trained (the simulated run's owner mean of equal counts).
+Momentum (option ``momentum_state``): what happens to a slice's optimizer state (the state tensors
+of its parameter's shape: SGD's momentum buffer, AdamW's exp_avg and exp_avg_sq) when the slice
+changes owners at the end of a round. A 0-dim state (AdamW's step: the same count on every worker,
+each takes ``local_steps`` steps a round) is never sent: under decentralized storage a rank gives the
+slices it receives the step of the ones it trained (the simulated run's owner mean of equal counts).
+The bytes of each option are :data:`ist_kernels.distributed.ledger.MOMENT_CODES`' (both conventions,
+and ``rank_state_bytes``).
+
+- ``"reset"`` (default; paper 000 Algorithm 1 and the ResIST reference code aggregate only the
+  weights): every subnetwork starts its round with empty optimizer state; nothing is sent.
+- ``"aggregate"``: the state travels with its slice, exactly, and is owner-averaged as the weights
+  are (a slice's next owners get the mean of its current owners' state).
+- ``"int8"``: as ``aggregate``, each moment sent block-wise coded (:mod:`ist_kernels.distributed.
+  blockwise`: blocks of 256 values within a slice, first moments linear 8-bit with an absmax scale,
+  second moments an unsigned 8-bit log code); its owners average the decoded values. The sender's
+  own copy is the decoded value too, so the simulated and the distributed runs agree bit for bit.
+- ``"int8-v4"``: as ``int8`` with the second moment in a 4-bit log code.
+- ``"second"``: the second moment travels exactly and is owner-averaged; the first moment is reset
+  (zeros) every round; the step is kept (the first moment's bias correction then under-corrects:
+  its first steps of a round are smaller, a momentum warm-up). SGD has no second moment: its
+  momentum is reset, as ``reset``.
+- ``"local"``: nothing is sent; every worker keeps the state of every slice it has trained (the
+  latest values, a tensor of the global shape per state key and parameter) and a slice it trains
+  again starts from that (stale) state; a slice it has never trained starts from zeros. The step of
+  a parameter tensor is the worker's own count on it (0, a fresh optimizer, while the worker has
+  trained no slice of it): a slice new to it in a tensor it has trained gets AdamW's bias
+  correction of that count. Shared tensors keep each worker's own state, as local SGD's do. The
+  kept state is held memory (``state_bytes``; the cost model: every slice's moments) and is in the
+  checkpoint (per worker; decentralized: each rank its own), so resume stays exact.
 
 Outer optimizer (``--outer-optimizer``: :class:`ist_kernels.train.outer.OuterOptimizer`, DiLoCo's
 outer step for every method that takes one): after a round's aggregation A, one optimizer step from
@@ -63,14 +85,26 @@ import torch
 from torch import Tensor, nn
 
 from ..distributed import ledger
+from ..distributed.blockwise import fake_quantize_
 from ..distributed.ledger import payoff, state_split  # noqa: F401  (the engine's: methods import them here)
 from .methods import Option, RoundResult, WorkerTurn, held_bytes, summed
 from .outer import OuterOptimizer
 
-MOMENTUM_STATES = ("reset", "aggregate")
-MOMENTUM_OPTION = Option("reset", str, "subnetwork momentum across rounds: reset (fresh optimizer state each "
-                         "round, only weights communicated) or aggregate (sliced, aggregated and communicated)",
-                         check=lambda v: v in MOMENTUM_STATES, expected="reset or aggregate")
+MOMENTUM_STATES = tuple(ledger.MOMENT_CODES)
+MOMENTUM_OPTION = Option("reset", str, "subnetwork optimizer state across rounds: reset (fresh each round, only "
+                         "weights communicated), aggregate (sliced, owner-averaged and sent with the weights), int8 "
+                         "(as aggregate, the moments block-wise 8-bit coded), int8-v4 (second moment 4-bit), second "
+                         "(the second moment aggregated, the first reset) or local (each worker keeps the state of "
+                         "the slices it trained; nothing sent)",
+                         check=lambda v: v in MOMENTUM_STATES,
+                         expected="reset or aggregate, or int8, int8-v4, second, local")
+#: the moments (state tensors of a parameter's shape) of the local optimizers, by ``ctx.local_optimizer``
+OPTIMIZER_MOMENTS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+
+def moment_keys(ctx) -> Tuple[str, ...]:
+    """The state keys of the run's local optimizer's moments (SGD without momentum: none)."""
+    return OPTIMIZER_MOMENTS.get(ctx.local_optimizer, ())[:ctx.param_state_tensors]
 
 
 def model_tensors(model: nn.Module) -> Dict[str, Tensor]:
@@ -222,7 +256,15 @@ class SubnetRounds:
         self.ctx = ctx
         self.model = model
         self.plan_of_round = plan_of
-        self.aggregate_momentum = momentum_state == "aggregate"
+        if momentum_state not in MOMENTUM_STATES:
+            raise ValueError(f"SubnetRounds: momentum_state must be one of {', '.join(MOMENTUM_STATES)}, "
+                             f"got {momentum_state!r}")
+        self.momentum_state = momentum_state
+        # the moments of the run's optimizer and how each travels (None: not sent), the ledger's table
+        self.moment_codes = {key: ledger.moment_code(momentum_state, key) for key in moment_keys(ctx)}
+        # some state travels with the slices (owner-averaged): every option but reset and local
+        self.aggregate_momentum = momentum_state not in ("reset", "local")
+        self.keep_local = momentum_state == "local"
         # the run's --storage, unless the method needs one (e.g. GReLU rows: a worker reads every row)
         self.storage = storage or ("decentralized" if ctx.decentralized else "replicated")
         self.decentral = ctx.distributed and self.storage == "decentralized"
@@ -239,6 +281,9 @@ class SubnetRounds:
         # state of that parameter's shape (SGD momentum, AdamW moments); 0-dim state (AdamW's step) by key
         self.momentum: Dict[str, Dict[str, Tensor]] = {}
         self.scalars: Dict[str, Tensor] = {}
+        # momentum_state=local: worker -> {"moments": key -> plan name -> global-shape state, "scalars":
+        # plan name -> key -> 0-dim state} of the slices it has trained (this process's workers)
+        self.kept: Dict[int, dict] = {}
         self.held: Optional[int] = None
         self._plans: Dict[int, object] = {}
         # decentralized: the compact module, its optimizer and tensors, kept while the shapes hold
@@ -268,6 +313,67 @@ class SubnetRounds:
         """The outer step on ``tensors[n]`` (the aggregate, or a worker's trained slice) from
         ``previous[n]``, for ``names`` held here."""
         self.outer.step_(tensors, previous, names)
+
+    # ---- the optimizer state across owners (momentum_state; the module docstring's rules)
+    def _code(self, key: str):
+        """How state ``key`` travels: None (not sent), "exact" or the bits of its block code."""
+        return ledger.moment_code(self.momentum_state, key)
+
+    def _code_moments_(self, states: Dict[str, Dict[str, Tensor]], slices) -> None:
+        """int8 / int8-v4: every block-coded moment of ``states`` (key -> plan name -> a worker's
+        compact state under ``slices``) coded and decoded in place, blocks within each slice."""
+        dims = {t.name: None if t.shared else t.dim for t in slices.tensors}
+        for key, bufs in states.items():
+            code = self._code(key)
+            if isinstance(code, int):
+                for name, buf in bufs.items():
+                    fake_quantize_(buf, dims[name], code, unsigned=key in ledger.SECOND_MOMENTS)
+
+    def _kept_fill(self, s: int, slices, params: Dict[str, Tensor], opt) -> None:
+        """local: worker s's kept state of its compact ``params`` (plan name -> parameter, cut by
+        ``slices``) into ``opt``: the kept slices' values, zeros for slices it never trained, the
+        tensor's step; nothing for a tensor it never trained (a fresh optimizer's state)."""
+        kept = self.kept.get(s)
+        if not kept:
+            return
+        by_name = {t.name: t for t in slices.tensors}
+        for name, p in params.items():
+            steps = kept["scalars"].get(name)
+            if steps is None:
+                continue
+            t, st = by_name[name], opt.state[p]
+            for key, fulls in kept["moments"].items():
+                full = fulls.get(name)
+                if full is not None:
+                    st[key] = full.clone() if t.shared else full.index_select(t.dim, t.owners[s].to(full.device))
+            for key, v in steps.items():
+                st[key] = v.clone()
+
+    def _kept_store(self, s: int, slices, params: Dict[str, Tensor], opt) -> None:
+        """local: worker s's state after its local steps written over its kept state (the slices it
+        trained; a tensor's step replaced)."""
+        kept = self.kept.setdefault(s, {"moments": {}, "scalars": {}})
+        by_name = {t.name: t for t in slices.tensors}
+        with torch.no_grad():
+            for name, p in params.items():
+                st = opt.state.get(p)
+                if not st:
+                    continue
+                t = by_name[name]
+                steps = kept["scalars"].setdefault(name, {})  # (also marks the tensor as trained)
+                for key, v in st.items():
+                    if not isinstance(v, Tensor):
+                        continue
+                    if v.dim() == 0:
+                        steps[key] = v.detach().clone()
+                    elif v.shape == p.shape:
+                        fulls = kept["moments"].setdefault(key, {})
+                        if name not in fulls:
+                            fulls[name] = torch.zeros(self.spec[name][0], dtype=v.dtype, device=v.device)
+                        if t.shared:
+                            fulls[name].copy_(v)
+                        else:
+                            fulls[name].index_copy_(t.dim, t.owners[s].to(v.device), v.detach())
 
     # ---- plans (the last two are kept: this round's and the next)
     def plan(self, r: int):
@@ -315,9 +421,10 @@ class SubnetRounds:
         with ctx.clock("metrics"):
             ps = (ctx.comm.ps_bytes(plan.slices, self.spec, download=plan.ps_download,
                                     compress=self.compress) if ctx.num_workers > 1 else 0)
-            if self.aggregate_momentum and ctx.num_workers > 1:  # each state tensor of a parameter's shape
-                ps += ctx.comm.ps_bytes(plan.slices, self.spec, names=self.param_names) * \
-                    ctx.param_state_tensors
+            if ctx.num_workers > 1:  # each moment that travels, coded as it travels
+                for code in self.moment_codes.values():
+                    if code is not None:
+                        ps += ctx.comm.ps_bytes(plan.slices, self.spec, names=self.param_names, state_code=code)
             if self.outer_on and self.storage == "decentralized" and ctx.num_workers > 1:
                 ps += ctx.comm.ps_bytes(self.stored(plan), self.spec, names=self._outer_names(plan)[0]) * \
                     self.outer.tensors_per_param
@@ -369,6 +476,8 @@ class SubnetRounds:
         ctx, s = self.ctx, self.ctx.rank
         with ctx.clock("plan"):
             sub, opt, params = self._compact(plan, s)
+            if self.keep_local:
+                self._kept_fill(s, self.stored(plan), params, opt)
             for key, bufs in self.momentum.items():
                 for name, buf in bufs.items():
                     opt.state[params[name]][key] = buf
@@ -386,10 +495,12 @@ class SubnetRounds:
         ctx, s = self.ctx, self.ctx.rank
         plan, nxt, r, sub, opt, params = (state[k] for k in ("plan", "nxt", "r", "sub", "opt", "params"))
         with ctx.clock("metrics"):
-            held = self._held_bytes(plan, sub, opt)
+            held = self._held_bytes(plan, sub, opt, (self.kept.get(s),) if self.keep_local else ())
             if self.outer_on:
                 held += held_bytes(self.outer.tensors(), state["prev"])
         with ctx.clock("plan"):
+            if self.keep_local:
+                self._kept_store(s, self.stored(plan), params, opt)
             trained = plan.tensors_of(sub)
             if self.outer_on:
                 prev, part_names, shared_names = state["prev"], state["part_names"], state["shared_names"]
@@ -411,12 +522,19 @@ class SubnetRounds:
                 trained_params = [(n, params[n]) for n in params if n in names]
                 states = param_states_of(trained_params, opt)
                 self.scalars = scalar_states_of([p for _, p in trained_params], opt)
+                self._code_moments_(states, plan.slices)
                 # every rank names the same tensors (the model's parameters), whatever its subnetwork holds:
                 # the exchange's schedule is derived from the names, and ResIST's subnetworks hold different
                 # layers (names of its own would give each rank another schedule: a hang)
-                self.momentum = {key: ctx.comm.exchange(plan.slices, nxt.slices, self.spec, bufs,
-                                                        names=self.param_names, round=r + 1)
-                                 for key, bufs in states.items()}
+                moved = {key: ctx.comm.exchange(plan.slices, nxt.slices, self.spec, bufs, names=self.param_names,
+                                                round=r + 1, state_code=self._code(key))
+                         for key, bufs in states.items() if self._code(key) is not None}
+                if moved:  # a moment not sent (second: the first) starts the next round from zeros
+                    shapes = next(iter(moved.values()))
+                    for key in states:
+                        if key not in moved:
+                            moved[key] = {n: torch.zeros_like(v) for n, v in shapes.items()}
+                self.momentum = moved
         return {s: held}
 
     def _global_begin(self, plan, state) -> List[WorkerTurn]:
@@ -435,6 +553,9 @@ class SubnetRounds:
         with ctx.clock("plan"):
             turns = [WorkerTurn(sub.index, sub.module, sub.optimizer if self.optimizer is not None
                                 else ctx.make_optimizer(sub.module.parameters())) for sub in mine]
+            if self.keep_local:
+                for sub, turn in zip(mine, turns):
+                    self._kept_fill(sub.index, plan.slices, plan.tensors_of(sub, detach=False), turn.optimizer)
         state.update(mine=mine, turns=turns)
         return turns
 
@@ -447,12 +568,23 @@ class SubnetRounds:
         held = {}
         with ctx.clock("metrics"):
             for sub, turn in zip(mine, turns):
-                held[sub.index] = self._held_bytes(plan, sub, turn.optimizer, extra)
+                held[sub.index] = self._held_bytes(plan, sub, turn.optimizer,
+                                                   extra + ((self.kept.get(sub.index),) if self.keep_local else ()))
                 if self.outer_on:  # the outer state and the previous model of what the worker stores
                     names = state["part_names"] + state["shared_names"]
                     held[sub.index] += (state["outer_state"] if replicated else ctx.comm.ps_bytes_of(
                         self.stored(plan), self.spec, sub.index, names=names) // 2 * (1 + self.outer.tensors_per_param)
                         + self.outer.scalar_bytes(self._stored_names(plan, sub.index, names)))
+        if self.keep_local:
+            with ctx.clock("plan"):
+                for sub, turn in zip(mine, turns):
+                    self._kept_store(sub.index, plan.slices, plan.tensors_of(sub, detach=False), turn.optimizer)
+        if self.optimizer is not None and any(isinstance(c, int) for c in self.moment_codes.values()):
+            with ctx.clock("pack"):  # the moments as their receivers decode them
+                names = set(self.param_names)
+                for sub in mine:
+                    params = [(n, p) for n, p in plan.tensors_of(sub, detach=False).items() if n in names]
+                    self._code_moments_(param_states_of(params, sub.optimizer), plan.slices)
         shared_means = {}
         if self.compress is not None and not ctx.distributed:  # what the compressed exchange delivers
             shared_means = ctx.comm.compress_contributions(plan.slices, [plan.compact(sub) for sub in mine])
@@ -466,14 +598,18 @@ class SubnetRounds:
             if not replicated:
                 ctx.comm.compress_held(plan.slices, self.stored(plan), model)
         states = param_states_of(self.model.named_parameters(), self.optimizer) if self.optimizer is not None else {}
+        for key in list(states):
+            if self._code(key) is None:  # second: the first moment is not sent; every subnetwork starts from zeros
+                for buf in states.pop(key).values():
+                    buf.zero_()
         outer_names = state.get("part_names", []) + state.get("shared_names", [])
         if ctx.distributed:  # replicated storage
             with ctx.clock("plan"):
                 ctx.comm.exchange(plan.slices, None, None, model, storage="replicated", round=r + 1,
                                   compress=self.compress)
-                for mom in states.values():
+                for key, mom in states.items():
                     ctx.comm.exchange(plan.slices, None, None, mom, names=list(mom), storage="replicated",
-                                      round=r + 1)
+                                      round=r + 1, state_code=self._code(key))
                 plan.after_aggregate()  # e.g. ResIST's full-model residual scales (already set; cheap)
                 if self.outer_on:
                     self._outer_(self.tensors(), state["prev"], outer_names)
@@ -482,10 +618,11 @@ class SubnetRounds:
             with ctx.clock("plan"):
                 self._outer_(self.tensors(), state["prev"], outer_names)
         cur = plan.slices if replicated else self.stored(plan)
-        for names, comp in [(list(model), self.compress)] + [(list(mom), None) for mom in states.values()]:
+        for names, comp, code in [(list(model), self.compress, None)] + [(list(mom), None, self._code(key))
+                                                                         for key, mom in states.items()]:
             # the optimizer's state tensors have their parameters' shapes: the model is the spec for all
             ctx.comm.count_exchange(cur, self.stored(nxt), self.spec, storage=self.storage, names=names,
-                                    compress=comp)
+                                    compress=comp, state_code=code)
         if self.outer_on and self.storage == "decentralized":  # partitioned slices' outer state moves with them
             for _ in range(self.outer.tensors_per_param):
                 ctx.comm.count_exchange(cur, self.stored(nxt), self.spec, storage=self.storage,
@@ -513,6 +650,7 @@ class SubnetRounds:
         """Forget this rank's part (decentralized), e.g. once a pruned model replaces it."""
         self.part = self.momentum = None
         self.scalars = {}
+        self.kept = {}
         self._kept = None
         self._open = None
         if self.outer is not None:
@@ -522,9 +660,10 @@ class SubnetRounds:
     def state_dict(self):
         if self.decentral:
             return {"held": self.held, "part": self.part, "momentum": self.momentum, "scalars": self.scalars,
-                    "outer": self._outer_state()}
+                    "outer": self._outer_state(), "kept": self.kept}
         return {"held": self.held, "model": self.model.state_dict(),
-                "optimizer": None if self.optimizer is None else self.optimizer.state_dict(), "outer": self._outer_state()}
+                "optimizer": None if self.optimizer is None else self.optimizer.state_dict(), "outer": self._outer_state(),
+                "kept": self.kept}
 
     def _outer_state(self):
         return {} if self.outer is None else self.outer.state_dict()
@@ -533,6 +672,7 @@ class SubnetRounds:
         self.held = state["held"]
         self._kept = None
         self._open = None
+        self.kept = dict(state.get("kept") or {})
         if self.outer is not None:
             self.outer.load_state_dict(state.get("outer") or {})
         if self.decentral:
