@@ -217,3 +217,33 @@ def test_state_split_and_payoff():
     assert ledger.payoff(split, 1) == (0.0, 1.0)
     assert ledger.payoff({"shared_state_bytes": 0, "partitioned_state_bytes": 0}, 4) == (0.0, 1.0)
     assert ledger.payoff({"shared_state_bytes": 0, "partitioned_state_bytes": 8}, 2) == (1.0, 0.25)
+
+
+# ---------------------------------------------------------------- optimizer moments (momentum_state)
+
+def test_moment_bytes_against_hand_counts_and_the_exchanges_int8():
+    """Moments coded block-wise: the parameter-server count by hand (w's rows of 12 values: 12 + 4
+    bytes at 8 bits, 6 + 4 at 4; b one slice; v's one-value slices exact), and the wire count of
+    8-bit codes equal to the Exchange's own --compress int8 count (one 4-byte scale per slice of
+    <= 256 values: the same bytes), from the routing of the plans."""
+    spec, cur, nxt = _plans()
+    assert ledger.subnet_bytes(cur, spec, state_code=8) == [5 * 16 + 10 + 4, 5 * 16 + 10 + 3 * 4]
+    assert ledger.subnet_bytes(cur, spec, state_code=4) == [5 * 10 + (3 + 4) + 4, 5 * 10 + (3 + 4) + 3 * 4]
+    assert ledger.subnet_bytes(cur, spec, state_code="exact") == ledger.subnet_bytes(cur, spec)
+    assert ledger.ps_bytes(cur, spec, download=nxt, state_code=8) == [
+        5 * 16 + 10 + 4 + 3 * 16 + 10 + 2 * 4, 5 * 16 + 10 + 3 * 4 + 7 * 16 + 10 + 2 * 4]
+    with pytest.raises(ValueError, match="not both"):
+        ledger.subnet_bytes(cur, spec, compress="int8", state_code=8)
+    for shared in ("exact", "all_reduce"):
+        c = comm.Comm(world_size=2, rank=0, distributed=False, local_workers=[0, 1], shared=shared, clock=Clock())
+        names = ["w", "b", "v"]
+        c.count_exchange(cur, nxt, spec, names=names, state_code=8)
+        coded = c.take()
+        want = exchange.plan_bytes(cur, nxt, spec, shared=shared, names=names, compress="int8")
+        if shared == "exact":
+            assert coded["sent_by_worker"] == {r: st.bytes_sent for r, st in enumerate(want)}
+        else:  # the shared b through the ring all_reduce, coded: 2 (S - 1) / S of 6 + 4 bytes
+            assert coded["sent_by_worker"] == {r: st.all_to_all_bytes_sent + 10 for r, st in enumerate(want)}
+        c.count_exchange(cur, nxt, spec, names=names, state_code="exact")
+        assert c.take()["sent"] == sum(st.bytes_sent for st in exchange.plan_bytes(cur, nxt, spec, shared=shared,
+                                                                                     names=names))
