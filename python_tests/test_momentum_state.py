@@ -77,7 +77,7 @@ def ref_log(x, dim, bits, block=B):
     return out, tie
 
 
-CASES = [((3, 300), 0), ((300, 5), 1), ((5, 7, 3), 1), ((1000,), None), ((2, 3, 700), 2), ((4, 2), 0)]
+CASES = [((3, 300), 0), ((300, 5), 1), ((5, 7, 3), 1), ((1000,), None), ((2, 3, 130), 2), ((4, 2), 0)]
 
 
 @pytest.mark.parametrize("shape,dim", CASES)
@@ -284,11 +284,11 @@ def test_decentralized_coded_moments_equal_simulated(tmp_path):
     assert untimed(s_hist) == untimed(d_hist)
 
 
-@pytest.mark.parametrize("option", ["int8", "local"])
-def test_simulated_resume_is_exact(tmp_path, option):
-    """Stopped after round 1 and resumed: the global AdamW state (int8) or every worker's kept state
-    (local) is in the checkpoint, so the rounds after it are the uninterrupted run's."""
-    args = ["--method", "ist", "--option", f"momentum_state={option}", "--rounds", 3, "--simulate", 2,
+def test_simulated_resume_keeps_the_kept_state(tmp_path):
+    """local, stopped after round 1 and resumed: every worker's kept state is in the checkpoint, so
+    the rounds after it are the uninterrupted run's (the coded options hold the global AdamW state,
+    whose resume test_optimizers checks)."""
+    args = ["--method", "ist", "--option", "momentum_state=local", "--rounds", 3, "--simulate", 2,
             "--eval-interval", 1]
     _, full_model, full_hist = run(tmp_path / "full", *args)
     run(tmp_path / "part", *args, "--stop-after", 1)
