@@ -14,7 +14,9 @@ prints two tables (depth 2, S = 4 balanced neuron partitions, fp32, best of ``--
 2. one round of tau local SGD steps of one subnetwork (as bench_subnet's round and issue 37's
    measurement): ``SubnetMLP.compact([neurons])`` (plan built, gather, tau steps, write-back)
    against the same round with its plan built once (``refresh``, tau steps, ``write_back``),
-   interleaved; the target is at most 1.2x.
+   interleaved; the target is at most 1.2x. ``compact()`` alone (plan, gather into new buffers,
+   the modules) and ``refresh()`` alone (the gather into the same buffers) show the plan's share
+   without the steps, which dominate the noise on a shared machine.
 """
 import argparse
 import time
@@ -87,7 +89,8 @@ def _steps(module, x, y, tau, lr=1e-3):
 def round_table(widths, repeats, batch, tau):
     print(f"\none round of tau={tau} local steps of one subnetwork (1/{S} of the width, depth {DEPTH}, batch {batch}, "
           f"in {IN}), interleaved, best of {repeats}")
-    print(f"{'width':>6} {'plan built ms':>14} {'plan once ms':>13} {'ratio':>7} {'target':>7}")
+    print(f"{'width':>6} {'plan built ms':>14} {'plan once ms':>13} {'ratio':>7} {'target':>7} {'compact() ms':>13} "
+          f"{'refresh() ms':>13}")
     for w in widths:
         model, neurons = _problem(w)
         g = torch.Generator().manual_seed(1)
@@ -104,22 +107,24 @@ def round_table(widths, repeats, batch, tau):
             _steps(once.modules[0], x, y, tau)
             once.write_back()
 
-        best = {built: float("inf"), reused: float("inf")}
+        best = {built: float("inf"), reused: float("inf"), "compact": float("inf"), "refresh": float("inf")}
         built(), reused()
+        alone = {"compact": lambda: model.compact([neurons[0]]), "refresh": once.refresh}
         for _ in range(repeats):
             for f in best:
                 t0 = time.perf_counter()
-                f()
+                alone[f]() if isinstance(f, str) else f()
                 best[f] = min(best[f], time.perf_counter() - t0)
         r = best[built] / best[reused]
-        print(f"{w:6d} {best[built] * 1e3:14.1f} {best[reused] * 1e3:13.1f} {r:6.2f}x {'PASS' if r <= 1.2 else 'MISS':>7}")
+        print(f"{w:6d} {best[built] * 1e3:14.1f} {best[reused] * 1e3:13.1f} {r:6.2f}x {'PASS' if r <= 1.2 else 'MISS':>7} "
+              f"{best['compact'] * 1e3:13.2f} {best['refresh'] * 1e3:13.2f}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--widths", default="1024,2048,4096,8192,16384")
     ap.add_argument("--flat-max", type=int, default=4096, help="largest width the flat plan is built at")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--tau", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0)

@@ -6,6 +6,14 @@ import pytest
 import torch
 
 import ist_kernels.functional as IF
+from ist_kernels.distributed import (
+    Exchange,
+    destroy_process_group,
+    gather_bytes,
+    gather_full_model,
+    init_process_group,
+    plan_bytes,
+)
 from ist_kernels.nn import SubnetMLP
 from ist_kernels.partition import SlicePlan, TensorSlices, positions
 
@@ -189,6 +197,9 @@ def test_slice_plan_product_kind():
     assert covered.tensors[0] is full
     pos = positions((torch.tensor([1, 3, 4]), torch.tensor([0, 2])), (torch.tensor([3, 4]), torch.tensor([2])))
     assert [p.tolist() for p in pos] == [[1, 2], [1]]
+    wide = TensorSlices("w", 0, (torch.tensor([1]), torch.tensor([2])), (torch.tensor([0]), torch.tensor([0, 4])), 1)
+    with pytest.raises(ValueError, match=r"'w': the cols of subnetwork 1 must be in \[0, 4\)"):
+        SlicePlan(2, (wide,)).flat({"w": (7, 4)})
     with pytest.raises(ValueError, match="the product 'w' needs"):
         SlicePlan(3, (TensorSlices("w", 0, tuple(rows), tuple(cols[:2]), 1),))
 
@@ -227,3 +238,58 @@ def test_subnet_mlp_product_round_as_flat(masks):
     now = dict(m.named_parameters())
     for t in sp.partitioned:
         assert torch.equal(now[t.name], full[t.name]), t.name
+
+
+def _exchange_plans(S):
+    """Two rounds' plans of a product (7 x 5; this round's rows dealt in S disjoint groups at random
+    with every column, the next round's columns dealt with every row: every element one owner, and
+    what moves between two ranks a product of both), a tensor sliced along one dim and a shared bias."""
+    def plan(seed):
+        rows, cols = (torch.randperm(n, generator=torch.Generator().manual_seed(seed)) for n in (7, 5))
+        r = [rows[s::S].sort().values if seed == 1 else torch.arange(7) for s in range(S)]
+        c = [cols[s::S].sort().values if seed == 2 else torch.arange(5) for s in range(S)]
+        w = TensorSlices("w", 0, tuple(r), tuple(c), 1)
+        v = TensorSlices("v", 0, tuple(torch.arange(s, 6, S) for s in range(S)))
+        return SlicePlan(S, (w, v, TensorSlices("b", None)))
+    return plan(1), plan(2)
+
+
+def test_exchange_byte_counts_of_products_as_flat():
+    S = 3
+    cur, nxt = _exchange_plans(S)
+    spec = {"w": ((7, 5), torch.float32), "v": ((6, 4), torch.float32), "b": ((2,), torch.float32)}
+    flat_spec = {**spec, "w": ((35,), torch.float32)}
+    shapes = {n: v[0] for n, v in spec.items()}
+    for storage in ("decentralized", "replicated"):
+        for compress in (None, "int8"):
+            a = plan_bytes(cur, nxt, spec, storage=storage, shared="exact", compress=compress)
+            b = plan_bytes(cur.flat(shapes), nxt.flat(shapes), flat_spec, storage=storage, shared="exact",
+                           compress=compress)
+            assert [x.bytes_sent for x in a] == [x.bytes_sent for x in b] and any(x.bytes_sent for x in a)
+    assert [x.bytes_sent for x in gather_bytes(cur, spec)] == [x.bytes_sent for x in gather_bytes(cur.flat(shapes),
+                                                                                                  flat_spec)]
+
+
+def test_exchange_of_products_on_one_rank(tmp_path):
+    """S = 1: the Exchange and gather_full_model take a product's compact rows x cols tensor and
+    give back the next one, rows x cols, equal to the plan stated flat."""
+    init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, timeout=30)
+    try:
+        g = torch.Generator().manual_seed(0)
+        full = {"w": torch.randn(7, 5, generator=g), "v": torch.randn(6, 4, generator=g), "b": torch.randn(2, generator=g)}
+        meta = {n: torch.empty(x.shape, device="meta") for n, x in full.items()}
+        rows = (torch.tensor([0, 2, 3, 5]), torch.tensor([1, 3, 4]))
+        cur = SlicePlan(1, (TensorSlices("w", 0, (torch.arange(7),), (torch.arange(5),), 1),
+                            TensorSlices("v", 0, (torch.arange(6),)), TensorSlices("b", None)))
+        nxt = SlicePlan(1, (TensorSlices("w", 0, (torch.arange(7),), (rows[1],), 1),
+                            TensorSlices("v", 0, (rows[0],)), TensorSlices("b", None)))
+        local = cur.part(full, 0)
+        out = Exchange(cur, nxt, meta, shared="exact", drop_unowned=True)(local)
+        assert torch.equal(out["w"], full["w"][:, rows[1]]) and torch.equal(out["v"], full["v"][rows[0]])
+        assert torch.equal(out["b"], full["b"])
+        got = gather_full_model(cur.part(full, 0), cur, meta)
+        assert all(torch.equal(got[n], full[n]) for n in full)
+        with pytest.raises(ValueError, match=r"'w' on rank 0 must have shape \(7, 5\)"):
+            Exchange(cur, nxt, meta, drop_unowned=True)({**local, "w": local["w"].reshape(-1)})
+    finally:
+        destroy_process_group()

@@ -21,6 +21,11 @@ simulated path, one collective per round, (S-1) times the shared bytes per rank 
 ring all-reduce's 2(S-1)/S.
 
 Plans are never sent: every rank derives both from the shared seed.
+
+A product in a plan (a tensor partitioned along two dims, ``TensorSlices.product``: rows x cols)
+is held as its compact rows x cols tensor and routed on its flat view, one slice per element
+(``TensorSlices.flat``): the same bytes and values as the plan stated flat; its routing costs
+O(rows x cols) per round (a routing on the two index lists is what remains, issue 37 item 3).
 """
 import time
 from dataclasses import dataclass, field
@@ -490,6 +495,12 @@ def _plan_masks(plan: SlicePlan, spec, S: int, shared_as_slice: bool, what: str)
                 continue
             found.append((Entry(t.name, 0, (1, prod(shape)), shape, dtype, True), everyone))
             continue
+        if t.product:  # moved on its flat view, one slice per element (its compact tensors: rows x cols)
+            if not dtype.is_floating_point:
+                raise ValueError(f"the {what} plan partitions the integer tensor {t.name!r} as a product; only "
+                                 "floating tensors can be")
+            found.append((Entry(t.name, 0, (prod(shape),), shape, dtype, False), [o.cpu() for o in t.flat(shape).owners]))
+            continue
         if not shape:
             if t.dim not in (0, -1):
                 raise ValueError(f"the {what} plan partitions the scalar {t.name!r} along dim {t.dim}; use 0")
@@ -507,6 +518,13 @@ def _plan_masks(plan: SlicePlan, spec, S: int, shared_as_slice: bool, what: str)
         base += e.size
     entries = [e for e, _ in found]
     return entries, owner_ids(entries, [o for _, o in found], S, f"the {what} plan")
+
+
+def _product_shapes(plan: Optional[SlicePlan], rank: int) -> Dict[str, Tuple[int, int]]:
+    """name -> the compact shape (rows, cols) ``rank`` holds of every product of ``plan``."""
+    if plan is None:
+        return {}
+    return {t.name: (t.owners[rank].numel(), t.cols[rank].numel()) for t in plan.tensors if t.product}
 
 
 def _buffer_dtype(entries: List[Entry], who: str) -> torch.dtype:
@@ -541,9 +559,9 @@ def plan_fingerprint(plan: SlicePlan) -> int:
     import ctypes
     import zlib
 
-    h = zlib.crc32(repr((plan.num_subnetworks, [(t.name, t.dim) for t in plan.tensors])).encode())
+    h = zlib.crc32(repr((plan.num_subnetworks, [(t.name, t.dims) for t in plan.tensors])).encode())
     for t in plan.partitioned:
-        for o in t.owners:
+        for o in t.owners + t.cols:
             o = o.detach().to("cpu", torch.int64).contiguous()
             h = zlib.crc32(ctypes.string_at(o.data_ptr(), o.nbytes), h)  # the raw bytes, without numpy
             h = zlib.crc32(b"|", h)
@@ -722,13 +740,14 @@ class Exchange:
     def _prepare(self, spec):
         cur, nxt = self.current, self.next
         if nxt is not None:
-            a = {t.name: t.dim for t in cur.tensors}
-            b = {t.name: t.dim for t in nxt.tensors}
+            a = {t.name: t.dims for t in cur.tensors}
+            b = {t.name: t.dims for t in nxt.tensors}
             if a != b:
                 diff = sorted(n for n in set(a) | set(b) if a.get(n, "absent") != b.get(n, "absent"))
                 raise ValueError(f"Exchange: the current and next plans must hold the same tensors with the same "
                                  f"dims (shared: None); they differ at {diff[:8]}")
         self._entries, self._cur_mask = _plan_masks(cur, spec, self.world_size, self.shared == "exact", "current")
+        self._cur_2d, self._nxt_2d = _product_shapes(cur, self.rank), _product_shapes(nxt, self.rank)
         self._nxt_mask = (_plan_masks(nxt, spec, self.world_size, self.shared == "exact", "next")[1]
                           if nxt is not None else None)
         self._shared_names = [t.name for t in cur.tensors if t.shared and spec[t.name][1].is_floating_point]
@@ -831,7 +850,7 @@ class Exchange:
             shape, dtype = self._spec[n]
             i = index_of.get(n)
             if decentral and i is not None and not sub[i].shared:
-                expect, held = sub[i].local_shape(cur_rows[i]), cur_rows[i] > 0
+                expect, held = self._cur_2d.get(n, sub[i].local_shape(cur_rows[i])), cur_rows[i] > 0
             else:
                 expect, held = shape, True
             t = local.get(n)
@@ -867,7 +886,7 @@ class Exchange:
             elif i in passthrough:
                 out[e.name] = t
             elif nxt_rows[i] > 0:
-                tgt = torch.empty(e.local_shape(nxt_rows[i]), dtype=e.dtype, device=device)
+                tgt = torch.empty(self._nxt_2d.get(e.name, e.local_shape(nxt_rows[i])), dtype=e.dtype, device=device)
                 targets[i] = tgt.view(e.compact_shape(nxt_rows[i]))
                 out[e.name] = tgt
         if sub:
@@ -922,10 +941,11 @@ def gather_full_model(local: Mapping[str, Tensor], plan: SlicePlan, spec: Spec, 
     routing = route(entries, r, src, need, source_held=cur[r], target_held=None)
     mover = _Mover(entries, routing, _buffer_dtype(entries, "gather_full_model"))
     rows = per_entry_count(cur[r], entries).tolist() if entries else []
+    products = _product_shapes(plan, r)
     sources, targets, device = {}, {}, None
     for i, e in enumerate(entries):
         t = local.get(e.name)
-        expect = e.local_shape(rows[i])
+        expect = products.get(e.name, e.local_shape(rows[i]))
         if t is None:
             if rows[i] > 0:
                 raise KeyError(f"gather_full_model: rank {r} holds {e.name!r} but local lacks it")

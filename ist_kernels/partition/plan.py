@@ -79,6 +79,12 @@ class TensorSlices:
         if len(shape) != 2 or (self.dim % 2, self.col_dim % 2) != (0, 1):
             raise ValueError(f"TensorSlices.flat: {self.name!r} is a product along dims ({self.dim}, {self.col_dim}) "
                              f"of shape {list(shape)}; the flat view needs a 2-D tensor sliced along (0, 1)")
+        for s, (r, c) in enumerate(zip(self.owners, self.cols)):
+            for k, (idx, n) in enumerate(((r, shape[0]), (c, shape[1]))):
+                if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+                    raise ValueError(f"TensorSlices.flat: {self.name!r}: the {('rows', 'cols')[k]} of subnetwork {s} "
+                                     f"must be in [0, {n}) (dim {(self.dim, self.col_dim)[k]} of shape {list(shape)}), "
+                                     f"got {idx.tolist()[:16]}")
         flat = tuple((r.unsqueeze(1) * shape[1] + c.unsqueeze(0)).reshape(-1) for r, c in zip(self.owners, self.cols))
         return TensorSlices(self.name, 0, flat)
 
