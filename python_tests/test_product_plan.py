@@ -293,3 +293,18 @@ def test_exchange_of_products_on_one_rank(tmp_path):
             Exchange(cur, nxt, meta, drop_unowned=True)({**local, "w": local["w"].reshape(-1)})
     finally:
         destroy_process_group()
+
+
+def test_product_gather_in_row_chunks(monkeypatch):
+    """The CPU gather of a 2-D weight reads rows in chunks: chunk edges inside the rows, a chunk
+    smaller than one row, and an empty column list."""
+    from ist_kernels.ops.slices import product
+
+    g = torch.Generator().manual_seed(9)
+    W = torch.randn(11, 9, dtype=torch.float64, generator=g)
+    rows, cols = torch.tensor([0, 2, 3, 5, 7, 8, 10]), torch.tensor([1, 4, 5, 8])
+    for chunk in (1, 4, 9, 1 << 15):
+        monkeypatch.setattr(product, "CHUNK", chunk)
+        for c in (cols, cols[:0]):
+            seg = IF.slice_plan([W], [0], [(rows, c)], [(0, 1)]).gather([W])[0]
+            assert torch.equal(seg, W[rows][:, c])

@@ -12,7 +12,15 @@ from typing import List, Optional, Sequence
 import torch
 
 from .._checks import byte_range, check, check_index, check_type, fail, memory_overlap, overlap_words
-from .product import check_product, gather_product, is_product, product_shape, scatter_products_, wrap_pair
+from .product import (
+    check_product,
+    gather_product,
+    is_product,
+    overlaps,
+    product_shape,
+    scatter_products_,
+    wrap_pair,
+)
 
 REDUCES = ("copy", "sum", "mean")
 MAX_SLICES = (1 << 31) - 1  # slices along one dim the kernels support (csrc/common/slices.h kFastDivMax)
@@ -346,6 +354,15 @@ class PlannedSlices:
     On CUDA a call that finds its tensors where the previous call found them neither allocates nor
     waits for the device, so a round's gathers and scatters can be captured in a CUDA graph (run
     each once before capturing: that call uploads the records).
+
+    Products: a tensor whose ``dims`` entry is a pair ``(d0, d1)`` is sliced along both; each of
+    its segments' ``indices`` is a pair ``(rows, cols)`` and the segment is ``x.index_select(d0,
+    rows).index_select(d1, cols)``. Planned from the two lists (checked, moved to the tensors'
+    device; O(rows + cols), never element by element) and run by :mod:`.product` (gather: a take
+    per chunk of rows or an advanced index; write-back: ``index_put_``, with the owner reduction
+    over the rows x cols block where segments overlap), bit for bit the kernels' flat scatter.
+    Their segment views live in their own buffer (one per dtype); ``gather(out=)`` is not
+    supported on a plan with products.
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], ids: Sequence[int], indices: Sequence,
@@ -514,6 +531,11 @@ class _Products:
             self.index[j] = (rows, cols)
             seg_shapes.append(product_shape(self.shapes[t], self.dims[t], rows.numel(), cols.numel()))
         self.ids = {j: ids[j] for j in self.segs}
+        self.overlap = {}  # per target: whether two of its segments share an element (the mean's slow path)
+        for t in self.members:
+            d = self.dims[t]
+            self.overlap[t] = overlaps([self.index[j] for j in self.segs if ids[j] == t],
+                                       (self.shapes[t][d[0]], self.shapes[t][d[1]]))
         self.seg_shapes = dict(zip(self.segs, seg_shapes))
         by_dtype: dict = {}
         for j in self.segs:
@@ -561,4 +583,4 @@ class _Products:
         for t in self.members:
             segs = [j for j in self.segs if self.ids[j] == t]
             scatter_products_(targets[t], self.dims[t], [self.index[j] for j in segs], [updates[j] for j in segs],
-                              reduce)
+                              reduce, self.overlap[t])

@@ -16,7 +16,7 @@ sum is 0, and ``(sum_l u_l 2^-64) / k 2^64`` where that form overflows), accumul
 half / bfloat16 and in int64 for integers (the mean rounded toward zero), rounded once. Slices no
 segment owns keep their value.
 """
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -82,11 +82,29 @@ def check_product(op: str, j: int, index, x: Tensor, dims: Tuple[int, int], name
                   "each slice at most once")
 
 
+CHUNK = 1 << 15  # elements per take of a 2-D CPU gather: one serial pass of index_select (its grain size)
+
+
 def gather_product(x: Tensor, dims: Tuple[int, int], index: Product, out: Tensor) -> Tensor:
     """``x.index_select(dims[0], rows).index_select(dims[1], cols)`` into ``out`` (contiguous, the
-    compact shape)."""
+    compact shape), in one pass, without an intermediate of rows x the other dim.
+
+    A contiguous 2-D CPU tensor along (0, 1) (an MLP's hidden weight) is read by a take of flat
+    indices built per chunk of rows (``CHUNK`` elements; at most that index exists at a time): at
+    4096 x 4096, keep 1/4, S = 4, 22.6 ms against 56 ms for the advanced index and 25 ms for the
+    kernels' flat gather with its planned rows x cols index (this 2-core CPU). Elsewhere: an
+    advanced index of the two lists broadcast against each other (one kernel on CUDA)."""
     rows, cols = index
-    return torch.index_select(x.index_select(dims[0], rows), dims[1], cols, out=out)
+    if tuple(dims) == (0, 1) and x.dim() == 2 and x.device.type == "cpu" and x.is_contiguous():
+        flat, stride, o = x.view(-1), x.shape[1], out.view(rows.numel(), cols.numel())
+        step = max(1, CHUNK // max(1, cols.numel()))
+        for i in range(0, rows.numel(), step):
+            take = (rows[i:i + step, None] * stride + cols[None, :]).view(-1)
+            torch.index_select(flat, 0, take, out=o[i:i + step].view(-1))
+        return out
+    at = (rows[:, None], cols[None, :])
+    out.movedim(dims, (0, 1)).copy_(_front(x, dims)[at])
+    return out
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -102,8 +120,9 @@ def _front(x: Tensor, dims: Tuple[int, int]) -> Tensor:
     return x.movedim(dims, (0, 1))
 
 
-def _overlap(index: Sequence[Product], sizes: Tuple[int, int]) -> bool:
-    """Whether some element is owned by two of the segments: their rows and their cols both meet."""
+def overlaps(index: Sequence[Product], sizes: Tuple[int, int]) -> bool:
+    """Whether some element is owned by two of the segments (their rows and their cols both meet),
+    from the index lists (``sizes``: the two dims' lengths)."""
     if len(index) < 2:
         return False
     marks = []
@@ -119,16 +138,19 @@ def _overlap(index: Sequence[Product], sizes: Tuple[int, int]) -> bool:
 
 @torch.no_grad()
 def scatter_products_(target: Tensor, dims: Tuple[int, int], index: Sequence[Product], updates: Sequence[Tensor],
-                      reduce: str) -> None:
+                      reduce: str, overlap: Optional[bool] = None) -> None:
     """Write ``updates[j]`` (the compact shape of ``index[j]``) back into ``target`` in place, the
     owners of each element reduced in segment order (``reduce`` = copy / sum / mean; see the module
-    docstring). Arguments are checked by the caller; index lists are on ``target``'s device."""
+    docstring). Arguments are checked by the caller; index lists are on ``target``'s device.
+    ``overlap``: whether two segments share an element (:func:`overlaps`; computed when None)."""
     if not index:
         return
     t = _front(target, dims)
     ups = [_front(u, dims) for u in updates]
     rest = [1] * (t.dim() - 2)
-    if not _overlap(index, (t.shape[0], t.shape[1])):  # every element has at most one owner
+    if overlap is None:
+        overlap = overlaps(index, (t.shape[0], t.shape[1]))
+    if not overlap:  # every element has at most one owner
         for (rows, cols), u in zip(index, ups):
             at = (rows[:, None], cols[None, :])
             if reduce == "sum":
