@@ -11,7 +11,9 @@ prints two tables (depth 2, S = 4 balanced neuron partitions, fp32, best of ``--
    view, one slice per element (the form before: ``slice_plan`` flat indices + ``functional.slice_plan``
    on the flattened weight), up to ``--flat-max`` (it costs O(width^2) and GBs at 16k). The product
    plan's time per (rows + cols) should stay flat across widths; the flat one's grows with width^2.
-2. one round of tau local SGD steps of one subnetwork (as bench_subnet's round and issue 37's
+2. per call, with the plans built beforehand: the round's gather and owner-mean write-back of all
+   S subnetworks, products against the flat kernels (up to ``--flat-max``);
+3. one round of tau local SGD steps of one subnetwork (as bench_subnet's round and issue 37's
    measurement): ``SubnetMLP.compact([neurons])`` (plan built, gather, tau steps, write-back)
    against the same round with its plan built once (``refresh``, tau steps, ``write_back``),
    interleaved; the target is at most 1.2x. ``compact()`` alone (plan, gather into new buffers,
@@ -77,6 +79,27 @@ def plan_table(widths, flat_max, repeats):
               f"{ratio:>13}")
 
 
+def call_table(widths, flat_max, repeats):
+    """Per call, plans built beforehand: the round's gather and owner-mean write-back of all S
+    subnetworks, products against the flat kernels (what a round with its plan built once pays)."""
+    print(f"\nper call, plans built once: gather and write-back (mean) of all S={S} subnetworks, best of {repeats}")
+    print(f"{'width':>6} {'product gather':>15} {'flat gather':>12} {'product scatter':>16} {'flat scatter':>13}")
+    for w in [w for w in widths if w <= flat_max]:
+        model, neurons = _problem(w)
+        targets, plan, _ = model._planned(neurons)
+        plan.gather(targets)
+        full = dict(model.named_parameters())
+        sp = model.slice_plan(neurons)
+        flat_t = [full[t.name].detach().view(-1) if model._flat(t.name) else full[t.name].detach()
+                  for t in sp.partitioned]
+        fplan = _flat_plan(model, neurons)
+        fplan.gather(flat_t)
+        times = [_best(f, repeats) * 1e3 for f in (lambda: plan.gather(targets), lambda: fplan.gather(flat_t),
+                                                    lambda: plan.scatter_(targets, reduce="mean"),
+                                                    lambda: fplan.scatter_(flat_t, reduce="mean"))]
+        print(f"{w:6d} {times[0]:15.1f} {times[1]:12.1f} {times[2]:16.1f} {times[3]:13.1f}")
+
+
 def _steps(module, x, y, tau, lr=1e-3):
     params = list(module.parameters())
     for _ in range(tau):
@@ -134,6 +157,7 @@ def main():
     widths = [int(w) for w in a.widths.split(",")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     plan_table(widths, a.flat_max, a.repeats)
+    call_table(widths, a.flat_max, a.repeats)
     round_table(widths, a.repeats, a.batch, a.tau)
 
 

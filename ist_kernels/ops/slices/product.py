@@ -78,8 +78,8 @@ def check_product(op: str, j: int, index, x: Tensor, dims: Tuple[int, int], name
             lo, hi = int(idx.min()), int(idx.max())
             check_index(lo >= 0 and hi < size, op, f"{what} holds {lo if lo < 0 else hi}, out of range for {name} "
                         f"along dim {d} of size {size}")
-            check(torch.unique(idx).numel() == idx.numel(), op, f"{what} must not repeat an index; a segment holds "
-                  "each slice at most once")
+            check(not _meet([idx], size), op, f"{what} must not repeat an index; a segment holds each slice at most "
+                  "once")
 
 
 CHUNK = 1 << 15  # elements per take of a 2-D CPU gather: one serial pass of index_select (its grain size)
@@ -120,20 +120,20 @@ def _front(x: Tensor, dims: Tuple[int, int]) -> Tensor:
     return x.movedim(dims, (0, 1))
 
 
+def _meet(lists: Sequence[Tensor], size: int) -> bool:
+    """Whether two of ``lists`` (each without repeats, in [0, size)) share an index."""
+    return bool(lists) and int(torch.bincount(torch.cat(lists), minlength=size).max()) > 1
+
+
 def overlaps(index: Sequence[Product], sizes: Tuple[int, int]) -> bool:
     """Whether some element is owned by two of the segments (their rows and their cols both meet),
-    from the index lists (``sizes``: the two dims' lengths)."""
-    if len(index) < 2:
+    from the index lists (``sizes``: the two dims' lengths): at once False where the rows (or the
+    cols) of all segments are disjoint, e.g. an IST partition; else pair by pair. Counted with
+    ``bincount`` (serial on the CPU, no parallel region for a few thousand indices)."""
+    if len(index) < 2 or not _meet([p[0] for p in index], sizes[0]) or not _meet([p[1] for p in index], sizes[1]):
         return False
-    marks = []
-    for k in range(2):
-        m = torch.zeros(len(index), sizes[k], dtype=torch.float32, device=index[0][k].device)
-        for j, p in enumerate(index):
-            m[j, p[k]] = 1.0
-        marks.append(m @ m.T > 0)  # J x J: segments whose lists meet along dim k
-    both = marks[0] & marks[1]
-    both.fill_diagonal_(False)
-    return bool(both.any())
+    return any(_meet([index[j][0], index[i][0]], sizes[0]) and _meet([index[j][1], index[i][1]], sizes[1])
+               for j in range(len(index)) for i in range(j))
 
 
 @torch.no_grad()
