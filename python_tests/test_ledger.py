@@ -247,3 +247,14 @@ def test_moment_bytes_against_hand_counts_and_the_exchanges_int8():
         c.count_exchange(cur, nxt, spec, names=names, state_code="exact")
         assert c.take()["sent"] == sum(st.bytes_sent for st in exchange.plan_bytes(cur, nxt, spec, shared=shared,
                                                                                      names=names))
+
+
+def test_a_products_slices_are_its_elements():
+    """A product (rows x cols of a 2-D tensor) is counted one slice per element: 4 bytes each, a
+    moment's code or int8 none (one value would cost 5), bf16 2."""
+    spec = {"p": ((4, 6), torch.float32)}
+    i = torch.tensor
+    plan = SlicePlan(2, (TensorSlices("p", 0, (i([1, 2]), i([0, 3])), cols=(i([0, 4, 5]), i([1])), col_dim=1),))
+    assert ledger.subnet_bytes(plan, spec) == [6 * 4, 2 * 4]
+    assert ledger.subnet_bytes(plan, spec, state_code=8) == ledger.subnet_bytes(plan, spec, compress="int8") == [24, 8]
+    assert ledger.subnet_bytes(plan, spec, compress="bf16") == [12, 4]

@@ -329,3 +329,48 @@ def test_local_keeps_and_reuses_a_workers_trained_slices():
         new = ~torch.isin(t1.owners[s], part.owners[s])
         assert (st["exp_avg"].index_select(part.dim, new.nonzero().flatten()) == 0).all()
     method.end_round(1, [0.0] * len(turns))
+
+
+def test_local_keeps_slices_of_shared_row_and_product_tensors():
+    """local's kept state on the three kinds of plan tensor (shared, rows, a product's rows x cols):
+    written back where the worker trained, read back as its compact copy, zeros where it never
+    trained, the step per tensor; a tensor it never trained gets no state (a fresh optimizer's)."""
+    from ist_kernels.partition import SlicePlan, TensorSlices
+    from ist_kernels.train.rounds import SubnetRounds
+
+    rounds = SubnetRounds.__new__(SubnetRounds)  # the kept-state rules only: no run around them
+    rounds.kept, rounds.spec = {}, {"sh": ((3,), torch.float32), "w": ((5, 4), torch.float32),
+                                    "p": ((4, 6), torch.float32), "u": ((2, 2), torch.float32)}
+    i = torch.tensor
+    plan = SlicePlan(2, (TensorSlices("sh", None), TensorSlices("w", 0, (i([0, 3]), i([1, 2, 4]))),
+                         TensorSlices("p", 0, (i([1, 2]), i([0, 3])), cols=(i([0, 4, 5]), i([1, 2, 3])), col_dim=1)))
+    params = {"sh": torch.zeros(3), "w": torch.zeros(2, 4), "p": torch.zeros(2, 3)}
+    opt = torch.optim.AdamW([torch.nn.Parameter(t) for t in params.values()])
+    params = dict(zip(params, opt.param_groups[0]["params"]))
+    for name, p in params.items():
+        opt.state[p] = {"step": torch.tensor(7.0), "exp_avg": torch.randn(p.shape), "exp_avg_sq": torch.rand(p.shape)}
+    rounds._kept_store(0, plan, params, opt)
+    full = rounds.kept[0]["moments"]["exp_avg"]
+    assert torch.equal(full["sh"], opt.state[params["sh"]]["exp_avg"])
+    want_w = torch.zeros(5, 4)
+    want_w[[0, 3]] = opt.state[params["w"]]["exp_avg"]
+    assert torch.equal(full["w"], want_w)
+    want_p = torch.zeros(4, 6)
+    for a, r in enumerate([1, 2]):
+        for b, c in enumerate([0, 4, 5]):
+            want_p[r, c] = opt.state[params["p"]]["exp_avg"][a, b]
+    assert torch.equal(full["p"], want_p)
+    # the next round: worker 0 holds rows (3, 4) of w and rows (1, 3) x cols (4, 5) of p; u never trained
+    nxt = SlicePlan(2, (TensorSlices("sh", None), TensorSlices("w", 0, (i([3, 4]), i([0, 1, 2]))),
+                        TensorSlices("p", 0, (i([1, 3]), i([0, 2])), cols=(i([4, 5]), i([0, 1, 2, 3])), col_dim=1),
+                        TensorSlices("u", None)))
+    new = {"sh": torch.zeros(3), "w": torch.zeros(2, 4), "p": torch.zeros(2, 2), "u": torch.zeros(2, 2)}
+    opt2 = torch.optim.AdamW([torch.nn.Parameter(t) for t in new.values()])
+    new = dict(zip(new, opt2.param_groups[0]["params"]))
+    rounds._kept_fill(0, nxt, new, opt2)
+    assert torch.equal(opt2.state[new["w"]]["exp_avg"], torch.stack([want_w[3], torch.zeros(4)]))
+    assert torch.equal(opt2.state[new["p"]]["exp_avg"], want_p[[1, 3]][:, [4, 5]])
+    assert float(opt2.state[new["w"]]["step"]) == 7.0 and new["u"] not in opt2.state
+    before = {k: v.clone() for k, v in opt2.state[new["w"]].items()}
+    rounds._kept_fill(1, nxt, new, opt2)  # worker 1 kept nothing: nothing changes
+    assert all(torch.equal(v, opt2.state[new["w"]][k]) for k, v in before.items()) and new["u"] not in opt2.state

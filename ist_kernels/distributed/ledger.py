@@ -249,6 +249,8 @@ def subnet_bytes(plan, spec: Spec, *, names: Optional[Sequence[str]] = None,
         for s in range(plan.num_subnetworks):
             if t.shared:
                 out[s] += sized(prod(shape), esize)
+            elif getattr(t, "product", False):  # rows x cols of a 2-D tensor: one slice per element
+                out[s] += sized(1, esize) * t.count(s)
             elif t.owners[s].numel():
                 out[s] += (sized(prod(shape) // shape[t.dim], esize) * t.owners[s].numel()
                            if shape else sized(1, esize))

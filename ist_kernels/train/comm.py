@@ -180,7 +180,8 @@ class Comm:
             if t.shared and shared == "all_reduce":
                 ring += ledger.state_slice_bytes(numel, esize, code)
                 continue
-            slice_numel = numel if t.shared or not shape else numel // shape[t.dim]
+            # a product (rows x cols of a 2-D tensor) moves one slice per element: exactly
+            slice_numel = numel if t.shared or not shape else 1 if t.product else numel // shape[t.dim]
             groups.setdefault((slice_numel, esize), []).append(t.name)
         S = current.num_subnetworks
         out = [[0, 0] for _ in range(S)]

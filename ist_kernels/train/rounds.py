@@ -322,12 +322,13 @@ class SubnetRounds:
     def _code_moments_(self, states: Dict[str, Dict[str, Tensor]], slices) -> None:
         """int8 / int8-v4: every block-coded moment of ``states`` (key -> plan name -> a worker's
         compact state under ``slices``) coded and decoded in place, blocks within each slice."""
-        dims = {t.name: None if t.shared else t.dim for t in slices.tensors}
+        dims = {t.name: None if t.shared else t.dim for t in slices.tensors if not t.product}
         for key, bufs in states.items():
             code = self._code(key)
             if isinstance(code, int):
                 for name, buf in bufs.items():
-                    fake_quantize_(buf, dims[name], code, unsigned=key in ledger.SECOND_MOMENTS)
+                    if name in dims:  # (a product's slices are single values: they travel exactly)
+                        fake_quantize_(buf, dims[name], code, unsigned=key in ledger.SECOND_MOMENTS)
 
     def _kept_fill(self, s: int, slices, params: Dict[str, Tensor], opt) -> None:
         """local: worker s's kept state of its compact ``params`` (plan name -> parameter, cut by
@@ -345,7 +346,7 @@ class SubnetRounds:
             for key, fulls in kept["moments"].items():
                 full = fulls.get(name)
                 if full is not None:
-                    st[key] = full.clone() if t.shared else full.index_select(t.dim, t.owners[s].to(full.device))
+                    st[key] = full.clone() if t.shared else t.select(full, s)
             for key, v in steps.items():
                 st[key] = v.clone()
 
@@ -370,10 +371,15 @@ class SubnetRounds:
                         fulls = kept["moments"].setdefault(key, {})
                         if name not in fulls:
                             fulls[name] = torch.zeros(self.spec[name][0], dtype=v.dtype, device=v.device)
+                        rows = None if t.shared else t.owners[s].to(v.device)
                         if t.shared:
                             fulls[name].copy_(v)
+                        elif t.product:  # rows x cols
+                            view = fulls[name].movedim((t.dim, t.col_dim), (0, 1))
+                            view[rows.unsqueeze(1), t.cols[s].to(v.device).unsqueeze(0)] = \
+                                v.detach().movedim((t.dim, t.col_dim), (0, 1))
                         else:
-                            fulls[name].index_copy_(t.dim, t.owners[s].to(v.device), v.detach())
+                            fulls[name].index_copy_(t.dim, rows, v.detach())
 
     # ---- plans (the last two are kept: this round's and the next)
     def plan(self, r: int):
