@@ -102,8 +102,10 @@ def gather_product(x: Tensor, dims: Tuple[int, int], index: Product, out: Tensor
             take = (rows[i:i + step, None] * stride + cols[None, :]).view(-1)
             torch.index_select(flat, 0, take, out=o[i:i + step].view(-1))
         return out
-    at = (rows[:, None], cols[None, :])
-    out.movedim(dims, (0, 1)).copy_(_front(x, dims)[at])
+    at = [rows[:, None], cols[None, :]]
+    if tuple(dims) == (0, 1):  # the result's layout is the compact one: written in place
+        return torch.ops.aten.index.Tensor_out(x, at, out=out)
+    out.movedim(dims, (0, 1)).copy_(_front(x, dims)[tuple(at)])
     return out
 
 
