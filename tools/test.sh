@@ -7,7 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh || exit 1
 PY=${PYTHON:-python3}
-"$PY" -m pytest python_tests -q -ra "$@"
+"$PY" -m pytest python_tests -q -ra --durations=25 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "tools/test.sh: pytest collected no tests; that is a failure" >&2
