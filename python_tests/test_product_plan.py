@@ -170,8 +170,8 @@ def test_product_plan_bad_input():
 
 
 def test_slice_plan_product_kind():
-    """TensorSlices products: part, flat, positions, with_holders (covered: stays a product;
-    unowned elements: holders on the flat view, every element held once)."""
+    """TensorSlices products: part, flat, positions, with_holders (covered: stays the same product;
+    unowned elements: holder blocks, every element held once)."""
     g = torch.Generator().manual_seed(5)
     W = torch.randn(7, 5, generator=g)
     rows, cols = _owners(g, 7, 3, "bernoulli"), _owners(g, 5, 3, "bernoulli")
@@ -187,8 +187,8 @@ def test_slice_plan_product_kind():
         else:
             assert "w" not in part
     held = plan.with_holders({"w": (7, 5)})
-    assert not held.tensors[0].product  # Bernoulli owners leave elements unowned: holders element-wise
-    every = torch.cat(held.tensors[0].owners)
+    assert held.tensors[0].product and any(held.tensors[0].holds)  # Bernoulli owners leave elements unowned
+    every = torch.cat(held.flat({"w": (7, 5)}).tensors[0].owners)
     owned = torch.cat(flat.tensors[0].owners).unique()
     assert torch.equal(every.unique(), torch.arange(35))  # every element held, each unowned one once
     assert every.numel() == torch.cat(flat.tensors[0].owners).numel() + 35 - owned.numel()
@@ -308,3 +308,97 @@ def test_product_gather_in_row_chunks(monkeypatch):
         for c in (cols, cols[:0]):
             seg = IF.slice_plan([W], [0], [(rows, c)], [(0, 1)]).gather([W])[0]
             assert torch.equal(seg, W[rows][:, c])
+
+
+def _holders_reference(rows, cols, shape, S):
+    """Per holder, the sorted flat indices it keeps, element by element from the rule: every element
+    (i, k) no subnetwork owns (no s with i in rows[s] and k in cols[s]) goes to (i * n1 + k) mod S."""
+    n0, n1 = shape
+    owned = {(i, k) for r, c in zip(rows, cols) for i in r.tolist() for k in c.tolist()}
+    out = [[] for _ in range(S)]
+    for i in range(n0):
+        for k in range(n1):
+            if (i, k) not in owned:
+                out[(i * n1 + k) % S].append(i * n1 + k)
+    return out
+
+
+@pytest.mark.parametrize("S", [1, 2, 3, 4])
+@pytest.mark.parametrize("kind", ["disjoint", "bernoulli", "empty"])
+def test_product_holders_as_blocks(S, kind):
+    """with_holders keeps a product a product: each holder's blocks are exactly the unowned elements
+    the element-wise rule gives it (against a reference over elements), disjoint from its own block
+    and each other; the stacked compact copy reads those elements in flat_ids order; the plan stated
+    flat equals the flat plan's holders; count and the ledger's count agree."""
+    g = torch.Generator().manual_seed(10 * S + len(kind))
+    for shape in ((7, 5), (9, 6), (1, 1), (4, 8), (0, 3)):
+        rows, cols = _owners(g, shape[0], S, kind), _owners(g, shape[1], S, kind)
+        plan = SlicePlan(S, (TensorSlices("w", 0, tuple(rows), tuple(cols), 1),))
+        held = plan.with_holders({"w": shape})
+        t = held.tensors[0]
+        assert t.product
+        ref = _holders_reference(rows, cols, shape, S)
+        if not any(ref):
+            assert t is plan.tensors[0]
+            continue
+        W = torch.randn(shape, generator=g, dtype=torch.float64)
+        flat_held = plan.flat({"w": shape}).with_holders({"w": shape[0] * shape[1]}).tensors[0]
+        for s in range(S):
+            own = {i * shape[1] + k for i in rows[s].tolist() for k in cols[s].tolist()}
+            got = [i * shape[1] + k for r, c in t.holds[s] for i in r.tolist() for k in c.tolist()]
+            assert sorted(got) == ref[s] and len(set(got)) == len(got) and not own & set(got)
+            assert t.count(s) == len(own) + len(ref[s]) == flat_held.owners[s].numel()
+            assert torch.equal(held.flat({"w": shape}).tensors[0].owners[s], flat_held.owners[s])
+            assert torch.equal(t.select(W, s).reshape(-1), W.reshape(-1)[t.flat_ids(s, shape[1])])
+            assert t.stacked(s) == bool(ref[s])
+            if t.stacked(s):  # the own block first: the trained copy is a view of the stored one
+                n = len(own)
+                assert torch.equal(t.select(W, s)[:n].view(len(rows[s]), len(cols[s])), W[rows[s]][:, cols[s]])
+                assert held.part({"w": W}, s)["w"].dim() == 1
+    with pytest.raises(ValueError, match="'w' has holder blocks"):
+        SlicePlan(2, (TensorSlices("w", 0, (torch.tensor([0]),) * 2, holds=((), ())),))
+
+
+def test_product_holders_plan_size_of_ist():
+    """The holders of an IST round's product (S disjoint row and column groups: the off-diagonal
+    blocks unowned) are at most S x S blocks per holder, their index lists O(rows + cols)."""
+    g = torch.Generator().manual_seed(3)
+    S, n = 4, 1001
+    rows, cols = _owners(g, n, S, "disjoint"), _owners(g, n, S, "disjoint")
+    t = SlicePlan(S, (TensorSlices("w", 0, tuple(rows), tuple(cols), 1),)).with_holders({"w": (n, n)}).tensors[0]
+    for s in range(S):
+        assert 0 < len(t.holds[s]) <= S * S
+        assert sum(r.numel() + c.numel() for r, c in t.holds[s]) <= 2 * S * n
+    assert sum(t.count(s) for s in range(S)) == n * n
+
+
+def test_exchange_of_product_holders_on_one_rank(tmp_path):
+    """S = 1, both plans with holder blocks (the rank keeps the unowned elements as blocks, its
+    compact tensor 1-D in block order): the Exchange reads and writes that order (the next compact
+    tensor equals the next plan's part, bit for bit), gather_full_model assembles the full tensor,
+    and a product's holder blocks count in the plan's fingerprint."""
+    from ist_kernels.distributed.exchange import plan_fingerprint
+
+    init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, timeout=30)
+    try:
+        g = torch.Generator().manual_seed(4)
+        full = {"w": torch.randn(7, 5, generator=g), "b": torch.randn(2, generator=g)}
+        meta = {n: torch.empty(x.shape, device="meta") for n, x in full.items()}
+
+        def plan(rows, cols):
+            p = SlicePlan(1, (TensorSlices("w", 0, (torch.tensor(rows),), (torch.tensor(cols),), 1),
+                              TensorSlices("b", None)))
+            return p.with_holders({"w": (7, 5)})
+        cur, nxt = plan([0, 2, 3, 6], [1, 4]), plan([1, 2, 5], [0, 1, 3])
+        assert cur.tensors[0].stacked(0) and nxt.tensors[0].stacked(0)
+        local = cur.part(full, 0)
+        assert local["w"].shape == (35,)
+        out = Exchange(cur, nxt, meta, shared="exact")(local)
+        assert torch.equal(out["w"], nxt.part(full, 0)["w"]) and torch.equal(out["b"], full["b"])
+        got = gather_full_model(cur.part(full, 0), cur, meta)
+        assert all(torch.equal(got[n], full[n]) for n in full)
+        bare = SlicePlan(1, (TensorSlices("w", 0, (torch.tensor([0, 2, 3, 6]),), (torch.tensor([1, 4]),), 1),
+                             TensorSlices("b", None)))
+        assert plan_fingerprint(cur) != plan_fingerprint(bare)
+    finally:
+        destroy_process_group()

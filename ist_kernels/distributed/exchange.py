@@ -25,7 +25,10 @@ Plans are never sent: every rank derives both from the shared seed.
 A product in a plan (a tensor partitioned along two dims, ``TensorSlices.product``: rows x cols)
 is held as its compact rows x cols tensor and routed on its flat view, one slice per element
 (``TensorSlices.flat``): the same bytes and values as the plan stated flat; its routing costs
-O(rows x cols) per round (a routing on the two index lists is what remains, issue 37 item 3).
+O(rows x cols) per round (a routing on the two index lists is what remains, issue 37 item 3). A
+rank that keeps holder blocks of a product (``SlicePlan.with_holders``) holds it as one 1-D tensor,
+its blocks one after another (``TensorSlices.stacked``); the routing reads and writes that order
+(``TensorSlices.flat_ids``), so the bytes and values equal those of the plan stated flat.
 """
 import time
 from dataclasses import dataclass, field
@@ -520,11 +523,21 @@ def _plan_masks(plan: SlicePlan, spec, S: int, shared_as_slice: bool, what: str)
     return entries, owner_ids(entries, [o for _, o in found], S, f"the {what} plan")
 
 
-def _product_shapes(plan: Optional[SlicePlan], rank: int) -> Dict[str, Tuple[int, int]]:
-    """name -> the compact shape (rows, cols) ``rank`` holds of every product of ``plan``."""
+def _product_shapes(plan: Optional[SlicePlan], rank: int) -> Dict[str, Tuple[int, ...]]:
+    """name -> the compact shape ``rank`` holds of every product of ``plan``: (rows, cols), or
+    (elements,) where it keeps holder blocks (``TensorSlices.stacked``)."""
     if plan is None:
         return {}
-    return {t.name: (t.owners[rank].numel(), t.cols[rank].numel()) for t in plan.tensors if t.product}
+    return {t.name: (t.count(rank),) if t.stacked(rank) else (t.owners[rank].numel(), t.cols[rank].numel())
+            for t in plan.tensors if t.product}
+
+
+def _product_orders(plan: Optional[SlicePlan], spec, rank: int) -> Dict[str, Tensor]:
+    """name -> the flat ids of ``rank``'s elements of every product it keeps as blocks, in the
+    order of its compact tensor (``TensorSlices.flat_ids``): the positions the routing takes."""
+    if plan is None:
+        return {}
+    return {t.name: t.flat_ids(rank, spec[t.name][0][1]) for t in plan.tensors if t.product and t.stacked(rank)}
 
 
 def _buffer_dtype(entries: List[Entry], who: str) -> torch.dtype:
@@ -559,9 +572,9 @@ def plan_fingerprint(plan: SlicePlan) -> int:
     import ctypes
     import zlib
 
-    h = zlib.crc32(repr((plan.num_subnetworks, [(t.name, t.dims) for t in plan.tensors])).encode())
+    h = zlib.crc32(repr((plan.num_subnetworks, [(t.name, t.dims, [len(b) for b in t.holds]) for t in plan.tensors])).encode())
     for t in plan.partitioned:
-        for o in t.owners + t.cols:
+        for o in t.owners + t.cols + tuple(x for blocks in t.holds for b in blocks for x in b):
             o = o.detach().to("cpu", torch.int64).contiguous()
             h = zlib.crc32(ctypes.string_at(o.data_ptr(), o.nbytes), h)  # the raw bytes, without numpy
             h = zlib.crc32(b"|", h)
@@ -748,6 +761,7 @@ class Exchange:
                                  f"dims (shared: None); they differ at {diff[:8]}")
         self._entries, self._cur_mask = _plan_masks(cur, spec, self.world_size, self.shared == "exact", "current")
         self._cur_2d, self._nxt_2d = _product_shapes(cur, self.rank), _product_shapes(nxt, self.rank)
+        self._cur_order, self._nxt_order = _product_orders(cur, spec, self.rank), _product_orders(nxt, spec, self.rank)
         self._nxt_mask = (_plan_masks(nxt, spec, self.world_size, self.shared == "exact", "next")[1]
                           if nxt is not None else None)
         self._shared_names = [t.name for t in cur.tensors if t.shared and spec[t.name][1].is_floating_point]
@@ -779,10 +793,15 @@ class Exchange:
             passthrough = passthrough_entries(sub, cur, nxt, r)
             if self.compress is not None:  # every copy is encoded, this rank's own too
                 passthrough = []
+            # a product kept as blocks: its compact tensor's order may change with the same elements
+            orders = [{i: o[e.name] for i, e in enumerate(sub) if e.name in o} for o in (self._cur_order,
+                                                                                       self._nxt_order)]
+            passthrough = [i for i in passthrough if i not in orders[0] and i not in orders[1]]
             flag = torch.zeros(len(sub), dtype=torch.bool)
             flag[passthrough] = True
             keep = torch.repeat_interleave(flag, torch.tensor([e.size for e in sub], dtype=torch.int64))
-            routing = route(sub, r, cur, nxt, source_held=cur[r], target_held=nxt[r], keep_own=keep)
+            routing = route(sub, r, cur, nxt, source_held=cur[r], target_held=nxt[r], keep_own=keep,
+                            source_order=orders[0], target_order=orders[1])
             cur_rows = per_entry_count(cur[r], sub).tolist() if sub else []
             nxt_rows = per_entry_count(nxt[r], sub).tolist() if sub else []
         else:
@@ -938,7 +957,9 @@ def gather_full_model(local: Mapping[str, Tensor], plan: SlicePlan, spec: Spec, 
         raise ValueError(f"gather_full_model: dst must be in [0, {S}), got {dst}")
     spec = _normalise_spec(spec)
     entries, cur, src, need = _gather_masks(plan, spec, S, dst, reduce, "gather_full_model")
-    routing = route(entries, r, src, need, source_held=cur[r], target_held=None)
+    orders = _product_orders(plan, spec, r)
+    routing = route(entries, r, src, need, source_held=cur[r], target_held=None,
+                    source_order={i: orders[e.name] for i, e in enumerate(entries) if e.name in orders})
     mover = _Mover(entries, routing, _buffer_dtype(entries, "gather_full_model"))
     rows = per_entry_count(cur[r], entries).tolist() if entries else []
     products = _product_shapes(plan, r)

@@ -14,7 +14,7 @@ of a slice are visited in ascending rank in the unpack, as in the simulated sing
 """
 from dataclasses import dataclass, field
 from math import prod
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -135,6 +135,8 @@ def route(
     source_held: Optional[Tensor],
     target_held: Optional[Tensor],
     keep_own: Optional[Tensor] = None,
+    source_order: Optional[Mapping[int, Tensor]] = None,
+    target_order: Optional[Mapping[int, Tensor]] = None,
 ) -> Routing:
     """Rank ``rank``'s messages.
 
@@ -145,6 +147,9 @@ def route(
     full tensors (positions are the slice indices themselves).
     keep_own [N] bool: slices this rank leaves out of its message to itself (they are already where
     they belong: see :func:`sole_owner_in_place`, :func:`passthrough_entries`).
+    source_order / target_order: entry -> its held slices (entry-local ids) in the order of this
+    rank's compact source / target tensor where that is not ascending (a product stored as blocks,
+    ``TensorSlices.flat_ids``); positions are taken from it.
     """
     S, N = src.shape
     sizes = torch.tensor([e.size for e in entries], dtype=torch.int64)
@@ -153,6 +158,11 @@ def route(
     local = torch.arange(N, dtype=torch.int64) - bases[tensor_of] if N else torch.zeros(0, dtype=torch.int64)
     src_pos = local if source_held is None else _positions(source_held, tensor_of, bases)
     dst_pos = local if target_held is None else _positions(target_held, tensor_of, bases)
+    for pos, held, order in ((src_pos, source_held, source_order), (dst_pos, target_held, target_order)):
+        for e, ids in (order or {}).items():
+            if held is None:
+                raise ValueError("routing: an order of held slices needs the held mask (compact tensors)")
+            pos[bases[e] + ids] = torch.arange(ids.numel(), dtype=torch.int64)
     slice_numel = [e.slice_numel for e in entries]
 
     def segments(ids: Tensor, pos: Tensor) -> List[Segment]:

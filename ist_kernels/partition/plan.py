@@ -13,17 +13,21 @@ columns of the previous layer's) is a product: ``t.cols[s]`` lists the indices a
 too, and s's compact copy is ``global[t].index_select(t.dim, t.owners[s]).index_select(t.col_dim,
 t.cols[s])``, planned from the two lists (O(rows + cols), never element by element;
 ``ist_kernels.ops.slices.product``). ``t.flat(shape)`` states it element by element on the flat
-view instead (index ``row * shape[1] + col``), for consumers that read one dim per tensor;
-aggregation is owner-averaging: a slice owned by k >= 1 subnetworks becomes the mean of their
+view instead (index ``row * shape[1] + col``), for consumers that read one dim per tensor.
+A product stored with holders (:meth:`SlicePlan.with_holders`) lists, per subnetwork, the blocks
+of unowned elements it keeps besides its own (``t.holds[s]``: pairs (rows, cols)); its compact copy
+is then 1-D, the blocks one after another (:meth:`TensorSlices.blocks`), each row-major.
+Aggregation is owner-averaging: a slice owned by k >= 1 subnetworks becomes the mean of their
 copies, a slice nobody owned keeps its value (paper 001 §3.1, eta = N_perp / N).
 
 Under decentralized storage rank s holds exactly ``plan.part(tensors, s)``; a plan that leaves
 slices unowned (Bernoulli masks) is stored as ``plan.with_holders(sizes)``, which gives every
 unowned slice to one holder that keeps it untrained, so that someone holds it and its value passes
-through the owner mean unchanged.
+through the owner mean unchanged. A product keeps its holders as rows x cols blocks (at most
+S x the row patterns per holder), the same elements at the same holders as on its flat view.
 """
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -36,6 +40,8 @@ class TensorSlices:
     owners: Tuple[Tensor, ...] = ()  # per subnetwork: int64 indices along dim (empty for shared)
     cols: Tuple[Tensor, ...] = ()  # a product: per subnetwork, int64 indices along col_dim
     col_dim: Optional[int] = None  # a product's second dim (None: sliced along dim only)
+    holds: Tuple[Tuple[Tuple[Tensor, Tensor], ...], ...] = ()  # a product: per subnetwork, the (rows, cols)
+    # blocks of unowned elements it keeps besides rows x cols (empty: none; SlicePlan.with_holders)
 
     @property
     def shared(self) -> bool:
@@ -52,41 +58,68 @@ class TensorSlices:
         return (self.dim, self.col_dim) if self.product else self.dim
 
     def index(self, s: int):
-        """Subnetwork s's index as the slice ops take it: ``owners[s]``, or ``(owners[s], cols[s])``."""
+        """Subnetwork s's index as the slice ops take it: ``owners[s]``, or ``(owners[s], cols[s])``
+        (of a product with holder blocks: its own block, the first of :meth:`blocks`)."""
         return (self.owners[s], self.cols[s]) if self.product else self.owners[s]
 
+    def blocks(self, s: int) -> List[Tuple[Tensor, Tensor]]:
+        """A product's blocks (rows, cols) subnetwork s holds, in the order of its compact copy: its
+        own rows x cols, then the holder blocks ``holds[s]`` (disjoint from it and each other)."""
+        return [(self.owners[s], self.cols[s]), *(self.holds[s] if self.holds else ())]
+
+    def stacked(self, s: int) -> bool:
+        """Whether subnetwork s's compact copy of this product is 1-D, its blocks one after another
+        (it keeps holder blocks); else rows x cols."""
+        return bool(self.holds) and len(self.holds[s]) > 0
+
     def count(self, s: int) -> int:
-        """How many slices subnetwork s owns (of a product: rows x columns, each one element of the
-        two dims)."""
-        n = self.owners[s].numel()
-        return n * self.cols[s].numel() if self.product else n
+        """How many slices subnetwork s holds (of a product: the elements of its blocks, each one
+        element of the two dims)."""
+        if self.product:
+            return sum(r.numel() * c.numel() for r, c in self.blocks(s))
+        return self.owners[s].numel()
 
     def select(self, full: Tensor, s: int) -> Tensor:
-        """Subnetwork s's compact copy of ``full`` (new; a 0-dim tensor is cloned)."""
+        """Subnetwork s's compact copy of ``full`` (new; a 0-dim tensor is cloned); of a product
+        with holder blocks (:meth:`stacked`), its blocks flattened one after another."""
         if full.dim() == 0:
             return full.clone()
+        if self.stacked(s):
+            return torch.cat([full.index_select(self.dim, r.to(full.device))
+                              .index_select(self.col_dim, c.to(full.device)).reshape(-1) for r, c in self.blocks(s)])
         rows = self.owners[s].to(full.device)
         out = full.index_select(self.dim, rows)
         return out.index_select(self.col_dim, self.cols[s].to(full.device)) if self.product else out
 
+    def flat_ids(self, s: int, n_cols: int) -> Tensor:
+        """The flat indices (``row * n_cols + col``) of subnetwork s's product elements in the order
+        of its compact copy (blocks one after another, each row-major). Costs its element count."""
+        ids = [(r.cpu().unsqueeze(1) * n_cols + c.cpu().unsqueeze(0)).reshape(-1) for r, c in self.blocks(s)]
+        return torch.cat(ids) if len(ids) > 1 else ids[0]
+
     def flat(self, shape: Sequence[int]) -> "TensorSlices":
         """A product stated element by element on the flat view of its tensor of ``shape`` (2-D,
         dims (0, 1)): subnetwork s owns flat index ``row * shape[1] + col`` for every row of
-        ``owners[s]`` and column of ``cols[s]``, row-major (the compact copy's order). Itself when
-        not a product. Costs rows x columns: for consumers that read one dim per tensor."""
+        ``owners[s]`` and column of ``cols[s]``, row-major (the compact copy's order); with holder
+        blocks it holds their elements too, all sorted (the stacked compact copy's own order is
+        :meth:`flat_ids`). Itself when not a product. Costs rows x columns: for consumers that read
+        one dim per tensor."""
         if not self.product:
             return self
         if len(shape) != 2 or (self.dim % 2, self.col_dim % 2) != (0, 1):
             raise ValueError(f"TensorSlices.flat: {self.name!r} is a product along dims ({self.dim}, {self.col_dim}) "
                              f"of shape {list(shape)}; the flat view needs a 2-D tensor sliced along (0, 1)")
-        for s, (r, c) in enumerate(zip(self.owners, self.cols)):
-            for k, (idx, n) in enumerate(((r, shape[0]), (c, shape[1]))):
-                if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
-                    raise ValueError(f"TensorSlices.flat: {self.name!r}: the {('rows', 'cols')[k]} of subnetwork {s} "
-                                     f"must be in [0, {n}) (dim {(self.dim, self.col_dim)[k]} of shape {list(shape)}), "
-                                     f"got {idx.tolist()[:16]}")
-        flat = tuple((r.unsqueeze(1) * shape[1] + c.unsqueeze(0)).reshape(-1) for r, c in zip(self.owners, self.cols))
-        return TensorSlices(self.name, 0, flat)
+        S = len(self.owners)
+        for s in range(S):
+            for r, c in self.blocks(s):
+                for k, (idx, n) in enumerate(((r, shape[0]), (c, shape[1]))):
+                    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+                        raise ValueError(f"TensorSlices.flat: {self.name!r}: the {('rows', 'cols')[k]} of subnetwork "
+                                         f"{s} must be in [0, {n}) (dim {(self.dim, self.col_dim)[k]} of shape "
+                                         f"{list(shape)}), got {idx.tolist()[:16]}")
+        flat = tuple(self.flat_ids(s, shape[1]) if self.stacked(s) else
+                     (self.owners[s].unsqueeze(1) * shape[1] + self.cols[s].unsqueeze(0)).reshape(-1) for s in range(S))
+        return TensorSlices(self.name, 0, tuple(f.sort().values if self.stacked(s) else f for s, f in enumerate(flat)))
 
 
 @dataclass(frozen=True)
@@ -107,6 +140,9 @@ class SlicePlan:
                                  f"{len(t.cols)} column lists")
             if not t.product and t.cols:
                 raise ValueError(f"SlicePlan: tensor {t.name!r} has column lists but no col_dim")
+            if t.holds and (not t.product or len(t.holds) != self.num_subnetworks):
+                raise ValueError(f"SlicePlan: tensor {t.name!r} has holder blocks; they need a product and "
+                                 f"{self.num_subnetworks} lists of (rows, cols) blocks, got {len(t.holds)}")
 
     @property
     def partitioned(self) -> Tuple[TensorSlices, ...]:
@@ -125,7 +161,7 @@ class SlicePlan:
         has no product."""
         if not any(t.product for t in self.tensors):
             return self
-        return SlicePlan(self.num_subnetworks, tuple(t.flat(shapes[t.name]) for t in self.tensors))
+        return SlicePlan(self.num_subnetworks, tuple(t.flat(shapes[t.name]) if t.product else t for t in self.tensors))
 
     def part(self, tensors: Mapping[str, Tensor], s: int) -> Dict[str, Tensor]:
         """Subnetwork ``s``'s tensors cut from the full ``tensors`` (name -> tensor): the slices it
@@ -145,10 +181,11 @@ class SlicePlan:
     def with_holders(self, sizes: Mapping[str, int]) -> "SlicePlan":
         """This plan with every slice that no subnetwork owns given to one holder, subnetwork
         ``slice index mod S`` (``sizes``: name -> length of each partitioned tensor along its dim;
-        of a product, its 2-D shape). The plan itself when every slice is owned. A product every
-        element of which some subnetwork owns stays a product (checked from its lists:
-        O(patterns x columns)); one with unowned elements is given its holders on the flat view
-        (:meth:`TensorSlices.flat`), element by element."""
+        of a product, its 2-D shape, and the slice index its flat one, ``row * shape[1] + col``).
+        The plan itself when every slice is owned. A product stays a product: the unowned elements
+        of each holder as rows x cols blocks in ``holds`` (:func:`holder_blocks`), exactly the
+        elements its flat view gives that holder (``with_holders(...).flat(shapes)`` equals
+        ``flat(shapes).with_holders(...)``), planned in O(S x patterns x (rows + cols))."""
         S = self.num_subnetworks
         tensors = []
         for t in self.tensors:
@@ -156,15 +193,10 @@ class SlicePlan:
                 tensors.append(t)
                 continue
             if t.product:
-                shape = tuple(sizes[t.name])
-                if _covered(t, shape):
-                    tensors.append(t)
-                    continue
-                t = t.flat(shape)
-                n = shape[0] * shape[1]
-            else:
-                n = sizes[t.name]
-            owned = torch.zeros(n, dtype=torch.bool)
+                holds = holder_blocks(t, tuple(sizes[t.name]))
+                tensors.append(t if holds is None else TensorSlices(t.name, t.dim, t.owners, t.cols, t.col_dim, holds))
+                continue
+            owned = torch.zeros(sizes[t.name], dtype=torch.bool)
             for o in t.owners:
                 owned[o.cpu()] = True
             free = (~owned).nonzero().flatten()
@@ -177,23 +209,43 @@ class SlicePlan:
         return SlicePlan(S, tuple(tensors))
 
 
-def _covered(t: TensorSlices, shape: Sequence[int]) -> bool:
-    """Whether the products of ``t`` cover every element of its ``shape``: rows grouped by the set of
-    subnetworks that own them (a bit pattern), each group's owners' columns must cover every column."""
-    n_rows, n_cols = shape[0], shape[1]
+def holder_blocks(t: TensorSlices, shape: Sequence[int]):
+    """The holder blocks of product ``t`` of 2-D ``shape``: per subnetwork h, (rows, cols) blocks
+    that together are the elements no subnetwork owns whose flat index ``row * shape[1] + col`` is
+    ``h`` mod S (None when every element is owned). Rows are grouped by the set of subnetworks that
+    own them (their pattern) and by ``row * shape[1]`` mod S; a group's unowned columns are those
+    none of its owners holds, and holder h takes those congruent to ``h - row * shape[1]`` mod S:
+    at most S x patterns blocks per holder, disjoint, each row's columns sorted."""
+    S = len(t.owners)
+    n_rows, n_cols = int(shape[0]), int(shape[1])
     if n_rows * n_cols == 0:
-        return True
-    pattern = torch.zeros(n_rows, dtype=torch.int64)
+        return None
+    member = torch.zeros(S, n_rows, dtype=torch.bool)
     for s, rows in enumerate(t.owners):
-        pattern[rows.cpu()] += 1 << s
-    for p in torch.unique(pattern).tolist():
-        cols = torch.zeros(n_cols, dtype=torch.bool)
-        for s in range(len(t.owners)):
-            if p >> s & 1:
-                cols[t.cols[s].cpu()] = True
-        if p == 0 or not bool(cols.all()):
-            return False
-    return True
+        member[s, rows.cpu()] = True
+    shift = torch.arange(n_rows, dtype=torch.int64) * n_cols % S
+    key = torch.cat([member.to(torch.int64), shift.unsqueeze(0)]).T  # a row's pattern and its shift
+    groups, inverse = torch.unique(key, dim=0, return_inverse=True)
+    order = torch.argsort(inverse, stable=True)
+    rows_of = torch.split(order, torch.bincount(inverse, minlength=groups.shape[0]).tolist())
+    col_class = torch.arange(n_cols, dtype=torch.int64) % S
+    holds = [[] for _ in range(S)]
+    for g, rows in zip(groups.tolist(), rows_of):
+        taken = torch.zeros(n_cols, dtype=torch.bool)
+        for s in range(S):
+            if g[s]:
+                taken[t.cols[s].cpu()] = True
+        if bool(taken.all()):
+            continue
+        free = ~taken
+        a = g[S]
+        for h in range(S):
+            cols = (free & (col_class == (h - a) % S)).nonzero().flatten()
+            if cols.numel():
+                holds[h].append((rows, cols))
+    if not any(holds):
+        return None
+    return tuple(tuple(b) for b in holds)
 
 
 def positions(held, owned):
