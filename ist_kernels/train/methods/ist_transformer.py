@@ -10,8 +10,9 @@ worker trains its subnetwork (its units / heads, and everything shared: embeddin
 norms, output biases) for ``local_steps``, then every slice goes to its next owner and the
 shared tensors are averaged (the round engine's ``SubnetRounds``: decentralized storage by default,
 a rank holds only its subnetwork; ``--storage replicated``; simulated). Optimizer state is fresh
-every round (``momentum_state=reset``, as the MLP's ist) or travels with the units (``aggregate``:
-SGD momentum, AdamW's moments). The full model scales the partitioned
+every round (``momentum_state=reset``, as the MLP's ist), travels with the units (``aggregate``:
+SGD momentum, AdamW's moments; ``int8`` / ``int8-v4``: block-wise coded; ``second``: the second
+moment only) or stays with the worker that trained a unit (``local``): ``ist_kernels.train.rounds``. The full model scales the partitioned
 output projections' inputs by 1/S (forward pre-hooks, nothing in the state dict): each branch is
 the mean of the subnetworks' branches. ``ctx.model_spec`` (if the context has one) is the user's
 explicit structure where discovery does not fit.
@@ -66,7 +67,7 @@ class TransformerIST(Method):
         self.model = ctx.build_model()
         self.structure = self.validate_model(self.model, ctx.num_workers, self.partition, self.spec)
         self.full_state_bytes = ctx.full_state_bytes(self.model)
-        # momentum_state: reset (fresh optimizer state every round) or aggregate (sliced and sent with the units)
+        # momentum_state: reset, aggregate, int8, int8-v4, second or local (rounds.py: a slice's state per option)
         self.rounds = SubnetRounds(ctx, self.model, ctx.options.get("momentum_state", "reset"), self.plan)
         first = self.rounds.plan(0)
         first.scale_outputs(self.model)  # the full model is scored as the mean of the subnetworks from round 0
