@@ -19,7 +19,7 @@ from ist_kernels.train.context import RunContext, World
 from ist_kernels.train.methods import get_method
 from ist_kernels.train.rounds import MOMENTUM_STATES
 
-from train_helpers import assert_equal_states, run as _run, untimed
+from train_helpers import assert_equal_states, resume_equals_uninterrupted, run as _run, untimed
 
 GPT = ["--dataset", "pycode", "--model", "gpt_tiny", "--width", "32", "--depth", "2", "--context", "32",
        "--dataset-size", "20000", "--batch-size", "8", "--local-steps", "4", "--no-progress", "--no-plots",
@@ -283,12 +283,7 @@ def test_simulated_resume_keeps_the_kept_state(tmp_path):
     whose resume test_optimizers checks)."""
     args = ["--method", "ist", "--option", "momentum_state=local", "--rounds", 3, "--simulate", 2,
             "--eval-interval", 1]
-    _, full_model, full_hist = run(tmp_path / "full", *args)
-    run(tmp_path / "part", *args, "--stop-after", 1)
-    summary, model, hist = run(tmp_path / "part", *args, "--resume")
-    assert summary["finished"]
-    assert_equal_states(full_model, model)
-    assert untimed(hist) == untimed(full_hist)
+    resume_equals_uninterrupted(run, tmp_path, *args)
 
 
 def test_local_keeps_and_reuses_a_workers_trained_slices():

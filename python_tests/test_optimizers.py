@@ -15,7 +15,12 @@ from ist_kernels.train import cli
 from ist_kernels.train.config import TrainConfig
 from ist_kernels.train.errors import ConfigError
 
-from train_helpers import assert_equal_states, resumed_distributed_equals_simulated, run as _run, untimed
+from train_helpers import (
+    resume_equals_uninterrupted,
+    resumed_distributed_equals_simulated,
+    run as _run,
+    untimed,
+)
 
 GPT = ["--dataset", "pycode", "--model", "gpt_tiny", "--width", "32", "--depth", "2", "--context", "32",
        "--dataset-size", "20000", "--batch-size", "8", "--local-steps", "4", "--no-progress", "--no-plots",
@@ -156,12 +161,7 @@ def test_decentralized_resist_adamw_state_equals_simulated(tmp_path):
 ], ids=["ist-aggregate", "localsgd", "localsgd-reset"])
 def test_simulated_adamw_resume_is_exact(tmp_path, args):
     args = [*args, "--optimizer", "adamw", "--rounds", 3, "--simulate", 2, "--eval-interval", 1]
-    _, full_model, full_hist = run(tmp_path / "full", *args)
-    run(tmp_path / "part", *args, "--stop-after", 1)
-    summary, model, hist = run(tmp_path / "part", *args, "--resume")
-    assert summary["finished"]
-    assert_equal_states(full_model, model)
-    assert untimed(hist) == untimed(full_hist)
+    resume_equals_uninterrupted(run, tmp_path, *args)
 
 
 @pytest.mark.parametrize("state", ["local", "reset"])

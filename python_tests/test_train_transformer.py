@@ -10,7 +10,14 @@ import pytest
 
 from ist_kernels.train import cli
 
-from train_helpers import assert_equal_states, outputs, resumed_distributed_equals_simulated, run as _run, untimed
+from train_helpers import (
+    assert_equal_states,
+    outputs,
+    resume_equals_uninterrupted,
+    resumed_distributed_equals_simulated,
+    run as _run,
+    untimed,
+)
 
 TINY = ["--dataset", "pycode", "--model", "gpt_tiny", "--width", "64", "--depth", "4", "--context", "16",
         "--dataset-size", "4096", "--batch-size", "4", "--local-steps", "2", "--no-progress", "--no-plots",
@@ -68,9 +75,4 @@ def test_resist_distributed_resumed_equals_simulated(tmp_path):
 
 def test_ist_simulated_resume_is_exact(tmp_path):
     args = [*PARTITIONS["heads"], "--rounds", 3, "--simulate", 2, "--eval-interval", 1]
-    _, full_model, full_hist = run(tmp_path / "full", *args)
-    run(tmp_path / "part", *args, "--stop-after", 1)
-    summary, model, hist = run(tmp_path / "part", *args, "--resume")
-    assert summary["finished"]
-    assert_equal_states(full_model, model)
-    assert untimed(hist) == untimed(full_hist)
+    resume_equals_uninterrupted(run, tmp_path, *args)

@@ -41,6 +41,19 @@ def assert_equal_states(a, b):
         assert torch.equal(a[k], b[k]), (k, (a[k].double() - b[k].double()).abs().max())
 
 
+def resume_equals_uninterrupted(run, tmp_path, *args, stop_after=1):
+    """``args`` run uninterrupted, and stopped after round ``stop_after`` then resumed: the same
+    model bit for bit and the same metrics (bar the clocks). ``run(out, *args)``: a test file's
+    runner. Returns (summary, metrics) of the resumed run."""
+    _, full_model, full_hist = run(tmp_path / "full", *args)
+    run(tmp_path / "part", *args, "--stop-after", stop_after)
+    summary, model, hist = run(tmp_path / "part", *args, "--resume")
+    assert summary["finished"]
+    assert_equal_states(full_model, model)
+    assert untimed(hist) == untimed(full_hist)
+    return summary, hist
+
+
 def resumed_distributed_equals_simulated(run, tmp_path, *args):
     """``args`` with ``--simulate 2``, then on 2 gloo ranks stopped after round 2 and resumed from
     the per-rank checkpoints: the same model and metrics (bar the clocks), the distributed run
