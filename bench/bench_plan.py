@@ -1,8 +1,9 @@
 """The round's slice plan of a SubnetMLP in O(rows + cols) (issue 37 item 3), one command:
 
-    python bench/bench_plan.py [--widths 1024,2048,4096,8192,16384] [--flat-max 4096] [--threads N]
+    python bench/bench_plan.py [--widths 1024,2048,4096,8192,16384] [--flat-max 4096] [--route-max 4096]
+                               [--threads N] [--only plan,call,round,ist]
 
-prints two tables (depth 2, S = 4 balanced neuron partitions, fp32, best of ``--repeats``):
+prints four tables (depth 2, S = 4 balanced neuron partitions, fp32, best of ``--repeats``):
 
 1. plan build per width: the planned gather/scatter of a round of all S subnetworks
    (``SubnetMLP._planned``: every tensor's index lists, validated, the compact buffers allocated)
@@ -19,6 +20,14 @@ prints two tables (depth 2, S = 4 balanced neuron partitions, fp32, best of ``--
    interleaved; the target is at most 1.2x. ``compact()`` alone (plan, gather into new buffers,
    the modules) and ``refresh()`` alone (the gather into the same buffers) show the plan's share
    without the steps, which dominate the noise on a shared machine.
+4. the ``ist`` method's plan of one round on the mlp (what ``Masked.round_plan`` builds: the trained
+   plan and the stored one with every unowned element given a holder, ``with_holders``), as products
+   with holder blocks against the flat form (``slice_plan`` + ``with_holders`` element by element,
+   the form before, up to ``--flat-max``); and the routing setup of the decentralized Exchange
+   between two rounds' stored plans (both plans' owner masks and rank 0's routing,
+   ``Exchange._prepare`` + ``_layout``), up to ``--route-max``: it still reads a product on its
+   flat view (O(width^2)), for both forms; and ``plan_bytes`` between the two rounds (what a
+   simulated round counts), a product's from its blocks.
 """
 import argparse
 import time
@@ -26,6 +35,7 @@ import time
 import torch
 
 from ist_kernels import functional as IF
+from ist_kernels.distributed import plan_bytes
 from ist_kernels.nn import SubnetMLP
 from ist_kernels.partition import categorical_partition, round_generator
 
@@ -143,10 +153,66 @@ def round_table(widths, repeats, batch, tau):
               f"{best['compact'] * 1e3:13.2f} {best['refresh'] * 1e3:13.2f}")
 
 
+def _stored_plans(model, neurons, products):
+    """A round's trained and stored plans as ``Masked.round_plan`` builds them."""
+    trained = model.product_plan(neurons) if products else model.slice_plan(neurons)
+    spec = model.product_spec() if products else model.slice_spec()
+    sizes = {t.name: spec[t.name][0] if t.product else spec[t.name][0][t.dim] for t in trained.partitioned}
+    return trained, trained.with_holders(sizes), spec
+
+
+def _routing_setup(cur, nxt, spec):
+    """The decentralized Exchange's setup on rank 0 (no process group): both plans' owner masks and
+    rank 0's routing, stacked products read in their blocks' order."""
+    from ist_kernels.distributed.exchange import _plan_masks, _product_orders
+    from ist_kernels.distributed.routing import route
+
+    entries, cm = _plan_masks(cur, spec, S, False, "current")
+    nm = _plan_masks(nxt, spec, S, False, "next")[1]
+    orders = [{i: o[e.name] for i, e in enumerate(entries) if e.name in o}
+              for o in (_product_orders(cur, spec, 0), _product_orders(nxt, spec, 0))]
+    return route(entries, 0, cm, nm, source_held=cm[0], target_held=nm[0], source_order=orders[0],
+                 target_order=orders[1])
+
+
+def ist_table(widths, flat_max, route_max, repeats):
+    print(f"\nist on the mlp: one round's plan (Masked.round_plan: trained + stored with holders) and the "
+          f"Exchange's routing setup, depth {DEPTH}, S={S}, best of {repeats}")
+    print(f"{'width':>6} {'product plan ms':>16} {'flat plan ms':>13} {'flat/product':>13} {'holder blocks':>14} "
+          f"{'routing (product) ms':>21} {'routing (flat) ms':>18} {'plan_bytes (product) ms':>24} "
+          f"{'plan_bytes (flat) ms':>21}")
+    for w in widths:
+        model, neurons = _problem(w)
+        nxt_neurons = [neurons[(s + 1) % S] for s in range(S)]
+        p = _best(lambda: _stored_plans(model, neurons, True), repeats)
+        held = _stored_plans(model, neurons, True)[1]
+        blocks = max(len(b) for t in held.tensors if t.holds for b in t.holds)
+        flat = ratio = r_prod = r_flat = b_flat = "-"
+        cur, nxt = _stored_plans(model, neurons, True)[1:], _stored_plans(model, nxt_neurons, True)[1]
+        b_prod = f"{_best(lambda: plan_bytes(cur[0], nxt, cur[1]), repeats) * 1e3:.1f}"
+        if w <= flat_max:
+            f = _best(lambda: _stored_plans(model, neurons, False), max(1, repeats // 2))
+            flat, ratio = f"{f * 1e3:.1f}", f"{f / p:.0f}x"
+            fcur, fnxt = _stored_plans(model, neurons, False)[1:], _stored_plans(model, nxt_neurons, False)[1]
+            b_flat = f"{_best(lambda: plan_bytes(fcur[0], fnxt, fcur[1]), max(1, repeats // 2)) * 1e3:.1f}"
+        if w <= route_max:
+            for products in (True, False):
+                cur, nxt = _stored_plans(model, neurons, products)[1:], _stored_plans(model, nxt_neurons, products)[1]
+                t = _best(lambda: _routing_setup(cur[0], nxt, cur[1]), max(1, repeats // 2))
+                if products:
+                    r_prod = f"{t * 1e3:.0f}"
+                else:
+                    r_flat = f"{t * 1e3:.0f}"
+        print(f"{w:6d} {p * 1e3:16.2f} {flat:>13} {ratio:>13} {blocks:14d} {r_prod:>21} {r_flat:>18} {b_prod:>24} "
+              f"{b_flat:>21}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--widths", default="1024,2048,4096,8192,16384")
     ap.add_argument("--flat-max", type=int, default=4096, help="largest width the flat plan is built at")
+    ap.add_argument("--route-max", type=int, default=4096, help="largest width the Exchange's routing is set up at")
+    ap.add_argument("--only", default="plan,call,round,ist", help="the tables to print")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--tau", type=int, default=8)
@@ -156,9 +222,15 @@ def main():
         torch.set_num_threads(a.threads)
     widths = [int(w) for w in a.widths.split(",")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    plan_table(widths, a.flat_max, a.repeats)
-    call_table(widths, a.flat_max, a.repeats)
-    round_table(widths, a.repeats, a.batch, a.tau)
+    only = set(a.only.split(","))
+    if "plan" in only:
+        plan_table(widths, a.flat_max, a.repeats)
+    if "call" in only:
+        call_table(widths, a.flat_max, a.repeats)
+    if "round" in only:
+        round_table(widths, a.repeats, a.batch, a.tau)
+    if "ist" in only:
+        ist_table(widths, a.flat_max, a.route_max, a.repeats)
 
 
 if __name__ == "__main__":

@@ -402,3 +402,35 @@ def test_exchange_of_product_holders_on_one_rank(tmp_path):
         assert plan_fingerprint(cur) != plan_fingerprint(bare)
     finally:
         destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["disjoint", "bernoulli"])
+def test_plan_bytes_of_product_holders(kind):
+    """plan_bytes counts a product with holder blocks from its blocks: rank k sends rank q every
+    element k holds now and q holds next (replicated: every element k holds), against a reference
+    over elements (4 bytes each, 2 in bf16; int8 leaves one-element slices raw), and equal to the
+    plans stated flat; the other tensors' bytes are added as before."""
+    S, shape = 3, (11, 9)
+    g = torch.Generator().manual_seed(7)
+
+    def plan():
+        w = TensorSlices("w", 0, tuple(_owners(g, shape[0], S, kind)), tuple(_owners(g, shape[1], S, kind)), 1)
+        v = TensorSlices("v", 0, tuple(_owners(g, 6, S, "disjoint")))
+        return SlicePlan(S, (w, v, TensorSlices("b", None))).with_holders({"w": shape, "v": 6})
+    cur, nxt = plan(), plan()
+    assert any(cur.tensors[0].holds) and any(nxt.tensors[0].holds)
+    spec = {"w": (shape, torch.float32), "v": ((6, 4), torch.float32), "b": ((2,), torch.float32)}
+    held = [[{i * shape[1] + k for r, c in p.tensors[0].blocks(s) for i in r.tolist() for k in c.tolist()}
+             for s in range(S)] for p in (cur, nxt)]
+    for storage in ("decentralized", "replicated"):
+        for compress, esize in ((None, 4), ("bf16", 2), ("int8", 4)):
+            got = plan_bytes(cur, nxt, spec, storage=storage, names=["w"], compress=compress)
+            for k in range(S):
+                want = sum(len(held[0][k] & held[1][q]) if storage == "decentralized" else len(held[0][k])
+                           for q in range(S) if q != k) * esize
+                assert got[k].all_to_all_bytes_sent == want and got[k].collectives == 1
+    shapes = {"w": shape}
+    flat_spec = {**spec, "w": ((99,), torch.float32)}
+    a = plan_bytes(cur, nxt, spec, shared="exact", compress="int8")
+    b = plan_bytes(cur.flat(shapes), nxt.flat(shapes), flat_spec, shared="exact", compress="int8")
+    assert [(x.bytes_sent, x.bytes_received) for x in a] == [(x.bytes_sent, x.bytes_received) for x in b]

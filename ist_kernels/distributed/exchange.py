@@ -479,13 +479,14 @@ def _compressed_mean_(tensors: List[Tensor], compress: str, *, name: str, round,
         stats.unpack_seconds += time.perf_counter() - t_unpack + mid
 
 
-def _plan_masks(plan: SlicePlan, spec, S: int, shared_as_slice: bool, what: str):
+def _plan_masks(plan: SlicePlan, spec, S: int, shared_as_slice: bool, what: str, products: bool = True):
     """The all-to-all entries of a plan (partitioned tensors, plus the shared ones as one slice each
     when shared_as_slice; floating tensors first, then integer ones) and its [S, N] owner mask.
 
     Integer partitioned tensors (e.g. the BN step counters of a ResIST block) travel with their
     block, as exact integers in the floating buffer; integer shared tensors are counters that every
-    rank keeps as they are. A 0-d tensor is one slice (viewed as [1])."""
+    rank keeps as they are. A 0-d tensor is one slice (viewed as [1]). ``products=False`` leaves the
+    products out (counted from their blocks: :func:`_product_bytes`)."""
     missing = [t.name for t in plan.tensors if t.name not in spec]
     if missing:
         raise KeyError(f"spec lacks tensors of the {what} plan: {missing[:8]}")
@@ -499,6 +500,8 @@ def _plan_masks(plan: SlicePlan, spec, S: int, shared_as_slice: bool, what: str)
             found.append((Entry(t.name, 0, (1, prod(shape)), shape, dtype, True), everyone))
             continue
         if t.product:  # moved on its flat view, one slice per element (its compact tensors: rows x cols)
+            if not products:
+                continue
             if not dtype.is_floating_point:
                 raise ValueError(f"the {what} plan partitions the integer tensor {t.name!r} as a product; only "
                                  "floating tensors can be")
@@ -581,16 +584,55 @@ def plan_fingerprint(plan: SlicePlan) -> int:
     return h
 
 
-def _bytes_matrix(entries: List[Entry], src: Tensor, dst: Tensor, chosen, compress: Optional[str] = None) -> Tensor:
+def _bytes_matrix(entries: List[Entry], src: Tensor, dst: Tensor, chosen, compress: Optional[str] = None,
+                  esize: Optional[int] = None) -> Tensor:
     """[S, S] float64: bytes rank k sends rank q when k contributes ``src[k]`` and q needs ``dst[q]``
     (the diagonal is a rank's message to itself, which never goes on the wire); ``compress``: each
     slice encoded (:func:`.compress.slice_bytes`)."""
     w = torch.zeros(src.shape[1], dtype=torch.float64)
     picked = [e for e in entries if e.name in chosen]
-    esize = torch.empty(0, dtype=_buffer_dtype(picked, "plan_bytes")).element_size() if picked else 0
+    if esize is None:
+        esize = torch.empty(0, dtype=_buffer_dtype(picked, "plan_bytes")).element_size() if picked else 0
     for e in picked:
         w[e.base:e.base + e.size] = C.slice_bytes(compress, e.slice_numel, esize, not e.integral)
     return (src.double() * w) @ dst.double().T
+
+
+def _product_bytes(current: SlicePlan, next: Optional[SlicePlan], spec, chosen, esize: int,
+                   compress: Optional[str]) -> Tensor:
+    """[S, S] float64: the bytes of the chosen products rank k sends rank q (as
+    :func:`_bytes_matrix` counts them on the flat view, one slice per element), from the blocks:
+    the elements k holds now and q next are the union over block pairs of (rows meeting) x (cols
+    meeting), the blocks of one rank disjoint; ``next`` None: q needs every element (replicated).
+    O(S^2 x blocks^2 x (rows + cols))."""
+    S = current.num_subnetworks
+    M = torch.zeros(S, S, dtype=torch.float64)
+    nxt = {t.name: t for t in next.tensors} if next is not None else {}
+    for t in current.tensors:
+        if not t.product or t.name not in chosen:
+            continue
+        w = C.slice_bytes(compress, 1, esize, True)
+        if next is None:
+            M += torch.tensor([float(t.count(k)) * w for k in range(S)], dtype=torch.float64).unsqueeze(1)
+            continue
+        shape = spec[t.name][0]
+        u = nxt[t.name]
+        marks = []  # per rank k: its blocks' rows and cols as [blocks, n] marks
+        for k in range(S):
+            bl = t.blocks(k)
+            r = torch.zeros(len(bl), shape[t.dim], dtype=torch.float64)
+            c = torch.zeros(len(bl), shape[t.col_dim], dtype=torch.float64)
+            for i, (rows, cols) in enumerate(bl):
+                r[i, rows.cpu()] = 1
+                c[i, cols.cpu()] = 1
+            marks.append((r, c))
+        for q in range(S):
+            for rows, cols in u.blocks(q):
+                if not rows.numel() or not cols.numel():
+                    continue
+                for k, (r, c) in enumerate(marks):
+                    M[k, q] += float((r[:, rows.cpu()].sum(1) * c[:, cols.cpu()].sum(1)).sum()) * w
+    return M
 
 
 def plan_bytes(current: SlicePlan, next: Optional[SlicePlan], spec: Spec, *, storage: str = "decentralized",
@@ -604,14 +646,27 @@ def plan_bytes(current: SlicePlan, next: Optional[SlicePlan], spec: Spec, *, sto
     spec = _normalise_spec(spec)
     S = current.num_subnetworks
     chosen = set(names if names is not None else current.names())
-    entries, cur = _plan_masks(current, spec, S, shared == "exact", "current")
+    entries, cur = _plan_masks(current, spec, S, shared == "exact", "current", products=False)
     if storage == "decentralized":
         if next is None:
             raise ValueError("plan_bytes: decentralized storage needs the next plan")
-        dst = _plan_masks(next, spec, S, shared == "exact", "next")[1]
+        dst = _plan_masks(next, spec, S, shared == "exact", "next", products=False)[1]
     else:
         dst = torch.ones_like(cur)
-    M = _bytes_matrix(entries, cur, dst, chosen, compress)
+    products = [t for t in current.tensors if t.product and t.name in chosen]
+    for t in products:
+        if not spec[t.name][1].is_floating_point:
+            raise ValueError(f"the current plan partitions the integer tensor {t.name!r} as a product; only "
+                             "floating tensors can be")
+    picked = [e.dtype for e in entries if e.name in chosen] + [spec[t.name][1] for t in products]
+    floats = sorted({d for d in picked if d.is_floating_point}, key=str)
+    if len(floats) > 1:
+        raise TypeError(f"plan_bytes: the tensors moved through the all-to-all must share one floating dtype "
+                        f"(one buffer), got {floats}; exchange each dtype's tensors in a separate call (names=...)")
+    esize = torch.empty(0, dtype=floats[0] if floats else torch.float64).element_size()
+    M = _bytes_matrix(entries, cur, dst, chosen, compress, esize)
+    if products:
+        M = M + _product_bytes(current, next if storage == "decentralized" else None, spec, chosen, esize, compress)
     diag = M.diagonal()
     sent, recv = (M.sum(1) - diag).tolist(), (M.sum(0) - diag).tolist()
     ar_bytes, ar_sizes = 0, {}
@@ -621,7 +676,7 @@ def plan_bytes(current: SlicePlan, next: Optional[SlicePlan], spec: Spec, *, sto
             if t.name in chosen and dtype.is_floating_point:
                 ar_bytes += prod(shape) * torch.empty(0, dtype=dtype).element_size()
                 ar_sizes.setdefault(dtype, []).append(prod(shape))
-    a2a = 1 if any(e.name in chosen for e in entries) else 0
+    a2a = 1 if products or any(e.name in chosen for e in entries) else 0
     if compress is None:
         return [CommStats(None, S, a2a + len(ar_sizes), int(sent[r]), int(recv[r]), ar_bytes) for r in range(S)]
     avg = [0] * S  # the two-stage compressed average of the shared tensors (per dtype)

@@ -117,9 +117,15 @@ class TensorSlices:
                         raise ValueError(f"TensorSlices.flat: {self.name!r}: the {('rows', 'cols')[k]} of subnetwork "
                                          f"{s} must be in [0, {n}) (dim {(self.dim, self.col_dim)[k]} of shape "
                                          f"{list(shape)}), got {idx.tolist()[:16]}")
-        flat = tuple(self.flat_ids(s, shape[1]) if self.stacked(s) else
-                     (self.owners[s].unsqueeze(1) * shape[1] + self.cols[s].unsqueeze(0)).reshape(-1) for s in range(S))
-        return TensorSlices(self.name, 0, tuple(f.sort().values if self.stacked(s) else f for s, f in enumerate(flat)))
+        flat = []
+        for s in range(S):
+            if self.stacked(s):  # the blocks' elements in ascending order (a mark per element: no sort)
+                mark = torch.zeros(shape[0] * shape[1], dtype=torch.bool)
+                mark[self.flat_ids(s, shape[1])] = True
+                flat.append(mark.nonzero().flatten())
+            else:
+                flat.append((self.owners[s].unsqueeze(1) * shape[1] + self.cols[s].unsqueeze(0)).reshape(-1))
+        return TensorSlices(self.name, 0, tuple(flat))
 
 
 @dataclass(frozen=True)
@@ -224,8 +230,15 @@ def holder_blocks(t: TensorSlices, shape: Sequence[int]):
     for s, rows in enumerate(t.owners):
         member[s, rows.cpu()] = True
     shift = torch.arange(n_rows, dtype=torch.int64) * n_cols % S
-    key = torch.cat([member.to(torch.int64), shift.unsqueeze(0)]).T  # a row's pattern and its shift
-    groups, inverse = torch.unique(key, dim=0, return_inverse=True)
+    if S <= 56:  # a row's pattern (S bits) and its shift (< S: 6 bits) as one int64 key
+        bits = torch.ones(S, dtype=torch.int64).cumsum(0).sub(1).unsqueeze(1)
+        key = (member.to(torch.int64) << bits).sum(0) | (shift << S)
+        keys, inverse = torch.unique(key, return_inverse=True)
+        groups = ((keys.unsqueeze(1) >> torch.arange(S + 1, dtype=torch.int64)) & 1)
+        groups[:, S] = keys >> S
+    else:
+        groups, inverse = torch.unique(torch.cat([member.to(torch.int64), shift.unsqueeze(0)]).T, dim=0,
+                                       return_inverse=True)
     order = torch.argsort(inverse, stable=True)
     rows_of = torch.split(order, torch.bincount(inverse, minlength=groups.shape[0]).tolist())
     col_class = torch.arange(n_cols, dtype=torch.int64) % S

@@ -28,10 +28,14 @@ shared output bias is averaged): this method with ``masks`` fixed to balanced.
 
 Storage (``--storage``). Decentralized (default): a rank holds only its subnetwork's compact
 tensors (for a hidden-to-hidden weight the rows of its neurons x the columns of its previous
-layer's neurons: both dims partitioned, stated on the flat view, ``SubnetMLP.slice_plan``) and the
-shared output bias. A neuron no subnetwork selected (Bernoulli masks) still needs a holder: the
-plan is stored as ``slice_plan.with_holders`` (each unowned slice kept, untrained, by one rank),
-so its value passes through the owner mean unchanged, as in Algorithm 1. One exchange
+layer's neurons: both dims partitioned, a product of the two index lists, ``SubnetMLP.product_plan``)
+and the shared output bias. A slice no subnetwork selected (the entries between two subnetworks'
+neurons; Bernoulli masks' unselected neurons) still needs a holder: the plan is stored as
+``product_plan.with_holders`` (each unowned slice kept, untrained, by one rank; of a product as
+rows x cols blocks after the rank's own block, which it trains in place), so its value passes
+through the owner mean unchanged, as in Algorithm 1. A run with ``--compress`` (S > 1) states
+the hidden-to-hidden weights on their flat views instead (``SubnetMLP.slice_plan``: the simulated
+coding of the held slices reads one dim per tensor), with the same bytes and values. One exchange
 (``ctx.comm``) per round moves every slice to its next holders and
 averages the shared bias (ring all_reduce; ``--shared exact``: bit-identical to the simulated run);
 the full model is assembled on rank 0 only to evaluate or save it. Replicated
@@ -129,10 +133,10 @@ class NeuronPlan(RoundPlan):
         return {s: _Sub(s, SubnetModule(m.net, p, ns), p, ns) for s, p, ns in zip(m.workers, params, mine)}
 
     def compact(self, sub):
-        """Plan name -> the subnetwork's compact tensor in the plan's view (sharing storage)."""
-        net = self.method.net
-        return {name: net.exchange_view(name, p.detach())
-                for (name, _, _), p in zip(net.compact_layout(sub.neurons), sub.params)}
+        """Plan name -> the subnetwork's compact tensor in the plan's view (sharing storage; a
+        hidden-to-hidden weight rows x cols in the product plan, flat in the flat one)."""
+        m = self.method
+        return {name: m.view(name, p.detach()) for (name, _, _), p in zip(m.net.compact_layout(sub.neurons), sub.params)}
 
     def aggregate(self, subs, optimizer=None):
         self.method.net.aggregate_([sub.params for sub in subs], [sub.neurons for sub in subs])
@@ -151,6 +155,8 @@ class NeuronPlan(RoundPlan):
             t = part.get(name)
             if t is None:  # this worker holds nothing of the tensor (an empty layer)
                 params.append(torch.empty(shape, device=device))
+            elif held[name].product:  # its own rows x cols first (holder blocks after it): a view
+                params.append(t.view(-1)[:owned[name].count(s)].view(shape))
             elif owned[name].shared or held[name].owners[s].numel() == owned[name].owners[s].numel():
                 params.append(t.view(shape))
             else:
@@ -182,8 +188,9 @@ class NeuronPlan(RoundPlan):
         (unowned slices it keeps), the fixed output weight (the optimizer state is measured)."""
         m, trained, store = self.method, self.slices, self.storage_slices
         comm = m.ctx.comm
-        differ = [t.name for t, u in zip(trained.partitioned, store.partitioned) if t.owners[s].numel() !=
-                  u.owners[s].numel()]
+        # (a product's own block is a view of its stored blocks, counted as the measured run's
+        # held_bytes counts it: a tensor apart)
+        differ = [t.name for t, u in zip(trained.partitioned, store.partitioned) if t.count(s) != u.count(s)]
         copies = comm.ps_bytes_of(trained, m.spec, s, names=differ) // 2 if differ else 0
         return comm.ps_bytes_of(store, m.spec, s) // 2 + copies + held_bytes(m.fixed)
 
@@ -279,7 +286,10 @@ class Masked(Method):
         self.full_state_bytes = ctx.full_state_bytes(self.net)
         self.keep = selection_probability(self.masks, ctx.num_workers, self.xi)
         self.workers = ctx.local_workers
-        self.spec = self.net.slice_spec()
+        # the hidden-to-hidden weights as products (rows x cols), or on their flat views where the
+        # simulated --compress codes the held slices (comm.compress_held reads one dim per tensor)
+        self.products = not (ctx.comm.compress is not None and ctx.num_workers > 1)
+        self.spec = self.net.product_spec() if self.products else self.net.slice_spec()
         self.fixed = dict(self.net.named_buffers())  # the output weight when it does not train
         self.rounds = SubnetRounds(ctx, self.net, "reset", self.round_plan, spec=self.spec, tensors=self._tensors,
                                    assemble=self._assemble, full_model=FullModel(self.net, self.keep))
@@ -296,15 +306,23 @@ class Masked(Method):
         return sample_neurons(self.net, self.ctx.num_workers, self.masks, self.xi, self.ctx.generator(PLAN, r))
 
     def round_plan(self, r: int) -> "NeuronPlan":
-        """Round r's subnetworks: the neurons per worker, the trained and the stored SlicePlans."""
+        """Round r's subnetworks: the neurons per worker, the trained and the stored SlicePlans
+        (``SubnetMLP.product_plan``: a hidden-to-hidden weight planned as rows x cols and its
+        unowned elements kept as holder blocks, O(rows + cols); or ``slice_plan``, element by
+        element, under a simulated ``--compress``)."""
         neurons = self.plan(r)
-        trained = self.net.slice_plan(neurons)
-        sizes = {t.name: self.spec[t.name][0][t.dim] for t in trained.partitioned}
+        trained = self.net.product_plan(neurons) if self.products else self.net.slice_plan(neurons)
+        sizes = {t.name: self.spec[t.name][0] if t.product else self.spec[t.name][0][t.dim] for t in trained.partitioned}
         return NeuronPlan(self, neurons, trained, trained.with_holders(sizes))
 
+    def view(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Tensor ``name`` (full or compact) as the round's plans state it."""
+        return t if self.products else self.net.exchange_view(name, t)
+
     def _tensors(self):
-        """The full model's trained tensors as the plans state them (hidden-to-hidden weights flat)."""
-        return {n: self.net.exchange_view(n, p.detach()) for n, p in self.net.named_parameters()}
+        """The full model's trained tensors as the plans state them (hidden-to-hidden weights rows x
+        cols, or flat)."""
+        return {n: self.view(n, p.detach()) for n, p in self.net.named_parameters()}
 
     def _assemble(self, full):
         net = copy.deepcopy(self.net)
@@ -375,5 +393,6 @@ class IST(Masked):
             raise ConfigError("options.partition", f"partition={hp.options['partition']} needs a transformer "
                               f"(gpt_tiny, gpt_small); the mlp's partition is its hidden neurons (ffn)")
         if hp.options.get("momentum_state", "reset") != "reset":
-            raise ConfigError("options.momentum_state", "aggregate needs a transformer (gpt_tiny, gpt_small); the "
-                              "mlp's neuron subnetworks start every round with fresh optimizer state")
+            raise ConfigError("options.momentum_state", f"{hp.options['momentum_state']} needs a transformer "
+                              "(gpt_tiny, gpt_small, a user's model); the mlp's neuron subnetworks start every "
+                              "round with fresh optimizer state (reset)")
