@@ -124,7 +124,8 @@ def test_grelu_reports_divergence_with_its_lr(tmp_path):
     assert "diverged" in (tmp_path / "grelu.md").read_text() and "lr 50" in (tmp_path / "grelu.md").read_text()
 
 
-@pytest.mark.parametrize("cell", [("bernoulli", 2, 0.5, 2, 0), ("categorical", 3, (0.5, 0.3, 0.2), 1, 1)])
+@pytest.mark.parametrize("cell", [("bernoulli", 2, 0.5, 2, 0), ("categorical", 3, (0.5, 0.3, 0.2), 1, 1),
+                                  ("categorical", 1, None, 2, 0)])  # S = 1: plain GD, one worker
 def test_masked_experiment_through_the_engine_is_paper_001_algorithm_1(cell, monkeypatch):
     """The experiment trains through the round engine (method masked, the user's loop); given the
     same masks, it is bit for bit paper 001's standalone Algorithm 1 (train/paper001.py: compact

@@ -49,6 +49,20 @@ def test_engine_equals_ist_train_simulated(tmp_path):
     assert summary["bytes_per_round"] > 0 and summary["rounds"] == 3
 
 
+def test_one_worker_is_one_worker(tmp_path):
+    """Engine without workers (or workers=1, no torchrun) trains one worker: S = 1, as ist-train
+    --workers 1 (the config's default S without torchrun is 2: a one-process engine must not plan
+    two subnetworks and train one)."""
+    _, want, want_hist = run(tmp_path / "cli", "--model", "mlp", "--workers", "1", *CLI, base=[])
+    engine = Engine("mlp", out_dir=str(tmp_path / "lib"), **SETTINGS)
+    assert engine.num_workers == 1 and engine.local_workers == [0]
+    summary = user_loop(engine)
+    _, got, got_hist = outputs(tmp_path / "lib")
+    assert summary["workers"] == 1
+    assert_equal_states(got, want)
+    assert untimed(got_hist) == untimed(want_hist)
+
+
 def test_engine_resume_is_exact(tmp_path):
     """stop_after=2 then resume=True: the model of an uninterrupted run, bit for bit."""
     user_loop(Engine("mlp", workers=2, out_dir=str(tmp_path / "full"), **SETTINGS))

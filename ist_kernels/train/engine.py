@@ -167,8 +167,10 @@ class Engine:
                   **config}
         if distributed:
             values["workers"] = S
-        else:
-            values["simulate"] = S if S > 1 else 0
+        elif S > 1:
+            values["simulate"] = S
+        else:  # one worker (the config's default without torchrun would be 2)
+            values.update(simulate=0, workers=1)
         cfg.update(values, "Engine()")
         cfg.validate(data=dataset is not None)
         self.config = cfg
