@@ -406,8 +406,9 @@ def test_exchange_of_product_holders_on_one_rank(tmp_path):
 
 @pytest.mark.parametrize("kind", ["disjoint", "bernoulli"])
 def test_plan_bytes_of_product_holders(kind):
-    """plan_bytes counts a product with holder blocks from its blocks: rank k sends rank q every
-    element k holds now and q holds next (replicated: every element k holds), against a reference
+    """plan_bytes and gather_bytes count a product with holder blocks from its blocks: rank k sends
+    rank q every element k holds now and q holds next (replicated: every element k holds); the
+    gather each element from its lowest holder (copy) or every holder (mean); against a reference
     over elements (4 bytes each, 2 in bf16; int8 leaves one-element slices raw), and equal to the
     plans stated flat; the other tensors' bytes are added as before."""
     S, shape = 3, (11, 9)
@@ -429,8 +430,17 @@ def test_plan_bytes_of_product_holders(kind):
                 want = sum(len(held[0][k] & held[1][q]) if storage == "decentralized" else len(held[0][k])
                            for q in range(S) if q != k) * esize
                 assert got[k].all_to_all_bytes_sent == want and got[k].collectives == 1
+    for reduce in ("copy", "mean"):  # to rank 1: each element from its lowest holder, or from every holder
+        got = gather_bytes(SlicePlan(S, cur.tensors[:1]), {"w": spec["w"]}, dst=1, reduce=reduce)
+        for k in range(S):
+            lower = set().union(*held[0][:k]) if reduce == "copy" else set()
+            assert got[k].bytes_sent == (0 if k == 1 else 4 * len(held[0][k] - lower))
     shapes = {"w": shape}
     flat_spec = {**spec, "w": ((99,), torch.float32)}
+    for reduce in ("copy", "mean"):
+        a, b = gather_bytes(cur, spec, reduce=reduce), gather_bytes(cur.flat(shapes), flat_spec, reduce=reduce)
+        assert [(x.bytes_sent, x.bytes_received, x.collectives) for x in a] == \
+            [(x.bytes_sent, x.bytes_received, x.collectives) for x in b]
     a = plan_bytes(cur, nxt, spec, shared="exact", compress="int8")
     b = plan_bytes(cur.flat(shapes), nxt.flat(shapes), flat_spec, shared="exact", compress="int8")
     assert [(x.bytes_sent, x.bytes_received) for x in a] == [(x.bytes_sent, x.bytes_received) for x in b]

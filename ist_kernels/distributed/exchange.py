@@ -29,6 +29,8 @@ O(rows x cols) per round (a routing on the two index lists is what remains, issu
 rank that keeps holder blocks of a product (``SlicePlan.with_holders``) holds it as one 1-D tensor,
 its blocks one after another (``TensorSlices.stacked``); the routing reads and writes that order
 (``TensorSlices.flat_ids``), so the bytes and values equal those of the plan stated flat.
+:func:`plan_bytes` and :func:`gather_bytes` count a product from its blocks instead (the elements
+two ranks share are the block pairs' rows meeting x cols meeting), O(blocks^2 x (rows + cols)).
 """
 import time
 from dataclasses import dataclass, field
@@ -686,9 +688,41 @@ def plan_bytes(current: SlicePlan, next: Optional[SlicePlan], spec: Spec, *, sto
                       average_bytes_sent=avg[r], average_bytes_received=avg[r]) for r in range(S)]
 
 
-def _gather_masks(plan: SlicePlan, spec, S: int, dst: int, reduce: str, who: str):
-    """(entries, held [S, N], contributes [S, N], needs [S, N]) of assembling ``plan``'s full model on ``dst``."""
-    entries, cur = _plan_masks(plan, spec, S, True, "gathered")
+def _first_held(t, shape) -> List[int]:
+    """Per rank k, how many elements of product ``t`` (2-D ``shape``) k holds that no rank below k
+    holds (the copies :func:`gather_full_model` takes from k with reduce="copy"), from the blocks:
+    a block's rows grouped by the lower ranks' blocks they meet, each group's columns less those
+    blocks' columns."""
+    S = len(t.owners)
+    out = []
+    lower: List[Tuple[Tensor, Tensor]] = []
+    for k in range(S):
+        n = 0
+        for rows, cols in t.blocks(k):
+            rows, cols = rows.cpu(), cols.cpu()
+            if not rows.numel() or not cols.numel():
+                continue
+            meet = torch.zeros(len(lower), rows.numel(), dtype=torch.bool)
+            for i, (r, _) in enumerate(lower):
+                mark = torch.zeros(shape[0], dtype=torch.bool)
+                mark[r] = True
+                meet[i] = mark[rows]
+            groups, count = torch.unique(meet.T, dim=0, return_counts=True) if lower else (
+                torch.zeros(1, 0, dtype=torch.bool), torch.tensor([rows.numel()]))
+            for g, c in zip(groups, count.tolist()):
+                taken = torch.zeros(shape[1], dtype=torch.bool)
+                for i in g.nonzero().flatten().tolist():
+                    taken[lower[i][1]] = True
+                n += c * (cols.numel() - int(taken[cols].sum()))
+        out.append(n)
+        lower += [(r.cpu(), c.cpu()) for r, c in t.blocks(k) if r.numel() and c.numel()]
+    return out
+
+
+def _gather_masks(plan: SlicePlan, spec, S: int, dst: int, reduce: str, who: str, products: bool = True):
+    """(entries, held [S, N], contributes [S, N], needs [S, N]) of assembling ``plan``'s full model
+    on ``dst`` (``products=False``: the products left out)."""
+    entries, cur = _plan_masks(plan, spec, S, True, "gathered", products)
     _check_covered(entries, cur, f"{who}: in the plan", "the full model cannot be assembled")
     src = cur
     if reduce == "copy":
@@ -708,11 +742,26 @@ def gather_bytes(plan: SlicePlan, spec: Spec, *, dst: int = 0, reduce: str = "co
         raise ValueError(f"gather_bytes: reduce must be 'copy' or 'mean', got {reduce!r}")
     spec = _normalise_spec(spec)
     S = plan.num_subnetworks
-    entries, _, src, need = _gather_masks(plan, spec, S, dst, reduce, "gather_bytes")
-    M = _bytes_matrix(entries, src, need, {e.name for e in entries})
+    entries, _, src, need = _gather_masks(plan, spec, S, dst, reduce, "gather_bytes", products=False)
+    products = [t for t in plan.tensors if t.product]
+    floats = sorted({d for d in [e.dtype for e in entries] + [spec[t.name][1] for t in products]
+                     if d.is_floating_point}, key=str)
+    if len(floats) > 1:
+        raise TypeError(f"gather_bytes: the tensors moved through the all-to-all must share one floating dtype "
+                        f"(one buffer), got {floats}; exchange each dtype's tensors in a separate call (names=...)")
+    esize = torch.empty(0, dtype=floats[0] if floats else torch.float64).element_size()
+    M = _bytes_matrix(entries, src, need, {e.name for e in entries}, None, esize)
+    for t in products:  # from the blocks: each element from its lowest holder (copy) or from all (mean)
+        shape = spec[t.name][0]
+        first = _first_held(t, shape)
+        if sum(first) != shape[0] * shape[1]:
+            raise ValueError(f"gather_bytes: in the plan {shape[0] * shape[1] - sum(first)} elements of the product "
+                             f"{t.name!r} have no holder; the full model cannot be assembled")
+        for k in range(S):
+            M[k, dst] += float(first[k] if reduce == "copy" else t.count(k)) * esize
     diag = M.diagonal()
     sent, recv = (M.sum(1) - diag).tolist(), (M.sum(0) - diag).tolist()
-    return [CommStats(None, S, 1 if entries else 0, int(sent[r]), int(recv[r]), 0) for r in range(S)]
+    return [CommStats(None, S, 1 if entries or products else 0, int(sent[r]), int(recv[r]), 0) for r in range(S)]
 
 
 class Exchange:
