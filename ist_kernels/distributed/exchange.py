@@ -176,7 +176,8 @@ class _Mover:
 
     def _clayout(self, segs, compress: str):
         """(wire size, payload bytes, raw part offset, codes offset) of one compressed chunk:
-        [fp32 scale per coded slice (int8)][uncoded segments, raw in the buffer dtype][codes]."""
+        [fp32 scale per coded slice (int8)][pad to the dtype][uncoded segments, raw in the buffer
+        dtype][codes]."""
         n_sc = raw_el = code_el = 0
         for s in segs:
             e = self.entries[s.entry]
@@ -185,10 +186,13 @@ class _Mover:
                 n_sc += s.index.numel() if compress == "int8" else 0
             else:
                 raw_el += s.numel
-        raw = C.SCALE_BYTES * n_sc
+        # the raw part starts at a multiple of its element size (after an odd count of fp32 scales a
+        # float64 view would be misaligned); the padding is not payload
+        raw = (C.SCALE_BYTES * n_sc + self.esize - 1) // self.esize * self.esize
         codes = raw + self.esize * raw_el
-        payload = codes + C.code_bytes(compress) * code_el
-        return (payload + self.align - 1) // self.align * self.align, payload, raw, codes
+        payload = C.SCALE_BYTES * n_sc + self.esize * raw_el + C.code_bytes(compress) * code_el
+        end = codes + C.code_bytes(compress) * code_el
+        return (end + self.align - 1) // self.align * self.align, payload, raw, codes
 
     def _encode(self, send: Tensor, compress: str, device) -> Tuple[Tensor, List[int], List[int]]:
         """Compressed: the wire buffer of every peer's chunk; ``send``'s own part (this rank's copy)
