@@ -12,7 +12,7 @@ import torch
 from ist_kernels.train import Engine
 
 from conftest import requires_cuda
-from train_helpers import assert_equal_states, outputs, run, untimed
+from train_helpers import assert_equal_states, outputs, run, untimed, user_loop
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -21,22 +21,6 @@ SETTINGS = dict(method="ist", dataset="digits", rounds=3, local_steps=2, batch_s
 CLI = ["--method", "ist", "--dataset", "digits", "--rounds", "3", "--local-steps", "2", "--batch-size", "8",
        "--lr", "0.1", "--seed", "3", "--width", "16", "--threads", "1", "--eval-interval", "2", "--no-progress",
        "--no-plots"]
-
-
-def user_loop(engine, stop_at=None):
-    """A loop as a user writes it: the engine's batches, its loss by hand."""
-    for rnd in engine.rounds():
-        for worker in rnd:
-            model, opt = worker.model, worker.optimizer
-            for x, y in worker.batches():
-                opt.zero_grad(set_to_none=True)
-                loss = torch.nn.functional.cross_entropy(model(x).float(), y)
-                loss.backward()
-                opt.step()
-                worker.add_loss(loss)
-            if stop_at is not None and (rnd.index, worker.index) == stop_at:
-                raise KeyboardInterrupt("the user stopped")
-    return engine.close()
 
 
 def test_engine_equals_ist_train_simulated(tmp_path):

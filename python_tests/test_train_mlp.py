@@ -13,7 +13,7 @@ from ist_kernels.train import cli
 from ist_kernels.train.config import ConfigError, TrainConfig
 from ist_kernels.train.datasets import ShardedData, _mix, load_dataset
 
-from train_helpers import TINY_MLP, assert_equal_states, run as _run, untimed
+from train_helpers import TINY_MLP, assert_equal_states, run as _run, untimed, user_loop
 
 TINY = [*TINY_MLP, "--shared", "exact"]  # bit for bit (the default ring all_reduce: ulps)
 run = functools.partial(_run, base=TINY)
@@ -352,16 +352,7 @@ def test_masked_on_a_users_subnet_mlp_with_categorical_probabilities(tmp_path):
 
     common = dict(method="masked", workers=2, rounds=2, local_steps=1, dataset="digits", batch_size=8,
                   threads=1, out_dir=str(tmp_path), plots=False)
-    eng = Engine(_user_subnet_mlp, options={"masks": "categorical", "probs": "0.75:0.25"}, **common)
-    for rnd in eng.rounds():
-        for w in rnd:
-            for x, y in w.batches():
-                w.optimizer.zero_grad()
-                loss = w.loss(w.model(x), y)
-                loss.backward()
-                w.optimizer.step()
-                w.add_loss(loss)
-    summary = eng.close()
+    summary = user_loop(Engine(_user_subnet_mlp, options={"masks": "categorical", "probs": "0.75:0.25"}, **common))
     assert summary["rounds"] == 2 and summary["masks"] == "categorical" and summary["xi"] == 0.5
     assert summary["probs"] == [0.75, 0.25] and summary["train_loss"] > 0
     for options, key in [({"masks": "bernoulli", "probs": "0.5:0.5"}, "options.probs"),

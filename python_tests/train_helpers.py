@@ -67,3 +67,19 @@ def resumed_distributed_equals_simulated(run, tmp_path, *args):
     assert_equal_states(s_model, d_model)
     assert untimed(s_hist) == untimed(d_hist)
     return d_sum, d_hist
+
+
+def user_loop(engine, stop_at=None):
+    """A loop as a user writes it: the engine's batches, its loss by hand."""
+    for rnd in engine.rounds():
+        for worker in rnd:
+            model, opt = worker.model, worker.optimizer
+            for x, y in worker.batches():
+                opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+                loss.backward()
+                opt.step()
+                worker.add_loss(loss)
+            if stop_at is not None and (rnd.index, worker.index) == stop_at:
+                raise KeyboardInterrupt("the user stopped")
+    return engine.close()
