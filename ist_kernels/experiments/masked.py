@@ -48,6 +48,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from ..nn.subnet import SubnetMLP
+from ..partition.neurons import parse_probs
 from ..train import paper001 as simulated
 from ..train.engine import Engine
 from ..train.paper_data import communities_regression, diabetes_regression, teacher_regression
@@ -64,18 +65,10 @@ class _Diverged(Exception):
 
 def xi_vectors(s: str) -> List[Tuple[float, ...]]:
     """``0.5:0.5,0.7:0.3``: categorical probability vectors, entries separated by ':'."""
-    out = []
-    for part in s.split(","):
-        if not part.strip():
-            continue
-        try:
-            v = tuple(float(e) for e in part.split(":"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected vectors like 0.7:0.3, got {part!r}") from None
-        if len(v) < 2 or any(not (e >= 0) for e in v) or abs(sum(v) - 1) > 1e-6:
-            raise argparse.ArgumentTypeError(f"a ξ vector needs >= 2 entries >= 0 summing to 1, got {part!r}")
-        out.append(v)
-    return out
+    try:
+        return [parse_probs(part) for part in s.split(",") if part.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parser() -> argparse.ArgumentParser:

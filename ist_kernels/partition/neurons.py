@@ -4,7 +4,7 @@ A plan for one round is made from a generator seeded by (seed, round) with
 :func:`round_generator`, on the CPU, so every rank that calls the same function with the same
 (seed, round) gets the same plan without sending it. Index lists are sorted int64 tensors.
 """
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -51,6 +51,19 @@ def bernoulli_masks(
     if not 0.0 <= xi <= 1.0:
         raise ValueError(f"bernoulli_masks: xi (selection probability) must be in [0, 1], got {xi}")
     return torch.rand(S, num_neurons, generator=generator) < xi
+
+
+def parse_probs(text: str) -> Tuple[float, ...]:
+    """``"0.7:0.3"`` -> (0.7, 0.3): a categorical ξ vector as the trainer's ``probs`` option and the
+    masked experiment's ``--xi-vectors`` write it (>= 2 entries >= 0 summing to 1 within 1e-6);
+    ValueError saying what is wrong."""
+    try:
+        p = tuple(float(e) for e in text.split(":"))
+    except ValueError:
+        raise ValueError(f"expected vectors like 0.7:0.3, got {text!r}") from None
+    if len(p) < 2 or any(not (e >= 0) for e in p) or abs(sum(p) - 1) > 1e-6:
+        raise ValueError(f"a ξ vector needs >= 2 entries >= 0 summing to 1, got {text!r}")
+    return p
 
 
 def categorical_probabilities(probs, S: int, who: str = "categorical_assignment") -> Tensor:

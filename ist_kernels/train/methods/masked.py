@@ -60,6 +60,7 @@ from torch import nn
 
 from ...nn.subnet import SubnetMLP
 from ...partition import PARTITIONS
+from ...partition.neurons import parse_probs
 from ...partition.plan import RoundPlan, positions
 from ..errors import ConfigError
 from ..model_registry import is_external_model, language_models, load_model_spec, probe_model
@@ -198,10 +199,9 @@ class NeuronPlan(RoundPlan):
 def _probs(v: str):
     """``0.7:0.3`` -> (0.7, 0.3), or None if it is no probability vector."""
     try:
-        p = tuple(float(e) for e in v.split(":"))
+        return parse_probs(v)
     except ValueError:
         return None
-    return p if len(p) >= 2 and all(e >= 0 for e in p) and abs(sum(p) - 1) <= 1e-6 else None
 
 
 BUILT_IN_ONLY = ("train_output", "bias", "kappa")  # options of the package's mlp, not of a user's SubnetMLP
