@@ -931,15 +931,18 @@ def test_speed_ablation_lm_quick_keeps_runs_and_reads_them_back(tmp_path):
     assert main([*argv, "--out", str(tmp_path / "a")]) == 0
     doc = _load_json(tmp_path / "a" / "speed_ablation_lm_S2.json")
     rows = {r["variant"]: r for r in doc["rows"]}
-    deep = ("localsgd-deep", "localsgd-deep-lrx3", "localsgd-deep-lr/3")
-    assert set(rows) == {"localsgd", "ist-ffn", "localsgd-reset", "ist-ffn-aggregate", "ist-ffn-lr/3", *deep}
+    deep = ("localsgd-deep", "localsgd-deep-lrx3", "localsgd-deep-lr/3", "localsgd-deep-lrx2")
+    assert set(rows) == {"localsgd", "ist-ffn", "localsgd-reset", "ist-ffn-aggregate", "ist-ffn-lr/3", *deep,
+                         "ist-ffn-deep-local"}
+    assert rows["ist-ffn-deep-local"]["options"] == ["momentum_state=local"]
     assert rows["ist-ffn-lr/3"]["lr"] == pytest.approx(1e-3 / 3, rel=1e-5) and rows["ist-ffn"]["lr"] == 1e-3
     assert rows["localsgd-deep-lrx3"]["lr"] == pytest.approx(3 * rows["localsgd-deep"]["lr"], rel=1e-5)
     best = min(deep, key=lambda v: rows[v]["final"])
     for r in rows.values():
         # the depth factors' model has its own local SGD: the best final of its lr sweep sets its target
-        target = rows[best if r["variant"] in deep else "localsgd"]["final"] + 0.05
-        assert r["reference"] == (best if r["variant"] in deep else "localsgd")
+        on_deep = r["variant"] in deep or r["variant"] == "ist-ffn-deep-local"
+        target = rows[best if on_deep else "localsgd"]["final"] + 0.05
+        assert r["reference"] == (best if on_deep else "localsgd")
         assert r["workers"] == 2 and r["metric"] == "bits_per_byte" and len(r["values"]) == 3
         assert r["final"] == r["values"][-1] and 4 < r["final"] < 8.5 and r["target"] == pytest.approx(target)
         k = r["rounds_to_target"]
@@ -1113,6 +1116,98 @@ def test_speed_ablation_deep_variants_meet_the_strongest_local_sgd_of_the_lr_swe
     assert "the best final of localsgd-deep, localsgd-deep-lrx3 (the seed's)" in md
 
 
+def test_speed_ablation_emulates_the_model_factors_variants_and_their_references(monkeypatch):
+    """--emulate runs again, over each link, the chosen model-factor variants of --emulate-seeds and the local
+    SGD run each is measured against on its seed; per run: the cost model's mean round (from the emulated
+    run's own compute) and its error against the measured one, the measured time to the loopback target and
+    that against the reference's over the same link."""
+    import argparse as ap
+
+    from ist_kernels.distributed import cost
+    from ist_kernels.experiments import speed_ablation as A
+    from ist_kernels.experiments.harness import link as L
+
+    row = _ablation_row
+    rows = [row("localsgd", "baseline", "localsgd", [3.0, 2.8, 2.7], 10.0, 5e6),
+            row("localsgd-deep", "depth", "localsgd", [3.2, 3.0, 2.9], 10.0, 4e6),
+            row("localsgd-deep-lrx3", "depth-lr", "localsgd", [3.3, 3.1, 3.0], 10.0, 4e6),
+            row("resist-deep", "depth", "resist", [3.3, 2.93, 2.94], 4.0, 2e6),
+            row("resist-deep-local", "depth-state", "resist", [3.3, 2.9, 2.8], 4.0, 1e6),
+            row("resist-deep-local", "depth-state", "resist", [3.3, 2.9, 2.8], 4.0, 1e6, seed=1)]
+    for r in rows:
+        r["trainer_flags"] = ["--method", r["method"], "--lr", "0.003"]
+    args = ap.Namespace(workload="lm", quick=False, lm_margin=0.05, target_fraction=0.98, link="10mbit", workers=4,
+                        factors=["depth-state"], emulate=["10mbit"], emulate_seeds=[0], emulate_variants=None,
+                        runs_dir=None, stored_only=False)
+    A.analyse(args, rows)
+    assert [(r["variant"], r["seed"]) for r in A.emulated_rows(args, rows)] == [
+        ("localsgd-deep", 0), ("resist-deep-local", 0)]  # its reference, not the other deep runs or seed 1
+    launched = []
+
+    def fake_launch(flags, S, seed, out_dir, em, store, run_missing):  # over the link: 1 s more per round
+        launched.append((flags[1], seed, em))
+        n, slow = 3, 11.0 if flags[1] == "localsgd" else 5.0
+        return {"metrics": [{"round": k, "train_time": slow * k, "bits_per_byte": v, "bytes_sent": 4e6,
+                             "max_worker_link_bytes": 1e6 if flags[1] == "resist" else 4e6, "time": {"comm": 0.0},
+                             "accuracy": None, "peer_wait_s": None} for k, v in zip(range(1, n + 1), [3.3, 2.9, 2.8])]}
+
+    def fake_links(todo, link_and_workers, one, desc, latency_s=0.0):
+        assert {link_and_workers(c) for c in todo} == {("10mbit", 4)}
+        return {c: one(c, "em") for c in todo}
+
+    monkeypatch.setattr(L, "unavailable_reason", lambda latency=False: None)
+    monkeypatch.setattr(A, "launch", fake_launch)
+    monkeypatch.setattr(A, "run_over_links", fake_links)
+    got = {e["variant"]: e for e in A.run_emulated(args, rows)}
+    assert sorted(launched) == [("localsgd", 0, "em"), ("resist", 0, "em")]
+    link = cost.Link(L.parse_rate("10mbit"), 0.0)
+    e = got["resist-deep-local"]
+    assert e["round_s"] == pytest.approx(5.0)
+    # the emulated run's own compute (5 s, no comm part) and the link's time for its busiest link's bytes
+    assert e["predicted_round_s"] == pytest.approx(5.0 + cost.comm_s(1e6, link, 6), rel=1e-9)
+    assert e["prediction_error"] == pytest.approx(cost.comm_s(1e6, link, 6) / 5.0, rel=1e-9)
+    assert e["predicted_round_from_loopback_s"] == pytest.approx(4.0 + cost.comm_s(1e6, link, 6), rel=1e-9)
+    # target: localsgd-deep's loopback final + 0.05 = 2.95, reached in round 2 by both over the link
+    assert e["target"] == pytest.approx(2.95) and e["rounds_to_target"] == 2
+    assert e["time_to_target_s"] == pytest.approx(10.0) and got["localsgd-deep"]["time_to_target_s"] == pytest.approx(22.0)
+    assert e["vs_localsgd"] == pytest.approx(10.0 / 22.0) and e["round_vs_localsgd"] == pytest.approx(5.0 / 11.0)
+    md = A.markdown(args, rows, {}, [], {}, (), (), list(got.values()))
+    assert "## Over emulated links" in md and "| 10mbit | resist-deep-local | 0 | 5.00 |" in md
+    # no emulated links where namespaces cannot be made: none, and a line on stderr
+    monkeypatch.setattr(L, "unavailable_reason", lambda latency=False: "no CAP_NET_ADMIN")
+    assert A.run_emulated(args, rows) == []
+
+
+def test_speed_ablation_rescales_a_run_with_warmup_rounds_to_its_references_machine():
+    """A ResIST run made on a machine 1.5x slower than its reference local SGD's: its warm-up rounds (local
+    SGD of the full model) say by how much, and its predicted seconds are the reference machine's."""
+    import argparse as ap
+
+    from ist_kernels.distributed import cost
+    from ist_kernels.experiments import speed_ablation as A
+    from ist_kernels.experiments.harness import link as L
+
+    row = _ablation_row
+    local = row("localsgd-deep", "depth", "localsgd", [3.2, 3.0, 2.9, 2.85], 10.0, 4e6)
+    slow = row("resist-deep-local", "depth-state", "resist", [3.3, 3.0, 2.92, 2.9], 6.0, 1e6)
+    slow["curve"]["round_s"][0] = 15.0  # its warm-up round: the reference's 10 s, 1.5x slower
+    slow["curve"]["phase"] = ["warmup", "resist", "resist", "resist"]
+    rows = [row("localsgd", "baseline", "localsgd", [3.0, 2.8, 2.7, 2.7], 10.0, 5e6), local, slow]
+    args = ap.Namespace(workload="lm", quick=False, lm_margin=0.05, target_fraction=0.98, link="10mbit", workers=4)
+    A.analyse(args, rows)
+    assert A.compute_scale(slow, rows) == pytest.approx(10.0 / 15.0)
+    assert A.compute_scale(local, rows) == 1.0  # its own reference
+    got = {e["variant"]: e for e in A.predicted_times(args, rows)}
+    link = cost.Link(L.parse_rate("10mbit"), 0.0)
+    wire = cost.comm_s(1e6, link, 6)
+    e = got["resist-deep-local"]
+    assert e["per_seed"][0]["compute_scale"] == pytest.approx(2 / 3)
+    # the target (2.85 + 0.05) in round 4: the warm-up's 10 s and three of 4 s on the reference's machine
+    assert e["predicted_time_to_target_s"] == pytest.approx((10.0 + 3 * 4.0) + 4 * wire, rel=1e-9)
+    md = A.markdown(args, rows, {}, [], {}, (), list(got.values()))
+    assert "| localsgd-deep | 0.67 |" in md
+
+
 def test_with_options_replaces_a_workloads_value():
     from ist_kernels.experiments.speed_ablation import with_options
 
@@ -1124,7 +1219,8 @@ def test_with_options_replaces_a_workloads_value():
 
 def test_speed_ablation_rejects_bad_arguments(capsys):
     for argv, what in ((["--factors", "pipeline"], "--factors"), (["--workers", "1"], "--workers"),
-                       (["--stored-only"], "--stored-only"), (["--workload", "mlp"], "--workload")):
+                       (["--stored-only"], "--stored-only"), (["--workload", "mlp"], "--workload"),
+                       (["--emulate", "fast"], "--emulate"), (["--emulate-variants", "nope"], "--emulate-variants")):
         with pytest.raises(SystemExit):
             main(["speed_ablation", *argv])
         assert what in capsys.readouterr().err

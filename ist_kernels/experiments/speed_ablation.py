@@ -26,9 +26,14 @@ subnetwork methods end above local SGD. Baselines: local SGD, ResIST, IST of FFN
   gpt_tiny's compute a step, three times its depth; a subnetwork keeps 4-5 of the 12), compared with
   local SGD on that model (its own target, ``REFERENCE``), at the lr each method picked on gpt_tiny.
 * ``depth-lr``: that lr was tuned on gpt_tiny, not on the deeper model. Local SGD and ResIST with its
-  moments on the deep model at three times and a third of it; every deep variant is then measured
+  moments on the deep model at three times and a third of it (local SGD also at twice it, the lr of
+  ``depth-state``'s ResIST at twice); every deep variant is then measured
   against the deep local SGD with the best final on its seed (``reference_of``: the strongest baseline
   of the sweep, picked on the test split as every variant is scored).
+* ``depth-state``: the optimizer state at a few bytes (issue 39) on the deep model: ResIST with its
+  moments kept where they are (``momentum_state=local``: no bytes; at lr 3e-3 and twice it) and sent
+  block-wise 8-bit / 4-bit (``int8-v4``), and IST of FFN units and of heads with theirs kept, each
+  against the strongest deep local SGD of its seed.
 
 ``cnn`` (preact ResNet-101 of width 16 on digits, 16 rounds of 8 local steps; S = 2): why LOFT takes
 more rounds than local SGD. LOFT runs paper 000's pipeline: LOFT pre-training for
@@ -68,8 +73,8 @@ from tqdm import tqdm
 from ..distributed import cost
 from . import harness as C
 from .harness import link as L
-from .harness.analysis import mean, predict, rounds_to_target, time_through
-from .harness.launch import curve, launch
+from .harness.analysis import mean, predict, rounds_to_target, time_through, time_to_target
+from .harness.launch import curve, launch, run_over_links
 from .harness.store import NotStored
 from .harness.workload import base_lr, higher_is_better, method_flags
 from .speed import LM_MARGIN, workload
@@ -100,6 +105,12 @@ VARIANTS: Dict[str, Tuple[Variant, ...]] = {
         ("depth-lr", "resist-deep-aggregate-lrx3", "resist", ("momentum_state=aggregate",), DEEP, 3.0),
         ("depth-lr", "localsgd-deep-lr/3", "localsgd", (), DEEP, 1 / 3),
         ("depth-lr", "resist-deep-aggregate-lr/3", "resist", ("momentum_state=aggregate",), DEEP, 1 / 3),
+        ("depth-lr", "localsgd-deep-lrx2", "localsgd", (), DEEP, 2.0),
+        ("depth-state", "resist-deep-local", "resist", ("momentum_state=local",), DEEP, 1.0),
+        ("depth-state", "resist-deep-int8", "resist", ("momentum_state=int8-v4",), DEEP, 1.0),
+        ("depth-state", "resist-deep-local-lrx2", "resist", ("momentum_state=local",), DEEP, 2.0),
+        ("depth-state", "ist-ffn-deep-local", "ist-ffn", ("momentum_state=local",), DEEP, 1.0),
+        ("depth-state", "ist-heads-deep-local", "ist-heads", ("momentum_state=local",), DEEP, 1.0),
     ),
     "cnn": (
         ("baseline", "localsgd", "localsgd", (), (), 1.0),
@@ -122,18 +133,21 @@ BASE_OF = {"localsgd-reset": "localsgd", "resist-aggregate": "resist", "ist-ffn-
            "loft-pretrain1": "loft", "loft-aggregate": "loft", "localsgd-stale": "localsgd", "loft-stale": "loft",
            "loft-pretrain1-stale": "loft-pretrain1", "localsgd-deep": "localsgd", "resist-deep": "localsgd-deep",
            "resist-deep-aggregate": "resist-deep", "localsgd-deep-lrx3": "localsgd-deep",
-           "localsgd-deep-lr/3": "localsgd-deep", "resist-deep-aggregate-lrx3": "resist-deep-aggregate",
-           "resist-deep-aggregate-lr/3": "resist-deep-aggregate"}
-#: the depth factor's local SGD runs: gpt_tiny's pick and the depth-lr factor's three times and a third of it
-DEEP_LOCAL = ("localsgd-deep", "localsgd-deep-lrx3", "localsgd-deep-lr/3")
+           "localsgd-deep-lr/3": "localsgd-deep", "localsgd-deep-lrx2": "localsgd-deep", "resist-deep-aggregate-lrx3": "resist-deep-aggregate",
+           "resist-deep-aggregate-lr/3": "resist-deep-aggregate", "resist-deep-local": "resist-deep-aggregate",
+           "resist-deep-int8": "resist-deep-aggregate", "resist-deep-local-lrx2": "resist-deep-local",
+           "ist-ffn-deep-local": "localsgd-deep", "ist-heads-deep-local": "localsgd-deep"}
+#: the depth factor's local SGD runs: gpt_tiny's pick and the depth-lr factor's three times, a third and twice it
+DEEP_LOCAL = ("localsgd-deep", "localsgd-deep-lrx3", "localsgd-deep-lr/3", "localsgd-deep-lrx2")
 #: the local SGD run whose final sets a variant's target (same seed) and whose time it is compared with: a
 #: variant on another model than the workload's has its own (default: the baseline ``localsgd``); of several
 #: candidates, the one with the best final on that seed among those that ran (``reference_of``)
 REFERENCE: Dict[str, Tuple[str, ...]] = {
     v: DEEP_LOCAL for v in (*DEEP_LOCAL, "resist-deep", "resist-deep-aggregate", "resist-deep-aggregate-lrx3",
-                            "resist-deep-aggregate-lr/3")}
+                            "resist-deep-aggregate-lr/3", "resist-deep-local", "resist-deep-int8",
+                            "resist-deep-local-lrx2", "ist-ffn-deep-local", "ist-heads-deep-local")}
 #: factors that change the model: their variants' compute is their own in the cost model's prediction
-MODEL_FACTORS = ("depth", "depth-lr")
+MODEL_FACTORS = ("depth", "depth-lr", "depth-state")
 WORKERS = {"lm": 4, "cnn": 2}
 LINK = {"lm": "10mbit", "cnn": "100mbit"}  # --link's default per workload (speed's slowest link for it)
 #: factors whose variants train exactly as their method's speed run (they change only what is scored)
@@ -155,6 +169,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--factors", type=C.names, default=None,
                    help="factors to run beside the baselines (default: all of the workload's: "
                         + "; ".join(f"{w}: {','.join(factors(w))}" for w in sorted(VARIANTS)) + ")")
+    p.add_argument("--variants", type=C.names, default=None,
+                   help="run only these variants of the factors (the others are read where kept, else not run; "
+                        "default: every variant of the factors)")
     p.add_argument("--speed-json", default=os.path.join("results", "speed.json"),
                    help="speed's output whose tuning gives each method's lr (default %(default)s; missing: the "
                         "workload's lr)")
@@ -165,6 +182,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--link", default=None,
                    help="the link whose kept runs (in --runs-dir) time the baselines and the variants that change "
                         "only the evaluation (default: lm 10mbit, cnn 100mbit)")
+    p.add_argument("--emulate", type=C.names, default=[], metavar="LINK[,LINK]",
+                   help="emulated links (e.g. 10mbit,100mbit; needs root: network namespaces) over which the variants "
+                        "of the model factors among --factors and the local SGD runs they are measured against run "
+                        "again, seeds --emulate-seeds: their measured time to target beside the cost model's "
+                        "prediction from the loopback run, and its error (default: none)")
+    p.add_argument("--emulate-seeds", type=C.ints, default=[0], help="the seeds of --emulate (default 0)")
+    p.add_argument("--emulate-variants", type=C.names, default=None,
+                   help="--emulate only these variants and their reference local SGD runs (default: every variant "
+                        "of the model factors that ran)")
     p.add_argument("--lm-margin", type=float, default=LM_MARGIN,
                    help="lm: target = local SGD's final bits per byte plus this (default %(default)s)")
     p.add_argument("--target-fraction", type=float, default=0.98,
@@ -184,6 +210,16 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                 f"{', '.join(known)}")
     if args.workers is None:
         args.workers = 2 if args.quick else WORKERS[args.workload]
+    for link in args.emulate:
+        try:
+            L.parse_rate(link)
+        except ValueError as e:
+            p.error(f"--emulate: {e}")
+    known_variants = {v[1] for v in VARIANTS[args.workload]}
+    for opt in ("variants", "emulate_variants"):
+        bad = [v for v in getattr(args, opt) or () if v not in known_variants]
+        if bad:
+            p.error(f"--{opt.replace('_', '-')}: unknown {', '.join(bad)} for --workload {args.workload}")
     if args.link is None:
         args.link = LINK[args.workload]
     if args.workers < 2:
@@ -264,13 +300,14 @@ def run_variants(args) -> Tuple[List[Dict[str, Any]], Dict[str, float]]:
                     args.runs_dir, store_name(args.workload, S, seed, name, method, lr, factor == "baseline") + ".json")
                 row = {"workload": args.workload, "factor": factor, "variant": name, "method": method,
                        "options": list(options), "flags": list(extra), "lr": lr, "seed": seed, "workers": S,
-                       "metric": metric}
+                       "metric": metric, "trainer_flags": flags}
+                chosen = factor == "baseline" or args.variants is None or name in args.variants
                 try:
                     run = launch(flags, S, seed, os.path.join(work, f"{name.replace('/', 'div')}-{seed}"), None,
-                                    store, not args.stored_only)
+                                 store, chosen and not args.stored_only)
                     row.update(row_of(run, metric), measured_at=run.get("stored_at"))
                 except NotStored as e:
-                    row["not_run"] = str(e)
+                    row["not_run"] = str(e) if chosen else "not among --variants, and not kept"
                 except RuntimeError as e:  # a run that failed or timed out: the rest still run
                     row["not_run"] = f"failed: {str(e)[-500:]}"
                 rows.append(row)
@@ -352,6 +389,30 @@ def link_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return out
 
 
+def compute_scale(r: Dict[str, Any], rows: List[Dict[str, Any]]) -> float:
+    """How much slower ``r``'s machine ran than its reference local SGD run's (1: the same, or no way to
+    tell): a run with warm-up rounds (ResIST's first rounds: local SGD on the full model, the reference's
+    compute and bytes) against its reference of the same seed, the reference's mean round over the run's
+    mean warm-up round. Multiplying the run's measured seconds by it puts both on the reference's machine
+    (runs kept on another day, or beside other work, carry another machine speed)."""
+    ref = next((x for x in rows if x["variant"] == r.get("reference") and x["seed"] == r["seed"] and "curve" in x),
+               None)
+    if ref is None or ref["variant"] == r["variant"]:
+        return 1.0
+    c = r["curve"]
+    warm = [t for t, ph in zip(c["round_s"], c.get("phase") or ()) if ph == "warmup"]
+    return mean(ref["curve"]["round_s"]) / mean(warm) if warm and ref["curve"]["round_s"] else 1.0
+
+
+def _scaled(c: Dict[str, List], k: float) -> Dict[str, List]:
+    """A curve's seconds (rounds, their parts, the waits) times ``k``."""
+    if k == 1.0:
+        return c
+    return {**c, "round_s": [t * k for t in c["round_s"]],
+            "parts": [{n: v * k for n, v in p.items()} for p in c["parts"]],
+            "wait": [None if t is None else t * k for t in c.get("wait") or [None] * len(c["round_s"])]}
+
+
 def predicted_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Per variant whose every seed reached the target: the cost model's time to target over ``--link``
     (``harness.analysis.predict``: the compute, waits and loopback collectives of its method's baseline run of the
@@ -380,13 +441,15 @@ def predicted_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         rs = [r for r in rows if r["variant"] == variant and "curve" in r]
         if not rs:
             continue
-        per_round = []
+        per_round, scales = [], []
         for r in rs:
             b = r if r["factor"] in MODEL_FACTORS else next(
                 (x for x in rows if x["factor"] == "baseline" and x["method"] == r["method"]
                  and x["seed"] == r["seed"] and "curve" in x), r)
-            own = {"curve": {**b["curve"], "busiest": r["curve"]["busiest"], "bytes": r["curve"]["bytes"]}}
-            per_round.append(predict(own, b, link, r["workers"], r["method"], w["local_steps"])[0])
+            scales.append(compute_scale(b, rows) if b is r else 1.0)
+            bc = _scaled(b["curve"], scales[-1])
+            own = {"curve": {**bc, "busiest": r["curve"]["busiest"], "bytes": r["curve"]["bytes"]}}
+            per_round.append(predict(own, {"curve": bc}, link, r["workers"], r["method"], w["local_steps"])[0])
         mb = [b / 1e6 for r in rs for b in r["curve"]["busiest"] if b is not None]
         out.append({"variant": variant, "factor": rs[0]["factor"], "link": args.link,
                     "predicted_time_to_target_s": mean_through(rs, per_round, lambda r: r.get("rounds_to_target")),
@@ -394,10 +457,11 @@ def predicted_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                                           for lv in levels},
                     "predicted_round_s": sum(sum(p) for p in per_round) / sum(len(p) for p in per_round),
                     "per_seed": {r["seed"]: {"reference": r["reference"], "round_s": sum(p) / len(p) if p else None,
+                                             "compute_scale": k,
                                              "time_to_target_s": mean_through([r], [p], lambda x: x.get("rounds_to_target")),
                                              "time_to": {lv: mean_through([r], [p], lambda x: x.get("rounds_to", {}).get(lv))
                                                          for lv in levels}}
-                                 for r, p in zip(rs, per_round)},
+                                 for r, p, k in zip(rs, per_round, scales)},
                     "busiest_link_mb_per_round": sum(mb) / len(mb) if mb else None})
     def mean_of(xs):
         return None if not xs or any(x is None for x in xs) else sum(xs) / len(xs)
@@ -419,6 +483,78 @@ def predicted_times(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         e["vs_localsgd_to"] = {lv: ratio(e["predicted_time_to"][lv], mean_of([r and r["time_to"][lv] for r in refs.values()]))
                                for lv in levels}
     return out
+
+
+def emulated_rows(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The loopback rows ``--emulate`` runs again: on ``--emulate-seeds``, the variants of the model factors
+    among ``--factors`` that ran (only ``--emulate-variants`` when given) and the local SGD run each is measured
+    against on its seed (its ``reference``)."""
+    chosen = [r for r in rows if r["factor"] in MODEL_FACTORS and r["factor"] in args.factors and "curve" in r
+              and r["seed"] in args.emulate_seeds
+              and (args.emulate_variants is None or r["variant"] in args.emulate_variants)]
+    want = {(r["variant"], r["seed"]) for r in chosen} | {(r["reference"], r["seed"]) for r in chosen}
+    return [r for r in rows if (r["variant"], r["seed"]) in want and "curve" in r]
+
+
+def run_emulated(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Each of :func:`emulated_rows` over each ``--emulate`` link (S processes in network namespaces, the link
+    shaped per rank: ``harness.link``), kept in ``--runs-dir`` like the loopback runs. Per run: its measured
+    mean round and the cost model's (``harness.analysis.predict`` with the emulated run's own compute, and
+    from the loopback run alone) with their errors, its rounds and training seconds to its loopback row's
+    target, and those against its reference local SGD's over the same link and seed (``vs_localsgd``)."""
+    if not args.emulate:
+        return []
+    reason = L.unavailable_reason()
+    if reason:
+        print(f"speed_ablation: --emulate: {reason}; no emulated runs", file=sys.stderr)
+        return []
+    w = _workload(args)
+    higher = higher_is_better(w)
+    todo = [(link, r["variant"], r["seed"]) for link in args.emulate for r in emulated_rows(args, rows)]
+    by = {(r["variant"], r["seed"]): r for r in rows}
+    work = tempfile.mkdtemp(prefix="ist-speed-ablation-emulated-")
+
+    def one(c, em):
+        link, variant, seed = c
+        r = by[(variant, seed)]
+        store = None if args.runs_dir is None else os.path.join(
+            args.runs_dir, f"ablate-{args.workload}-{r['workers']}-{link}-{variant.replace('/', 'div')}-{seed}"
+                           f"-lr{r['lr']:g}.json")
+        run = launch(r["trainer_flags"], r["workers"], seed, os.path.join(work, f"{link}-{variant.replace('/', 'div')}-{seed}"),
+                     em, store, not args.stored_only)
+        return {"curve": curve(run), "stored_at": run.get("stored_at")}
+
+    try:  # a run that fails, times out or (--stored-only) is not kept: its {"error": ...}
+        done = run_over_links(todo, lambda c: (c[0], args.workers), one, "speed_ablation emulated")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out = []
+    for (link, variant, seed), res in done.items():
+        r = by[(variant, seed)]
+        e = {"link": link, "variant": variant, "factor": r["factor"], "seed": seed, "reference": r["reference"]}
+        if "curve" not in res:
+            out.append({**e, "error": res.get("error", "not run")})
+            continue
+        cv = res["curve"]
+        with_compute, from_loop = predict(res, r, cost.Link(L.parse_rate(link), 0.0), r["workers"], r["method"],
+                                          w["local_steps"])
+        measured = sum(cv["round_s"]) / len(cv["round_s"])
+        t, k = time_to_target(cv["round_s"], cv[w["metric"]], r["target"], higher)
+        e.update(round_s=measured, predicted_round_s=sum(with_compute) / len(with_compute),
+                 predicted_round_from_loopback_s=sum(from_loop) / len(from_loop),
+                 final=cv[w["metric"]][-1], rounds_to_target=k, time_to_target_s=t, target=r["target"],
+                 busiest_link_mb_per_round=mean([b / 1e6 for b in cv["busiest"] if b is not None]))
+        e["prediction_error"] = e["predicted_round_s"] / measured - 1.0
+        e["prediction_error_from_loopback"] = e["predicted_round_from_loopback_s"] / measured - 1.0
+        out.append(e)
+    got = {(e["link"], e["variant"], e["seed"]): e for e in out}
+    for e in out:
+        ref = got.get((e["link"], e["reference"], e["seed"]))
+        mine, theirs = e.get("time_to_target_s"), ref and ref.get("time_to_target_s")
+        e["vs_localsgd"] = mine / theirs if mine and theirs else None
+        e["round_vs_localsgd"] = (e["round_s"] / ref["round_s"] if ref and ref.get("round_s") and e.get("round_s")
+                                  else None)
+    return sorted(out, key=lambda e: (L.parse_rate(e["link"]), e["seed"], e["variant"]))
 
 
 def _mean_of(rows, variant, key) -> Tuple[Optional[float], int, int]:
@@ -458,7 +594,7 @@ def _fmt(v, spec=".3f"):
     return "—" if v is None else format(v, spec)
 
 
-def markdown(args, rows, targets, lines, lrs, times=(), predicted=()) -> str:
+def markdown(args, rows, targets, lines, lrs, times=(), predicted=(), emulated=()) -> str:
     w = _workload(args)
     levels = LEVELS.get(args.workload, ())
     metric = "bits per byte" if w["metric"] == "bits_per_byte" else "accuracy"
@@ -503,22 +639,46 @@ def markdown(args, rows, targets, lines, lrs, times=(), predicted=()) -> str:
                f"The cost model over {args.link}: the compute, waits and loopback collectives of the method's "
                "baseline run (same seed; a variant on another model: its own), the link's time for the variant's "
                "own busiest link's bytes, through the variant's rounds to target (or to each level) of that seed; mean over the "
-               "seeds; against its reference local SGD's the same way. "
+               "seeds; against its reference local SGD's the same way. A run with warm-up rounds (ResIST: local "
+               "SGD on the full model) has its seconds rescaled to its reference's machine (`compute scale`: the "
+               "reference's mean round over the run's mean warm-up round; runs kept on another day or beside other "
+               "work ran at another speed); other runs carry their own. "
                "A prediction from loopback runs carries their compute as measured (runs made beside other work "
                "are slower) and misses what the emulated link adds to a round's compute: where the table above "
                "has a measured time, it is the one to read.",
                "",
                "| variant | busiest link MB / round | s / round | predicted time to target (s) | vs local SGD | "
-               + "".join(f"to {lv:g} (s, vs local SGD) | " for lv in levels) + "local SGD run |",
-               "|---|---|---|---|---|" + "---|" * len(levels) + "---|"]
+               + "".join(f"to {lv:g} (s, vs local SGD) | " for lv in levels) + "local SGD run | compute scale (seeds) |",
+               "|---|---|---|---|---|" + "---|" * len(levels) + "---|---|"]
 
         def to(e, lv):
             t = e["predicted_time_to"].get(f"{lv:g}")
             return "—" if t is None else f"{t:.3g} ({_fmt(e['vs_localsgd_to'][f'{lv:g}'], '.2f')})"
         md += [f"| {e['variant']} | {_fmt(e['busiest_link_mb_per_round'], '.2f')} | {_fmt(e['predicted_round_s'], '.2f')} | "
                f"{_fmt(e['predicted_time_to_target_s'], '.3g')} | {_fmt(e['vs_localsgd'], '.2f')} | "
-               + "".join(f"{to(e, lv)} | " for lv in levels) + f"{e['reference']} |"
+               + "".join(f"{to(e, lv)} | " for lv in levels) + f"{e['reference']} | "
+               + " / ".join(f"{m.get('compute_scale', 1.0):.2f}" for m in e["per_seed"].values()) + " |"
                for e in predicted]
+    if emulated:
+        md += ["", "## Over emulated links", "",
+               "The model factors' variants and their reference local SGD runs again with each rank's link shaped "
+               "(`--emulate`): the measured mean round against the cost model's (with the run's own compute, and "
+               "from the loopback run alone; error = predicted / measured - 1), and the measured training seconds "
+               "to the loopback row's target against the reference's over the same link and seed.", "",
+               "| link | variant | seed | s / round | predicted (error) | from loopback (error) | busiest link MB / round "
+               "| final | rounds to target | time to target (s) | vs local SGD | round vs local SGD |",
+               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for e in emulated:
+            if "error" in e:
+                md.append(f"| {e['link']} | {e['variant']} | {e['seed']} | failed: {e['error'].splitlines()[-1][:120] if e['error'] else ''} "
+                          "| | | | | | | | |")
+                continue
+            md.append(f"| {e['link']} | {e['variant']} | {e['seed']} | {e['round_s']:.2f} | "
+                      f"{e['predicted_round_s']:.2f} ({e['prediction_error']:+.1%}) | "
+                      f"{e['predicted_round_from_loopback_s']:.2f} ({e['prediction_error_from_loopback']:+.1%}) | "
+                      f"{_fmt(e['busiest_link_mb_per_round'], '.2f')} | {_fmt(e['final'], '.4g')} | "
+                      f"{_fmt(e['rounds_to_target'], 'd')} | {_fmt(e['time_to_target_s'], '.4g')} | "
+                      f"{_fmt(e['vs_localsgd'], '.2f')} | {_fmt(e['round_vs_localsgd'], '.2f')} |")
     md += ["", "## Findings (means over the seeds)", ""] + [f"- {s}" for s in lines]
     return "\n".join(md)
 
@@ -551,8 +711,10 @@ def main(argv: Sequence[str]) -> int:
     rows, lrs = run_variants(args)
     targets, lines = analyse(args, rows)
     times, predicted = link_times(args, rows), predicted_times(args, rows)
+    emulated = run_emulated(args, rows)
     C.write_outputs(args, f"speed_ablation_{args.workload}_S{args.workers}",
                     {"workload": args.workload, "rows": rows, "targets": targets, "picks": lrs, "findings": lines,
-                     "link_times": times, "predicted": predicted},
-                    markdown(args, rows, targets, lines, lrs, times, predicted), plot(args, rows, targets), started)
+                     "link_times": times, "predicted": predicted, "emulated": emulated},
+                    markdown(args, rows, targets, lines, lrs, times, predicted, emulated), plot(args, rows, targets),
+                    started)
     return 0
