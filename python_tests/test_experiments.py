@@ -1191,7 +1191,7 @@ def test_speed_ablation_rescales_a_run_with_warmup_rounds_to_its_references_mach
     local = row("localsgd-deep", "depth", "localsgd", [3.2, 3.0, 2.9, 2.85], 10.0, 4e6)
     slow = row("resist-deep-local", "depth-state", "resist", [3.3, 3.0, 2.92, 2.9], 6.0, 1e6)
     slow["curve"]["round_s"][0] = 15.0  # its warm-up round: the reference's 10 s, 1.5x slower
-    slow["curve"]["phase"] = ["warmup", "resist", "resist", "resist"]
+    slow["curve"]["phase"] = [0, 1, 1, 1]  # indices of ResIST's phases: warmup, resist
     rows = [row("localsgd", "baseline", "localsgd", [3.0, 2.8, 2.7, 2.7], 10.0, 5e6), local, slow]
     args = ap.Namespace(workload="lm", quick=False, lm_margin=0.05, target_fraction=0.98, link="10mbit", workers=4)
     A.analyse(args, rows)
