@@ -948,8 +948,8 @@ def test_speed_ablation_lm_quick_keeps_runs_and_reads_them_back(tmp_path):
         k = r["rounds_to_target"]
         assert k is None or r["values"][k - 1] <= r["target"] < min([9.0] + r["values"][:k - 1])
     keys = {f.name: json.loads(f.read_text())["key"]["flags"] for f in store.iterdir()}
-    assert len(keys) == 8
-    for flags in (k for n, k in keys.items() if "localsgd-deep" in n):
+    assert len(keys) == 10
+    for flags in (k for n, k in keys.items() if "-deep" in n):
         assert flags[-4:] == ["--width", "64", "--depth", "12"]  # after the workload's: the last value is taken
     assert rows["localsgd-deep"]["final"] != rows["localsgd"]["final"]
     assert any("momentum_state=reset" in k and "localsgd" in k for k in keys.values())
@@ -957,7 +957,7 @@ def test_speed_ablation_lm_quick_keeps_runs_and_reads_them_back(tmp_path):
     assert main([*argv, "--stored-only", "--out", str(tmp_path / "b")]) == 0
     again = _load_json(tmp_path / "b" / "speed_ablation_lm_S2.json")
     assert [r["values"] for r in again["rows"]] == [r["values"] for r in doc["rows"]]
-    assert len(doc["findings"]) == 6
+    assert len(doc["findings"]) == 8
 
 
 def test_speed_ablation_cnn_quick_pipeline(tmp_path):
