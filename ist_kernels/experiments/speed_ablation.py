@@ -263,11 +263,12 @@ def variant_flags(w: Dict[str, Any], method: str, options: Sequence[str], extra:
     return with_options(method_flags(w, method, "none", lr), options) + list(extra)
 
 
-def store_name(workload: str, S: int, seed: int, name: str, method: str, lr: float, baseline: bool) -> str:
-    """A baseline's kept name is speed's loopback comparison run's; a variant's its own."""
+def store_name(workload: str, S: int, seed: int, name: str, method: str, lr: float, baseline: bool,
+               link: str = "loopback") -> str:
+    """A baseline's kept name is speed's comparison run's over ``link``; a variant's its own."""
     if baseline:
-        return f"{workload}-{S}-loopback-{method}-none-{seed}-lr{lr:g}"
-    return f"ablate-{workload}-{S}-loopback-{name.replace('/', 'div')}-{seed}-lr{lr:g}"
+        return f"{workload}-{S}-{link}-{method}-none-{seed}-lr{lr:g}"
+    return f"ablate-{workload}-{S}-{link}-{name.replace('/', 'div')}-{seed}-lr{lr:g}"
 
 
 def _workload(args) -> Dict[str, Any]:
@@ -521,8 +522,8 @@ def run_emulated(args, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         link, variant, seed = c
         r = by[(variant, seed)]
         store = None if args.runs_dir is None else os.path.join(
-            args.runs_dir, f"ablate-{args.workload}-{r['workers']}-{link}-{variant.replace('/', 'div')}-{seed}"
-                           f"-lr{r['lr']:g}.json")
+            args.runs_dir, store_name(args.workload, r["workers"], seed, variant, r["method"], r["lr"], False, link)
+            + ".json")
         run = launch(r["trainer_flags"], r["workers"], seed, os.path.join(work, f"{link}-{variant.replace('/', 'div')}-{seed}"),
                      em, store, not args.stored_only)
         return {"curve": curve(run), "stored_at": run.get("stored_at")}
