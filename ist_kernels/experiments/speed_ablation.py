@@ -71,12 +71,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from tqdm import tqdm
 
 from ..distributed import cost
+from ..train.methods import available_methods, get_method
 from . import harness as C
 from .harness import link as L
 from .harness.analysis import mean, predict, rounds_to_target, time_through, time_to_target
 from .harness.launch import curve, launch, run_over_links
 from .harness.store import NotStored
-from ..train.methods import available_methods, get_method
 from .harness.workload import base_lr, higher_is_better, method_flags
 from .speed import LM_MARGIN, workload
 
