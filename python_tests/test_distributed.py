@@ -570,6 +570,37 @@ def test_dead_or_stalled_rank_raises_within_timeout(mode, S, tmp_path):
         assert "round 2" in msg and ("all_to_all_single" in msg or "all_reduce" in msg), msg
 
 
+def _late_peer_worker(rank, store, outdir):
+    # rank 1 enters a gloo all_to_all with nothing to move 0.3 s after rank 0: rank 0's (point to
+    # point, no messages) completes at once, so it did not wait for rank 1 there
+    from ist_kernels.train.comm import Comm
+    from ist_kernels.train.runner import rank0_wait
+    from ist_kernels.train.timing import Clock
+
+    torch.set_num_threads(1)
+    init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=30)
+    comm = Comm(world_size=2, rank=rank, distributed=True, local_workers=[rank], shared="exact", clock=Clock())
+    dist.barrier()
+    if rank == 1:
+        time.sleep(0.3)
+    comm._all_to_all(torch.empty(0), torch.empty(0), [0, 0], [0, 0], "nothing to move", 0)
+    (t, secs), = comm.take()["entered"]
+    everyone = [torch.zeros(2, dtype=torch.float64) for _ in range(2)]
+    dist.all_gather(everyone, torch.tensor([t, secs], dtype=torch.float64))
+    if rank == 0:
+        entered = torch.stack(everyone)[:, :1]  # ranks x collectives
+        with open(os.path.join(outdir, "out.txt"), "w") as f:
+            f.write(f"{float(entered[1, 0] - entered[0, 0])} {secs} {rank0_wait(entered, torch.tensor([secs]))}")
+    destroy_process_group()
+
+
+def test_a_gloo_all_to_all_with_nothing_to_move_does_not_wait_and_no_wait_is_counted(tmp_path):
+    spawn_ranks_until(_late_peer_worker, (str(tmp_path / "store"), str(tmp_path)), 2, 60)
+    late, secs, wait = (float(x) for x in (tmp_path / "out.txt").read_text().split())
+    assert late >= 0.25 and secs < 0.2, (late, secs)
+    assert wait == pytest.approx(secs)  # at most rank 0's time in it, not rank 1's 0.3 s lateness
+
+
 # ---------------------------------------------------------------- one process: S = 1, bad input
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):

@@ -374,6 +374,20 @@ def test_peer_wait_is_the_time_rank_0_waited_for_a_slower_rank(tmp_path, monkeyp
     assert all("peer_wait_s" not in r for r in _busiest(tmp_path / "sim", method, ["--simulate", "2"]))
 
 
+def test_rank0_wait_is_each_collectives_late_entry_at_most_its_own_time_there():
+    import torch
+
+    from ist_kernels.train.runner import rank0_wait
+
+    entered = torch.tensor([[10.0, 20.0, 30.0, 40.0],   # rank 0
+                            [10.5, 20.2, 29.0, 40.0],   # rank 1
+                            [10.2, 20.3, 29.5, 39.0]], dtype=torch.float64)
+    # waits 0.5, 0.3 (capped at 0.01: done before the late rank came), 0 (rank 0 was last), 0
+    assert rank0_wait(entered, torch.tensor([0.6, 0.01, 0.2, 0.0], dtype=torch.float64)) == pytest.approx(0.51)
+    assert rank0_wait(entered, torch.tensor([1.0, 1.0, 1.0, 1.0], dtype=torch.float64)) == pytest.approx(0.8)
+    assert rank0_wait(torch.zeros(2, 0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64)) == 0.0
+
+
 def test_machine_id_is_exact_in_a_float64_and_the_same_for_every_process_here():
     from ist_kernels.train import runner
 

@@ -84,14 +84,19 @@ class CommStats:
     #: (they replace the ring all_reduce, whose buffer ``all_reduce_bytes`` then does not count)
     average_bytes_sent: int = 0
     average_bytes_received: int = 0
-    #: ``time.perf_counter()`` when this call issued its first collective (None: it issued none):
-    #: the ranks' entries, compared, say how long each waited for the last to arrive
-    entered: Optional[float] = None
+    #: per collective this call issued, ``(time.perf_counter() when issued, its seconds)``: the
+    #: ranks' entries, compared, say how long each waited for the last to arrive (at most those
+    #: seconds: a collective that completed before a peer entered it, e.g. gloo's point-to-point
+    #: all-to-all with nothing to receive, did not wait for that peer)
+    entries: List[Tuple[float, float]] = field(default_factory=list)
 
-    def enter(self) -> None:
-        """Note that a collective is about to be issued (the first sets :attr:`entered`)."""
-        if self.entered is None:
-            self.entered = time.perf_counter()
+    def collective(self, name: str, issue, *, round, timeout: timedelta, group) -> float:
+        """Issue one collective (``issue()``, async) under ``timeout`` (:func:`wait_collective`),
+        noted in :attr:`entries`; returns its seconds."""
+        t = time.perf_counter()
+        secs = wait_collective(issue, name=name, round=round, timeout=timeout, group=group)
+        self.entries.append((t, secs))
+        return secs
 
     @property
     def all_reduce_wire_bytes(self) -> int:
@@ -337,10 +342,9 @@ class _Mover:
             esize = self.esize
 
         stats.pack_seconds += time.perf_counter() - t_pack
-        stats.enter()
-        stats.collective_seconds[name] = stats.collective_seconds.get(name, 0.0) + wait_collective(
-            lambda: all_to_all_single(out, wire, out_splits, in_splits, group=group),
-            name=name, round=round, timeout=timeout, group=group)  # one mover per dtype: summed
+        stats.collective_seconds[name] = stats.collective_seconds.get(name, 0.0) + stats.collective(
+            name, lambda: all_to_all_single(out, wire, out_splits, in_splits, group=group),
+            round=round, timeout=timeout, group=group)  # one mover per dtype: summed
         t_unpack = time.perf_counter()
         stats.collectives += 1
         if compress is not None:  # the payload (a chunk's alignment padding is not counted)
@@ -406,10 +410,9 @@ def _all_reduce_mean_(tensors: List[Tensor], *, name: str, round, group, timeout
         t_pack = time.perf_counter()
         flat = torch.cat([t.reshape(-1) for t in ts])
         stats.pack_seconds += time.perf_counter() - t_pack
-        stats.enter()
-        stats.collective_seconds[name] = stats.collective_seconds.get(name, 0.0) + wait_collective(
-            lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True),
-            name=name, round=round, timeout=timeout, group=group)
+        stats.collective_seconds[name] = stats.collective_seconds.get(name, 0.0) + stats.collective(
+            name, lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True),
+            round=round, timeout=timeout, group=group)
         stats.collectives += 1
         stats.all_reduce_bytes += flat.numel() * flat.element_size()
         t_unpack = time.perf_counter()
@@ -447,9 +450,9 @@ def _compressed_mean_(tensors: List[Tensor], compress: str, *, name: str, round,
         out_splits = [C.padded(pay[r]) if k != r else 0 for k in range(S)]
         out = torch.empty(sum(out_splits), dtype=torch.uint8, device=flat.device)
         stats.pack_seconds += time.perf_counter() - t_pack
-        stats.enter()
-        secs = wait_collective(lambda: all_to_all_single(out, wire, out_splits, in_splits, group=group),
-                               name=f"{name}, stage 1 of 2", round=round, timeout=timeout, group=group)
+        secs = stats.collective(f"{name}, stage 1 of 2",
+                                lambda: all_to_all_single(out, wire, out_splits, in_splits, group=group),
+                                round=round, timeout=timeout, group=group)
         t_mid = time.perf_counter()
         mine, off = flat[lo[r]:hi[r]], 0
         acc = None
@@ -467,8 +470,9 @@ def _compressed_mean_(tensors: List[Tensor], compress: str, *, name: str, round,
         out2_splits = [C.padded(pay[k]) if k != r else 0 for k in range(S)]
         out2 = torch.empty(sum(out2_splits), dtype=torch.uint8, device=flat.device)
         mid = time.perf_counter() - t_mid
-        secs += wait_collective(lambda: all_to_all_single(out2, wire2, out2_splits, in2, group=group),
-                                name=f"{name}, stage 2 of 2", round=round, timeout=timeout, group=group)
+        secs += stats.collective(f"{name}, stage 2 of 2",
+                                 lambda: all_to_all_single(out2, wire2, out2_splits, in2, group=group),
+                                 round=round, timeout=timeout, group=group)
         t_unpack = time.perf_counter()
         flat[lo[r]:hi[r]].copy_(acc)
         off = 0

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from math import prod
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -78,11 +78,12 @@ class Comm:
         #: seconds this process waited on each named collective since the last take (a round's
         #: ``collectives`` in metrics.jsonl: where its ``comm`` time went)
         self.collectives: Dict[str, float] = {}
-        #: ``time.perf_counter()`` when this process entered each of its synchronising collectives
-        #: since the last take (an exchange: its first collective; DDP: each step's last gradient
-        #: bucket). Every rank enters the same ones in the same order, so comparing the ranks' lists
-        #: says how long each waited for the last to arrive (the runner's ``peer_wait_s``).
-        self.entered: List[float] = []
+        #: ``(time.perf_counter(), seconds)``: when this process entered each of its collectives
+        #: since the last take (DDP: each step's last gradient bucket) and how long that collective
+        #: took here. Every rank enters the same
+        #: ones in the same order, so comparing the ranks' lists says how long each waited for the
+        #: last to arrive, at most the collective's seconds (the runner's ``peer_wait_s``).
+        self.entered: List[Tuple[float, float]] = []
 
     @property
     def sent(self) -> int:
@@ -118,8 +119,10 @@ class Comm:
     def _collective(self, name: str, round: int, issue) -> None:
         """Issue one collective (``issue()``, async) under the run's timeout, note when this process
         entered it (:attr:`entered`) and charge its seconds to ``comm`` as ``name``."""
-        self.entered.append(time.perf_counter())
-        self._waited(name, wait_collective(issue, name=name, round=round + 1, timeout=collective_timeout()))
+        t = time.perf_counter()
+        secs = wait_collective(issue, name=name, round=round + 1, timeout=collective_timeout())
+        self.entered.append((t, secs))
+        self._waited(name, secs)
 
     def _charge(self, stats, part: Optional[str] = "plan") -> None:
         """Bytes and seconds of one collective call (``CommStats``): the collectives to ``comm``, the
@@ -128,8 +131,7 @@ class Comm:
         rest = max(0.0, stats.seconds - coll - stats.pack_seconds - stats.unpack_seconds)
         for name, secs in stats.collective_seconds.items():
             self._waited(name, secs)
-        if stats.entered is not None:
-            self.entered.append(stats.entered)
+        self.entered += stats.entries
         self.clock.add("pack", stats.pack_seconds)
         self.clock.add("unpack", stats.unpack_seconds)
         if part is not None:
@@ -476,8 +478,9 @@ class Comm:
         if b is None or b.ready is None:
             return
         if b.done is not None:
-            self._waited("all_reduce (gradient buckets)", max(0.0, b.done - b.ready))
-            self.entered.append(b.ready)
+            secs = max(0.0, b.done - b.ready)
+            self._waited("all_reduce (gradient buckets)", secs)
+            self.entered.append((b.ready, secs))
         b.ready = b.done = None
 
     def count_sent(self, nbytes: int) -> None:

@@ -79,6 +79,18 @@ def _delay_for_tests(world: World) -> None:
             time.sleep(float(secs))
 
 
+def rank0_wait(entered: torch.Tensor, seconds: torch.Tensor) -> float:
+    """Seconds rank 0 waited for the last rank in collectives it entered with every rank:
+    ``entered`` (ranks x collectives) the ranks' entry times, ``seconds`` rank 0's time in each.
+    Each collective's wait is the latest entry minus rank 0's, at most rank 0's seconds in it: one
+    that completed before a peer entered it (gloo's point-to-point all-to-all with nothing to
+    receive from that peer) did not wait for the peer, and the ranks meet at a later one."""
+    if entered.shape[1] == 0:
+        return 0.0
+    late = (entered.max(dim=0).values - entered[0]).clamp(min=0)
+    return float(torch.minimum(late, seconds.clamp(min=0)).sum())
+
+
 def _warm_up() -> None:
     """One-time set-up every run pays once per process, before its first round: torch imports its
     compiler stack on the first optimizer built (about a second on a CPU), which would otherwise
@@ -163,22 +175,26 @@ class Run:
 
     def _wait_for_peers(self, entered, k_sum, k_squares, r) -> Optional[float]:
         """This round's seconds rank 0 waited in its collectives for the last rank to enter them:
-        the sum over the collectives every rank entered (``Comm.entered``) of the latest entry
-        minus rank 0's. None when not distributed, when the ranks entered different numbers of
-        collectives (the sums of the counts and of their squares, the same on every rank, say so),
-        or when they run on several machines (their boot ids differ), whose monotonic clocks do
-        not compare."""
+        the sum over the collectives every rank entered (``Comm.entered``: when, and how long the
+        collective took there) of the latest entry minus rank 0's, each at most rank 0's seconds in
+        that collective (one that completed before a peer entered it did not wait for the peer: a
+        wait is a part of ``comm``). None when not distributed, when the ranks entered different
+        numbers of collectives (the sums of the counts and of their squares, the same on every rank,
+        say so), or when they run on several machines (their boot ids differ), whose monotonic
+        clocks do not compare. Every rank gets rank 0's."""
         world = self.world
         P = world.world_size
         if not world.distributed or P < 2 or P * k_squares != k_sum * k_sum:
             return None
-        t = torch.zeros(P, k_sum // P + 1, dtype=torch.float64, device=world.device)
-        t[world.rank] = torch.tensor([*entered, self.machine_id], dtype=torch.float64)
+        k = k_sum // P
+        t = torch.zeros(P, 2 * k + 1, dtype=torch.float64, device=world.device)
+        t[world.rank] = torch.tensor([*(e for e, _ in entered), *(s for _, s in entered), self.machine_id],
+                                     dtype=torch.float64)
         wait_collective(lambda: dist.all_reduce(t, async_op=True), name="all_reduce (the collectives' entry times)",
                         round=r + 1, timeout=collective_timeout())
         if not bool((t[:, -1] == t[0, -1]).all()):
             return None
-        return float((t[:, :-1].max(dim=0).values - t[0, :-1]).clamp(min=0).sum()) if k_sum else 0.0
+        return rank0_wait(t[:, :k], t[0, k:2 * k])
 
     def _eval_record(self, r):
         """The full model's scores after round r (rank 0); what assembling it sent is in comm."""
