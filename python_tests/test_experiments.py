@@ -491,6 +491,29 @@ def test_speed_lm_workload_runs_every_method_with_adamw():
     assert {c[3] for c in todo} == {"ist-ffn", "ist-heads"} and len(skipped) == 1 and skipped[0].startswith("loft")
 
 
+def test_speed_lm12_workload_is_the_12_block_model_with_its_moments_kept():
+    """lm12 (issue 39): gpt_tiny at width 64 and 12 blocks, lm's data and schedule; ResIST and IST of
+    FFN units keep their AdamW moments where they are; not among --configs' default; IST of heads
+    is not one of its methods (width 64 has 2 heads: no split over S = 4)."""
+    from ist_kernels.experiments import speed
+
+    assert "lm12" not in speed.parse([]).configs
+    args = speed.parse(["--configs", "lm12", "--workers", "4", "--links", "loopback", "--compress", "none"])
+    todo, skipped = speed.cells(args)
+    assert skipped == [] and {c[3] for c in todo} == {"localsgd", "ddp", "diloco", "ist-ffn", "resist"}
+    w, lm = speed.workload(args, "lm12"), speed.workload(args, "lm")
+    assert (w["width"], w["depth"], w["model"]) == (64, 12, "gpt_tiny")
+    assert all(w[k] == lm[k] for k in ("dataset", "rounds", "local_steps", "batch_size", "lr", "train", "metric"))
+    for m in {c[3] for c in todo}:
+        f = HW.method_flags(w, m, "none")
+        opts = [f[i + 1] for i, x in enumerate(f) if x == "--option"]
+        kept = HW.trainer_method(w, m)[0] in ("ist", "resist")
+        assert ("momentum_state=local" in opts) == kept, (m, opts)
+        assert f[f.index("--depth") + 1] == "12" and f[f.index("--width") + 1] == "64"
+    assert "partition=ffn" in HW.method_flags(w, "ist-ffn", "none")
+    assert HW.trains(w, "ist-heads", 4) is not None
+
+
 def test_speed_quick_lm(tmp_path):
     """The lm workload in --quick (a tiny transformer, seconds a run): bits per byte after every round,
     lower is better, the target local SGD's final + the margin, the byte baselines in the JSON."""

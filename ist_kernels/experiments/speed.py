@@ -101,6 +101,16 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
                methods=("localsgd", "ddp", "diloco", "ist-ffn", "ist-heads", "resist"),
                variants={"ist-ffn": ("ist", ["partition=ffn"]), "ist-heads": ("ist", ["partition=heads"])},
                options={}, flags={}),
+    # the 12-block LM (issue 39): gpt_tiny at width 64 and 12 blocks (0.62M parameters), lm's data, rounds
+    # and schedule, so that depth pays (a ResIST subnetwork trains a third to a half of the blocks); ResIST
+    # and IST keep their AdamW moments where they are (momentum_state=local: nothing sent, the state of a
+    # slice that comes back reused); IST of heads cannot split width 64's 2 heads over S = 4 (left out)
+    "lm12": dict(dataset="pycode", model="gpt_tiny", width=64, depth=12, lr=1e-3, batch_size=16, local_steps=25,
+                 rounds=40, metric="bits_per_byte",
+                 train=dict(context=128, optimizer="adamw", lr_schedule="cosine", lr_warmup_rounds=2),
+                 methods=("localsgd", "ddp", "diloco", "ist-ffn", "resist"),
+                 variants={"ist-ffn": ("ist", ["partition=ffn"])},
+                 options={"ist": ["momentum_state=local"], "resist": ["momentum_state=local"]}, flags={}),
     # scored with BatchNorm statistics re-estimated on 20 training batches (--eval-bn-batches; training
     # unchanged): the running statistics a subnetwork method's narrower models leave describe no full model
     "cnn": dict(dataset="digits", model="preact_resnet101_basic", width=16, lr=0.05, batch_size=32, local_steps=8,
@@ -110,6 +120,8 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "mlp": dict(dataset="digits", model="mlp", width=8192, depth=1, lr=0.1, batch_size=64, local_steps=8, rounds=40,
                 options={}, flags={"diloco": ["--lr", "0.001"]}),
 }
+#: --configs' default (lm12: named)
+DEFAULT_CONFIGS = ("lm", "cnn", "mlp")
 #: --quick: every workload's rounds and local steps, and per workload what else shrinks (the lm: seconds a run)
 QUICK = dict(rounds=3, local_steps=2, overrides={
     "cnn": dict(width=4), "mlp": dict(width=256),
@@ -144,7 +156,8 @@ def _links(s: str) -> List[str]:
 def parser() -> argparse.ArgumentParser:
     p = C.parser("speed", __doc__, seeds=(0,), quick="S=2, loopback and 100mbit, 3 rounds of 2 steps, tiny widths, "
                  f"methods {', '.join(QUICK_METHODS)}")
-    p.add_argument("--configs", type=C.names, default=list(CONFIGS), help=f"workloads, of {', '.join(CONFIGS)}")
+    p.add_argument("--configs", type=C.names, default=list(DEFAULT_CONFIGS),
+                   help=f"workloads, of {', '.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)})")
     p.add_argument("--methods", type=C.names, default=None,
                    help="methods (default: the workload's: on lm " + ", ".join(CONFIGS["lm"]["methods"]) +
                         f"; else every registered method that trains it, but {', '.join(EXCLUDED)}); a trainer "
@@ -551,7 +564,7 @@ def plot(runs, links: Sequence[str], workers: Sequence[int], baselines: Optional
                     xs.append(t)
                 label = f"{r['method']}" + ("" if r["compress"] == "none" else f" {r['compress']}") + f" ({r['config']})"
                 ax.plot(xs, r["curve"][metric], marker=".", label=label,
-                        linestyle="-" if r["config"] in ("cnn", "lm") else "--")
+                        linestyle="-" if r["config"] in ("cnn", "lm", "lm12") else "--")
             if metric == "bits_per_byte" and baselines:
                 for key, name, style in (("unigram_bits", "unigram", ":"), ("bigram_bits", "bigram", "-.")):
                     ax.axhline(baselines[key], color="gray", linestyle=style, linewidth=1,
