@@ -18,6 +18,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "python_tests"))  # reference.py
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from machine import copy_peak, gpu_seconds, matmul_peak  # noqa: E402  (bench/machine.py)
+
 import ist_kernels  # noqa: E402,F401
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -36,31 +38,6 @@ def device_name() -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def _median_seconds(fn, reps=5):
-    """Median seconds of ``fn``: CUDA events with warm-up and an L2 flush between repeats on a GPU
-    (triton.testing.do_bench), a host clock around a call on the CPU."""
-    if DEVICE == "cuda":
-        return gpu_seconds(fn)[0]
-    import time
-
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
-def gpu_seconds(fn, warmup_ms=25, rep_ms=100):
-    """(median, min) seconds of ``fn`` on the GPU, timed with CUDA events by triton.testing.do_bench,
-    which flushes the L2 cache before every repeat (so no input is read from a warm cache)."""
-    from triton.testing import do_bench
-
-    med, lo = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.0])
-    return med / 1e3, lo / 1e3
-
-
 @pytest.fixture(scope="session")
 def peaks():
     """Measured ceilings of this machine: dense matmul FLOP/s per dtype and copy bytes/s."""
@@ -69,13 +46,8 @@ def peaks():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         if DEVICE == "cpu" and dtype == torch.float16:
             continue
-        a = torch.randn(n, n, device=DEVICE).to(dtype)
-        b = torch.randn(n, n, device=DEVICE).to(dtype)
-        out[f"matmul_{dtype}".replace("torch.", "")] = 2 * n**3 / _median_seconds(lambda: a @ b)
-    numel = (512 if DEVICE == "cuda" else 32) * 2**20
-    src = torch.randn(numel, device=DEVICE)
-    dst = torch.empty_like(src)
-    out["copy_bytes"] = 2 * src.numel() * 4 / _median_seconds(lambda: dst.copy_(src))
+        out[f"matmul_{dtype}".replace("torch.", "")] = matmul_peak(DEVICE, n, dtype)
+    out["copy_bytes"] = copy_peak(DEVICE, (512 if DEVICE == "cuda" else 32) * 2**20)
     return out
 
 

@@ -40,6 +40,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from machine import matmul_peak  # noqa: E402  (bench/machine.py: the benchmarks' ceilings)
+
 from ist_kernels.distributed.cost import model_step_flops, subnetwork_step_flops  # noqa: E402
 from ist_kernels.train.config import TrainConfig  # noqa: E402
 from ist_kernels.train.datasets import load_dataset  # noqa: E402
@@ -65,28 +69,11 @@ SUBNET_BOUND = 1.15
 
 
 def measure_peak(device: torch.device, quick: bool) -> Dict[str, float]:
-    """The card's matmul rate (FLOP/s): bf16 8192^3 on CUDA (CUDA events, best of 20 after 5 warm
-    ones), fp32 1024^3 on a CPU."""
+    """The card's matmul rate (FLOP/s, ``bench/machine.py``'s median): bf16 8192^3 on CUDA, fp32
+    1024^3 on a CPU (256^3 with ``quick``)."""
     cuda = device.type == "cuda"
     n, dtype = (8192, torch.bfloat16) if cuda and not quick else (1024 if not quick else 256, torch.float32)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(5):
-        a @ b
-    best = float("inf")
-    for _ in range(20):
-        if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            a @ b
-            e.record()
-            e.synchronize()
-            best = min(best, s.elapsed_time(e) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - t0)
-    return {"flops_per_s": 2 * n ** 3 / best, "n": n, "dtype": str(dtype).replace("torch.", "")}
+    return {"flops_per_s": matmul_peak(device, n, dtype), "n": n, "dtype": str(dtype).replace("torch.", "")}
 
 
 def config(model: str, method: str, batch: int, compile_: bool, args, out_dir: str) -> TrainConfig:
