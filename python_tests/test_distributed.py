@@ -459,6 +459,46 @@ def check_all_to_all(rank, S):
         dist.barrier()
 
 
+def check_block_coded_moments(rank, S):
+    """An optimizer moment exchanged block-coded (momentum_state=int8 / int8-v4): each partitioned
+    slice arrives as fake_quantize_ of its owner's values (blocks of 256 within a slice, odd sizes,
+    a 4-bit code's odd count packed), the shared tensor as the exact mean, and the bytes on the wire
+    are the ledger's coded count; a code beside compress, or not a BlockCode, is refused."""
+    from ist_kernels.distributed import ledger
+    from ist_kernels.distributed.blockwise import BlockCode, fake_quantize_
+
+    spec = {"w1": (9, 301), "w2": (5, 9, 3), "b": (7,)}
+    meta = meta_of(spec)
+    plans = []
+    for rnd in range(2):
+        own = tuple(_split(torch.randperm(9, generator=_gen("moment", S, rnd)), S))
+        plans.append(SlicePlan(S, (TensorSlices("w1", 0, own), TensorSlices("w2", 1, own), TensorSlices("b", None))))
+    for bits, unsigned in ((8, False), (8, True), (4, True)):
+        full = {n: torch.randn(sh, generator=_gen("m", bits, unsigned, n)) for n, sh in spec.items()}
+        if unsigned:
+            full = {n: v.abs() ** 2 for n, v in full.items()}
+        local = compact(full, plans[0], rank)
+        local["b"] = torch.full(spec["b"], float(rank + 1))
+        code = BlockCode(bits, unsigned)
+        ex = Exchange(plans[0], plans[1], meta)
+        got = ex(local, code=code)
+        for t in plans[1].partitioned:
+            want = fake_quantize_(full[t.name].clone(), t.dim, bits, unsigned=unsigned).index_select(t.dim, t.owners[rank])
+            assert torch.equal(got[t.name], want), (t.name, bits, unsigned)
+        assert torch.equal(got["b"], torch.full(spec["b"], (S + 1) / 2)), got["b"]
+        sent = 0
+        for t in plans[0].partitioned:
+            per = math.prod(spec[t.name]) // spec[t.name][t.dim]
+            raw = plan_bytes(plans[0], plans[1], meta, names=[t.name])[rank].all_to_all_bytes_sent
+            sent += ledger.state_exchange_bytes(raw, per, 4, bits)
+        assert ex.last_stats.all_to_all_bytes_sent == sent, (ex.last_stats.all_to_all_bytes_sent, sent)
+    ex = Exchange(plans[0], plans[1], meta, compress="int8")
+    with pytest.raises(ValueError, match="cannot be combined with compress"):
+        ex(compact(full, plans[0], rank), code=BlockCode(8))
+    with pytest.raises(TypeError, match="must be a blockwise.BlockCode"):
+        Exchange(plans[0], plans[1], meta)(compact(full, plans[0], rank), code=8)
+
+
 def _worker(rank, S, store, outdir):
     torch.set_num_threads(1)
     init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=S, timeout=60)
@@ -502,6 +542,7 @@ def _worker(rank, S, store, outdir):
         Exchange(make_plan("loft", S, 7 + (rank == 0), 0), make_plan("loft", S, 7, 1), meta, verify_plans=True)
 
     check_all_to_all(rank, S)
+    check_block_coded_moments(rank, S)
 
     # local SGD baseline: one flat all_reduce of the whole model
     spec = loft_spec()

@@ -26,7 +26,8 @@ a one-element slice stays exact). Empty tensors and all-zero blocks decode to ze
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -55,26 +56,82 @@ def _blocks(rows: Tensor, block: int) -> Tensor:
     return rows.reshape(n, nb, block)
 
 
-def signed_8bit(blocks: Tensor) -> Tensor:
-    """Decoded linear int8 codes of ``blocks`` ([..., block] float32), one absmax / 127 scale per block."""
-    scale = blocks.abs().amax(-1, keepdim=True) / QMAX
-    inv = torch.where(scale > 0, 1.0 / scale.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(scale))
-    return torch.round(blocks * inv).clamp_(-QMAX, QMAX) * scale
+@dataclass(frozen=True)
+class BlockCode:
+    """How the slices of one optimizer moment travel: ``bits`` per value (signed: 8; ``unsigned``:
+    8 or 4) in blocks of ``block`` values, one float32 scale (signed: absmax / 127; unsigned: the
+    block's max) per block. A slice of ``m`` values is :func:`~.ledger.block_coded_bytes` on the
+    wire: its codes packed (ceil(m bits / 8) bytes) and its scales."""
+    bits: int
+    unsigned: bool = False
+    block: int = MOMENT_BLOCK
+
+    def __post_init__(self):
+        if self.unsigned and self.bits not in OCTAVE_CODES:
+            raise ValueError(f"BlockCode: bits must be one of {sorted(OCTAVE_CODES)} for the unsigned code, "
+                             f"got bits={self.bits}")
+        if not self.unsigned and self.bits != 8:
+            raise ValueError(f"BlockCode: the signed code has 8 bits, got bits={self.bits}")
+        if self.block < 1:
+            raise ValueError(f"BlockCode: block must be >= 1, got {self.block}")
+
+    def coded(self, m: int, esize: int) -> bool:
+        """Whether a slice of ``m`` values of ``esize`` bytes travels coded (else exactly)."""
+        return state_coded(m, self.bits, esize, self.block)
+
+    def scales(self, m: int) -> int:
+        """float32 scales of one slice of ``m`` values."""
+        return -(-m // self.block)
+
+    def code_bytes(self, m: int) -> int:
+        """Bytes of one slice's packed codes."""
+        return -(-m * self.bits // 8)
 
 
-def unsigned_log(blocks: Tensor, bits: int) -> Tensor:
-    """Decoded ``bits``-bit log codes of non-negative ``blocks`` ([..., block] float32), one top (the
-    block's max) per block (module docstring)."""
-    if bits not in OCTAVE_CODES:
-        raise ValueError(f"unsigned_log: bits must be one of {sorted(OCTAVE_CODES)}, got {bits}")
-    if blocks.numel() and bool((blocks < 0).any()):
-        raise ValueError("unsigned_log: a second moment must be >= 0; got negative values")
-    k, L = OCTAVE_CODES[bits], 2 ** bits - 1
-    top = blocks.amax(-1, keepdim=True)
-    pos = blocks > 0
-    ratio = torch.where(pos, top / torch.where(pos, blocks, torch.ones_like(blocks)), torch.ones_like(blocks))
-    code = (L - torch.round(k * torch.log2(ratio))).clamp_(1, L)
-    return torch.where(pos, top * torch.exp2((code - L) / k), torch.zeros_like(blocks))
+def encode(rows: Tensor, code: BlockCode) -> Tuple[Tensor, Tensor]:
+    """Block-code ``rows`` ([n slices, m values], float32): (scales float32 [n, ceil(m / block)],
+    codes uint8 [n, code.code_bytes(m)]): signed, each code an int8's bits; unsigned 8-bit, the code;
+    4-bit, two codes a byte (the lower nibble first, a slice's last byte padded with 0)."""
+    n, m = rows.shape
+    blocks = _blocks(rows.float(), code.block)
+    nb = blocks.shape[1]
+    if code.unsigned:
+        if blocks.numel() and bool((blocks < 0).any()):
+            raise ValueError("block code: a second moment must be >= 0; got negative values")
+        k, L = OCTAVE_CODES[code.bits], 2 ** code.bits - 1
+        scale = blocks.amax(-1, keepdim=True)
+        pos = blocks > 0
+        ratio = torch.where(pos, scale / torch.where(pos, blocks, torch.ones_like(blocks)), torch.ones_like(blocks))
+        q = torch.where(pos, (L - torch.round(k * torch.log2(ratio))).clamp_(1, L), torch.zeros_like(blocks))
+        q = q.reshape(n, nb * code.block)[:, :m].to(torch.uint8)
+    else:
+        scale = blocks.abs().amax(-1, keepdim=True) / QMAX
+        inv = torch.where(scale > 0, 1.0 / scale.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(scale))
+        q = torch.round(blocks * inv).clamp_(-QMAX, QMAX).reshape(n, nb * code.block)[:, :m].to(torch.int8)
+        q = q.view(torch.uint8)
+    if code.bits == 4:
+        if m % 2:
+            q = torch.cat([q, q.new_zeros(n, 1)], 1)
+        q = q[:, 0::2] | (q[:, 1::2] << 4)
+    return scale.reshape(n, nb), q.contiguous()
+
+
+def decode(scales: Tensor, codes: Tensor, m: int, code: BlockCode) -> Tensor:
+    """The values [n, m] (float32) of :func:`encode`'s ``scales`` and ``codes``: signed ``q * scale``;
+    unsigned ``scale * 2^((c - L) / k)`` for a code c > 0, else 0."""
+    n = codes.shape[0]
+    if code.bits == 4:
+        codes = torch.stack([codes & 15, codes >> 4], -1).reshape(n, 2 * codes.shape[1])[:, :m]
+    nb = -(-m // code.block)
+    q = (codes.view(torch.int8) if not code.unsigned else codes).float()
+    q = _blocks(q, code.block)  # [n, nb, block], padded with 0
+    scale = scales.reshape(n, nb, 1)
+    if code.unsigned:
+        k, L = OCTAVE_CODES[code.bits], 2 ** code.bits - 1
+        out = torch.where(q > 0, scale * torch.exp2((q - L) / k), torch.zeros_like(q))
+    else:
+        out = q * scale
+    return out.reshape(n, nb * code.block)[:, :m]
 
 
 @torch.no_grad()
@@ -96,8 +153,8 @@ def fake_quantize_(x: Tensor, dim: Optional[int], bits: int, *, unsigned: bool =
     n, m = rows.shape
     if not state_coded(m, bits, x.element_size(), block):
         return x
-    out = unsigned_log(_blocks(rows, block), bits) if unsigned else signed_8bit(_blocks(rows, block))
-    out = out.reshape(n, -1)[:, :m]
+    c = BlockCode(bits, unsigned, block)
+    out = decode(*encode(rows, c), m, c)
     if dim is None or x.dim() == 0:
         x.copy_(out.reshape(x.shape))
     else:

@@ -45,7 +45,8 @@ from torch import Tensor
 from .. import functional as F
 from ..partition.aggregate import aggregate_slices_
 from ..partition.plan import SlicePlan
-from . import compress as C, quantize as Q
+from . import blockwise as B, compress as C, quantize as Q
+from .blockwise import BlockCode
 from .group import all_to_all_single, collective_timeout, wait_collective
 from .ledger import all_reduce_wire_bytes, normalise_spec as _normalise_spec, two_stage_sent
 from .routing import (
@@ -176,27 +177,54 @@ class _Mover:
         codes = raw + pad(self.esize * i_el)
         return pad(codes + f_el), n_f, raw, codes, f_el
 
-    def coded(self, e: Entry, compress: str) -> bool:
+    def coded(self, e: Entry, compress) -> bool:
+        if isinstance(compress, BlockCode):  # an optimizer moment's partitioned slices (a shared one: exact)
+            return not e.integral and not e.shared and compress.coded(e.slice_numel, self.esize)
         return C.coded(compress, e.slice_numel, not e.integral)
 
-    def _clayout(self, segs, compress: str):
+    def _scale_count(self, e: Entry, s, compress) -> int:
+        """fp32 scales of coded segment ``s``: int8, one a slice; a block code, one a block of a slice."""
+        n = s.index.numel()
+        if isinstance(compress, BlockCode):
+            return n * compress.scales(e.slice_numel)
+        return n if compress == "int8" else 0
+
+    def _code_bytes(self, e: Entry, s, compress) -> int:
+        """Bytes of coded segment ``s``'s codes."""
+        if isinstance(compress, BlockCode):
+            return s.index.numel() * compress.code_bytes(e.slice_numel)
+        return C.code_bytes(compress) * s.numel
+
+    @staticmethod
+    def _rows(v: Tensor, e: Entry, s) -> Tensor:
+        """Segment ``s``'s flat values ``v`` as [its slices, values of a slice] (each slice in
+        row-major order of the other dims: the order :mod:`.blockwise` codes a slice in)."""
+        return C.view3(v.view(e.compact_shape(s.index.numel())), e.dim).transpose(0, 1).reshape(s.index.numel(), -1)
+
+    @staticmethod
+    def _set_rows(v: Tensor, e: Entry, s, rows: Tensor) -> None:
+        """Write [slices, values] ``rows`` back into segment ``s``'s flat values ``v``."""
+        x3 = C.view3(v.view(e.compact_shape(s.index.numel())), e.dim)
+        x3.copy_(rows.view(s.index.numel(), x3.shape[0], x3.shape[2]).transpose(0, 1))
+
+    def _clayout(self, segs, compress):
         """(wire size, payload bytes, raw part offset, codes offset) of one compressed chunk:
-        [fp32 scale per coded slice (int8)][pad to the dtype][uncoded segments, raw in the buffer
-        dtype][codes]."""
-        n_sc = raw_el = code_el = 0
+        [fp32 scale per coded slice (int8) or block of a slice (a block code)][pad to the dtype]
+        [uncoded segments, raw in the buffer dtype][codes]."""
+        n_sc = raw_el = code_b = 0
         for s in segs:
             e = self.entries[s.entry]
             if self.coded(e, compress):
-                code_el += s.numel
-                n_sc += s.index.numel() if compress == "int8" else 0
+                code_b += self._code_bytes(e, s, compress)
+                n_sc += self._scale_count(e, s, compress)
             else:
                 raw_el += s.numel
         # the raw part starts at a multiple of its element size (after an odd count of fp32 scales a
         # float64 view would be misaligned); the padding is not payload
         raw = (C.SCALE_BYTES * n_sc + self.esize - 1) // self.esize * self.esize
         codes = raw + self.esize * raw_el
-        payload = C.SCALE_BYTES * n_sc + self.esize * raw_el + C.code_bytes(compress) * code_el
-        end = codes + C.code_bytes(compress) * code_el
+        payload = C.SCALE_BYTES * n_sc + self.esize * raw_el + code_b
+        end = codes + code_b
         return (end + self.align - 1) // self.align * self.align, payload, raw, codes
 
     def _encode(self, send: Tensor, compress: str, device) -> Tuple[Tensor, List[int], List[int]]:
@@ -204,10 +232,15 @@ class _Mover:
         left as its receivers decode it. Returns (wire, split sizes, payload bytes) per rank."""
         r, S = self.routing.rank, self.routing.world_size
         views = torch.split(send, [s.numel for s in self.pack])
+        block = isinstance(compress, BlockCode)
         scales: List[Optional[Tensor]] = []
+        codes_of: Dict[int, Tensor] = {}  # a block code's packed codes of each coded segment
         for j, s in enumerate(self.pack):  # codes in place (int8), one scale per slice
             e = self.entries[s.entry]
-            if compress == "int8" and self.coded(e, compress):
+            if block and self.coded(e, compress):
+                sc, codes_of[j] = B.encode(self._rows(views[j], e, s), compress)
+                scales.append(sc.reshape(-1))
+            elif compress == "int8" and self.coded(e, compress):
                 x3 = C.view3(views[j].view(e.compact_shape(s.index.numel())), e.dim)
                 sc = C.scales_of(x3)
                 C.to_codes_(x3, sc)
@@ -226,6 +259,11 @@ class _Mover:
                 if not self.coded(e, compress):
                     chunk[raw_off:raw_off + self.esize * s.numel].view(self.dtype).copy_(v)
                     raw_off += self.esize * s.numel
+                elif block:
+                    k, nb = scales[j].numel(), codes_of[j].numel()
+                    chunk[sc_off:sc_off + C.SCALE_BYTES * k].view(torch.float32).copy_(scales[j])
+                    chunk[code_off:code_off + nb].copy_(codes_of[j].reshape(-1))
+                    sc_off, code_off = sc_off + C.SCALE_BYTES * k, code_off + nb
                 elif compress == "int8":
                     k = scales[j].numel()
                     chunk[sc_off:sc_off + C.SCALE_BYTES * k].view(torch.float32).copy_(scales[j])
@@ -239,7 +277,9 @@ class _Mover:
         for s in self.routing.send[r]:  # this rank's own copy: decoded as its receivers decode it
             e, v = self.entries[s.entry], views[j]
             if self.coded(e, compress):
-                if compress == "int8":
+                if block:
+                    self._set_rows(v, e, s, B.decode(scales[j], codes_of[j], e.slice_numel, compress))
+                elif compress == "int8":
                     C.from_codes_(C.view3(v.view(e.compact_shape(s.index.numel())), e.dim), scales[j])
                 else:
                     v.copy_(v.to(torch.bfloat16))
@@ -263,6 +303,13 @@ class _Mover:
                 if not self.coded(e, compress):
                     v.copy_(chunk[raw_off:raw_off + self.esize * s.numel].view(self.dtype))
                     raw_off += self.esize * s.numel
+                elif isinstance(compress, BlockCode):
+                    k, nb = self._scale_count(e, s, compress), self._code_bytes(e, s, compress)
+                    n = s.index.numel()
+                    sc = chunk[sc_off:sc_off + C.SCALE_BYTES * k].view(torch.float32).view(n, -1)
+                    self._set_rows(v, e, s, B.decode(sc, chunk[code_off:code_off + nb].view(n, -1),
+                                                     e.slice_numel, compress))
+                    sc_off, code_off = sc_off + C.SCALE_BYTES * k, code_off + nb
                 elif compress == "int8":
                     n = s.index.numel()
                     sc = chunk[sc_off:sc_off + C.SCALE_BYTES * n].view(torch.float32)
@@ -885,7 +932,7 @@ class Exchange:
                                f"slice owned by >= 1 subnetwork, but in the {what} plan (round {self.round})",
                                "use storage='replicated' for plans with unowned slices (e.g. Bernoulli masks)")
 
-    def _layout(self, names: Tuple[str, ...], quantized: Union[bool, str]):
+    def _layout(self, names: Tuple[str, ...], quantized: Union[bool, str, BlockCode]):
         key = (names, quantized)
         if key in self._layouts:
             return self._layouts[key]
@@ -903,8 +950,8 @@ class Exchange:
             # a compact tensor that stays with its sole owner is handed back as it is
             nxt = self._nxt_mask[:, cols]
             passthrough = passthrough_entries(sub, cur, nxt, r)
-            if self.compress is not None:  # every copy is encoded, this rank's own too
-                passthrough = []
+            if self.compress is not None or isinstance(quantized, BlockCode):  # every copy is encoded, this
+                passthrough = []                                                   # rank's own too
             # a product kept as blocks: its compact tensor's order may change with the same elements
             orders = [{i: o[e.name] for i, e in enumerate(sub) if e.name in o} for o in (self._cur_order,
                                                                                        self._nxt_order)]
@@ -956,12 +1003,17 @@ class Exchange:
     # ---- the exchange
     @torch.no_grad()
     def __call__(self, local: Mapping[str, Tensor], names: Optional[Sequence[str]] = None, *,
-                 quantize: Union[None, str, bool] = False) -> Dict[str, Tensor]:
+                 quantize: Union[None, str, bool] = False, code: Optional[BlockCode] = None) -> Dict[str, Tensor]:
         """Exchange ``local`` (this rank's tensors, parameters and buffers or optimizer state keyed
         like them) and return this rank's tensors for the next round (see the class docstring).
 
         names: the plan tensors this call moves (default: all); the same on every rank.
         quantize: False keeps the exchange's setting; None / "int8" override it for this call.
+        code: ``local`` is one optimizer moment (``momentum_state=int8|int8-v4``): each partitioned
+        slice travels block-wise coded (:class:`~.blockwise.BlockCode`; slices it does not pay for
+        and shared tensors exactly), and every copy, this rank's own and one that stays, becomes
+        what its receivers decode (:func:`~.blockwise.fake_quantize_` of its slices). Not with
+        ``compress`` or ``quantize``.
         """
         t0 = time.perf_counter()
         if self._spec is None:  # replicated storage without a spec: the full local tensors are it
@@ -970,8 +1022,14 @@ class Exchange:
         q = self.quantize if quantize is False else quantize
         if q not in (None, "int8"):
             raise ValueError(f"Exchange: quantize must be None or 'int8', got {q!r}")
+        if code is not None:
+            if not isinstance(code, BlockCode):
+                raise TypeError(f"Exchange: code must be a blockwise.BlockCode or None, got {type(code).__name__}")
+            if self.compress is not None or q is not None:
+                raise ValueError(f"Exchange: code (a moment's block code) cannot be combined with compress "
+                                 f"({self.compress!r}) or quantize ({q!r})")
         names = self._names(local, names)
-        sub, mover, cur_rows, nxt_rows, ar, passthrough = self._layout(names, self.compress or q == "int8")
+        sub, mover, cur_rows, nxt_rows, ar, passthrough = self._layout(names, code or self.compress or q == "int8")
         r = self.rank
         decentral = self.storage == "decentralized"
 
@@ -1023,7 +1081,7 @@ class Exchange:
         if sub:
             mover.run(sources, targets, quantize=q == "int8", device=device,
                       name="all_to_all_single (partitioned slices)", round=self.round, group=self.group,
-                      timeout=self.timeout, stats=stats, compress=self.compress)
+                      timeout=self.timeout, stats=stats, compress=code or self.compress)
         for n in names:
             if n in self._counters and n in local:
                 out[n] = local[n]

@@ -228,8 +228,8 @@ def subnet_bytes(plan, spec: Spec, *, names: Optional[Sequence[str]] = None,
     ``SlicePlan``): its slices of the partitioned tensors, the shared ones whole; ``names`` only
     (default: all the plan's); ``compress``: encoded as the exchange encodes them (int8: a scale per
     slice of a partitioned tensor, one per shared tensor; a one-element slice stays fp32);
-    ``state_code``: the tensors are optimizer moments coded so (:func:`state_slice_bytes`, a shared
-    tensor one slice). Integer tensors (step counters) are not counted."""
+    ``state_code``: the tensors are optimizer moments coded so (:func:`state_slice_bytes`; a shared
+    tensor's travel exactly). Integer tensors (step counters) are not counted."""
     spec = normalise_spec(spec)
     compress = check(compress, "subnet_bytes")
     if compress is not None and state_code not in (None, "exact"):
@@ -247,8 +247,8 @@ def subnet_bytes(plan, spec: Spec, *, names: Optional[Sequence[str]] = None,
             continue
         esize = dtype_bytes(dtype)
         for s in range(plan.num_subnetworks):
-            if t.shared:
-                out[s] += sized(prod(shape), esize)
+            if t.shared:  # a shared tensor's moments travel exactly (averaged in float32)
+                out[s] += prod(shape) * esize if state_code is not None else sized(prod(shape), esize)
             elif getattr(t, "product", False):  # rows x cols of a 2-D tensor: one slice per element
                 out[s] += sized(1, esize) * t.count(s)
             elif t.owners[s].numel():

@@ -21,14 +21,14 @@ the same order, so both give the same model bit for bit, and both count the enco
 included), in both conventions.
 
 Optimizer moments coded block-wise (``momentum_state=int8|int8-v4``, :mod:`ist_kernels.distributed.
-blockwise`): the sender codes and decodes its moments in place before the exchange (the simulated
-run the same values before it aggregates), so every copy of a moment is its decoded value; the
-Exchange then moves the decoded values in float32 (it has no block codec), and the bytes counted,
-in both launch modes, are the coded ones (``state_code`` of :meth:`exchange`,
-:meth:`count_exchange`, :meth:`ps_bytes`: the plan's uncoded count per slice size, each slice at its
-block code, :func:`~ist_kernels.distributed.ledger.state_exchange_bytes`; a shared tensor one slice
-through the ring all-reduce's 2 (S - 1) / S). A link emulated under a distributed run therefore
-carries float32 moments: its time is not the counted bytes' time.
+blockwise`): distributed, the Exchange sends each partitioned slice of a moment as its block code
+(:class:`~ist_kernels.distributed.blockwise.BlockCode`: packed codes and a float32 scale per block)
+and every copy, the sender's own too, becomes the decoded value; simulated, the same values are
+coded and decoded in place before the in-process aggregation. Shared tensors' moments travel
+exactly (the ring all-reduce's float32 mean). Both launch modes count the coded bytes (``state_code``
+of :meth:`exchange`, :meth:`count_exchange`, :meth:`ps_bytes`: the plan's uncoded count per slice
+size, each partitioned slice at its block code, :func:`~ist_kernels.distributed.ledger.
+state_exchange_bytes`), which are the bytes the distributed exchange sends.
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from ..distributed import Exchange, average_model_, compress as C, gather_bytes, gather_full_model, ledger, plan_bytes
+from ..distributed.blockwise import BlockCode
 from ..distributed.group import all_to_all_single, collective_timeout, wait_collective
 from ..distributed.ledger import all_reduce_wire_bytes  # noqa: F401  (ring all_reduce bytes, as before)
 from ..distributed.quantize import decode, encode
@@ -141,33 +142,30 @@ class Comm:
     def exchange(self, current, next, spec, local: Mapping[str, Tensor], *, round: int,
                  names: Optional[Sequence[str]] = None, storage: str = "decentralized",
                  shared: Optional[str] = None, drop_unowned: bool = False,
-                 compress: Optional[str] = None, state_code=None) -> Dict[str, Tensor]:
+                 compress: Optional[str] = None, state_code=None, second: bool = False) -> Dict[str, Tensor]:
         """Distributed: move this rank from its part of plan ``current`` to its part of ``next``
         (``ist_kernels.distributed.Exchange``; replicated storage: owner-average the full tensors in
         place). ``shared``: how shared tensors are averaged (default: the run's ``--shared``).
         ``compress``: encode what is sent (pass :attr:`compress` for the rounds' exchanges).
-        ``state_code`` (bits of a block code): ``local`` are optimizer moments already coded and
-        decoded in place (module docstring); their coded bytes are counted. Returns this rank's
-        tensors for the next round."""
+        ``state_code`` (bits of a block code): ``local`` is one optimizer moment (``second``: a second
+        moment, the unsigned code), its partitioned slices sent block-coded and every copy decoded
+        (module docstring). Returns this rank's tensors for the next round."""
         if not self.distributed:
             raise RuntimeError("Comm.exchange needs a distributed run; simulated runs aggregate in process "
                                "and count with Comm.count_exchange")
         ex = Exchange(current, next, spec, storage=storage, shared=shared or self.shared, round=round,
                       drop_unowned=drop_unowned, compress=compress)
-        out = ex(local, names=names)
-        if state_code in (None, "exact"):
-            self._sent(ex.last_stats.bytes_sent, received=ex.last_stats.bytes_received)
-        else:
-            sent, received = self._coded_state_bytes(current, next, spec, names, storage, shared, state_code)[self.rank]
-            self._sent(sent, received=received)
+        code = None if state_code in (None, "exact") else BlockCode(state_code, unsigned=second)
+        out = ex(local, names=names, code=code)
+        self._sent(ex.last_stats.bytes_sent, received=ex.last_stats.bytes_received)
         self._charge(ex.last_stats)
         return out
 
     def _coded_state_bytes(self, current, next, spec, names, storage: str, shared: Optional[str], code):
         """Per rank, (sent, received) of an exchange of optimizer moments coded block-wise as
-        ``code``: the plan's uncoded count of the tensors of each slice size, every slice coded
-        (:func:`~ist_kernels.distributed.ledger.state_exchange_bytes`), and the shared tensors'
-        ring all-reduce of their coded bytes (each tensor one slice)."""
+        ``code``: the plan's uncoded count of the tensors of each slice size, every partitioned
+        slice coded (:func:`~ist_kernels.distributed.ledger.state_exchange_bytes`), the shared
+        tensors exactly (their ring all-reduce in float32): what the Exchange's block code sends."""
         spec = ledger.normalise_spec(spec)
         shared = shared or self.shared
         chosen = set(names if names is not None else current.names())
@@ -179,18 +177,18 @@ class Comm:
                 continue
             esize = ledger.dtype_bytes(dtype)
             numel = prod(shape)
-            if t.shared and shared == "all_reduce":
-                ring += ledger.state_slice_bytes(numel, esize, code)
+            if t.shared and shared == "all_reduce":  # a shared tensor's moments: exactly
+                ring += numel * esize
                 continue
             # a product (rows x cols of a 2-D tensor) moves one slice per element: exactly
             slice_numel = numel if t.shared or not shape else 1 if t.product else numel // shape[t.dim]
-            groups.setdefault((slice_numel, esize), []).append(t.name)
+            groups.setdefault((slice_numel, esize, "exact" if t.shared else code), []).append(t.name)
         S = current.num_subnetworks
         out = [[0, 0] for _ in range(S)]
-        for (slice_numel, esize), group in groups.items():
+        for (slice_numel, esize, c), group in groups.items():
             for r, st in enumerate(plan_bytes(current, next, spec, storage=storage, shared=shared, names=group)):
-                out[r][0] += ledger.state_exchange_bytes(st.all_to_all_bytes_sent, slice_numel, esize, code)
-                out[r][1] += ledger.state_exchange_bytes(st.all_to_all_bytes_received, slice_numel, esize, code)
+                out[r][0] += ledger.state_exchange_bytes(st.all_to_all_bytes_sent, slice_numel, esize, c)
+                out[r][1] += ledger.state_exchange_bytes(st.all_to_all_bytes_received, slice_numel, esize, c)
         wire = ledger.all_reduce_wire_bytes(ring, S)
         return [(a + wire, b + wire) for a, b in out]
 

@@ -51,8 +51,9 @@ and ``rank_state_bytes``).
   are (a slice's next owners get the mean of its current owners' state).
 - ``"int8"``: as ``aggregate``, each moment sent block-wise coded (:mod:`ist_kernels.distributed.
   blockwise`: blocks of 256 values within a slice, first moments linear 8-bit with an absmax scale,
-  second moments an unsigned 8-bit log code); its owners average the decoded values. The sender's
-  own copy is the decoded value too, so the simulated and the distributed runs agree bit for bit.
+  second moments an unsigned 8-bit log code; a distributed run sends those codes and scales); its
+  owners average the decoded values. The sender's own copy is the decoded value too, so the
+  simulated and the distributed runs agree bit for bit. A shared tensor's moments travel exactly.
 - ``"int8-v4"``: as ``int8`` with the second moment in a 4-bit log code.
 - ``"second"``: the second moment travels exactly and is owner-averaged; the first moment is reset
   (zeros) every round; the step is kept (the first moment's bias correction then under-corrects:
@@ -322,12 +323,13 @@ class SubnetRounds:
     def _code_moments_(self, states: Dict[str, Dict[str, Tensor]], slices) -> None:
         """int8 / int8-v4: every block-coded moment of ``states`` (key -> plan name -> a worker's
         compact state under ``slices``) coded and decoded in place, blocks within each slice."""
-        dims = {t.name: None if t.shared else t.dim for t in slices.tensors if not t.product}
+        # (a product's slices are single values and a shared tensor's moments are averaged: both exactly)
+        dims = {t.name: t.dim for t in slices.tensors if not t.product and not t.shared}
         for key, bufs in states.items():
             code = self._code(key)
             if isinstance(code, int):
                 for name, buf in bufs.items():
-                    if name in dims:  # (a product's slices are single values: they travel exactly)
+                    if name in dims:
                         fake_quantize_(buf, dims[name], code, unsigned=key in ledger.SECOND_MOMENTS)
 
     def _kept_fill(self, s: int, slices, params: Dict[str, Tensor], opt) -> None:
@@ -528,12 +530,13 @@ class SubnetRounds:
                 trained_params = [(n, params[n]) for n in params if n in names]
                 states = param_states_of(trained_params, opt)
                 self.scalars = scalar_states_of([p for _, p in trained_params], opt)
-                self._code_moments_(states, plan.slices)
+                # (the Exchange codes each moment's partitioned slices and decodes every copy)
                 # every rank names the same tensors (the model's parameters), whatever its subnetwork holds:
                 # the exchange's schedule is derived from the names, and ResIST's subnetworks hold different
                 # layers (names of its own would give each rank another schedule: a hang)
                 moved = {key: ctx.comm.exchange(plan.slices, nxt.slices, self.spec, bufs, names=self.param_names,
-                                                round=r + 1, state_code=self._code(key))
+                                                round=r + 1, state_code=self._code(key),
+                                                second=key in ledger.SECOND_MOMENTS)
                          for key, bufs in states.items() if self._code(key) is not None}
                 if moved:  # a moment not sent (second: the first) starts the next round from zeros
                     shapes = next(iter(moved.values()))
@@ -585,7 +588,8 @@ class SubnetRounds:
             with ctx.clock("plan"):
                 for sub, turn in zip(mine, turns):
                     self._kept_store(sub.index, plan.slices, plan.tensors_of(sub, detach=False), turn.optimizer)
-        if self.optimizer is not None and any(isinstance(c, int) for c in self.moment_codes.values()):
+        if (self.optimizer is not None and not ctx.distributed  # (distributed: the Exchange codes them)
+                and any(isinstance(c, int) for c in self.moment_codes.values())):
             with ctx.clock("pack"):  # the moments as their receivers decode them
                 names = set(self.param_names)
                 for sub in mine:
@@ -615,7 +619,7 @@ class SubnetRounds:
                                   compress=self.compress)
                 for key, mom in states.items():
                     ctx.comm.exchange(plan.slices, None, None, mom, names=list(mom), storage="replicated",
-                                      round=r + 1, state_code=self._code(key))
+                                      round=r + 1, state_code=self._code(key), second=key in ledger.SECOND_MOMENTS)
                 plan.after_aggregate()  # e.g. ResIST's full-model residual scales (already set; cheap)
                 if self.outer_on:
                     self._outer_(self.tensors(), state["prev"], outer_names)
