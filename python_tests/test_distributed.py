@@ -651,6 +651,27 @@ def single(tmp_path_factory):
     destroy_process_group()
 
 
+def test_a_backends_own_timeout_reads_timed_out_and_a_closed_connection_failed():
+    # gloo's recv timeout (the process group's, as long as ours) can fire before our wait does:
+    # a stalled peer still reads "timed out"; a dead one (connection closed) "failed"
+    from ist_kernels.distributed.group import wait_collective
+
+    class Work:
+        def __init__(self, msg):
+            self.msg = msg
+
+        def wait(self, timeout=None):
+            raise RuntimeError(self.msg)
+
+    for msg, kind in (("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 6000ms for recv operation "
+                       "to complete", "timed out"),
+                      ("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242", "failed")):
+        with pytest.raises(CollectiveError) as e:
+            wait_collective(lambda: Work(msg), name="all_reduce (x)", round=3, timeout=timedelta(seconds=6))
+        msg = str(e.value)
+        assert msg.startswith("all_reduce (x) (round 3) on rank ") and f" {kind} (RuntimeError: " in msg, msg
+
+
 def test_single_rank_is_the_identity_of_its_owner_mean(single):
     spec = loft_spec()
     full = {n: torch.randn(s) for n, s in spec.items()}

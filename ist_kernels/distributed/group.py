@@ -138,7 +138,10 @@ def wait_collective(issue, *, name: str, round: Optional[int], timeout: timedelt
     except CollectiveError:
         raise
     except Exception as e:  # gloo: connection closed / timed out; nccl: blocking-wait timeout
-        fail(f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", e)
+        first = str(e).splitlines()[0] if str(e) else ""
+        # the backend's own timeout (the process group's, the same as ours) may fire first: a stall
+        # reads "timed out" either way; a closed connection (a dead peer) "failed"
+        fail(f"{'timed out' if 'timed out' in first.lower() else 'failed'} ({type(e).__name__}: {first})", e)
     if done is False:
         fail("timed out")
     return time.perf_counter() - t0
