@@ -223,15 +223,16 @@ def test_state_split_and_payoff():
 
 def test_moment_bytes_against_hand_counts_and_the_exchanges_int8():
     """Moments coded block-wise: the parameter-server count by hand (w's rows of 12 values: 12 + 4
-    bytes at 8 bits, 6 + 4 at 4; b one slice; v's one-value slices exact), and the wire count of
-    8-bit codes equal to the Exchange's own --compress int8 count (one 4-byte scale per slice of
-    <= 256 values: the same bytes), from the routing of the plans."""
+    bytes at 8 bits, 6 + 4 at 4; the shared b's 6 values exactly, 24 bytes; v's one-value slices
+    exact), and the wire count of 8-bit codes equal to the Exchange's own --compress int8 count of
+    the partitioned tensors (one 4-byte scale per slice of <= 256 values: the same bytes) plus the
+    shared b exactly, from the routing of the plans."""
     spec, cur, nxt = _plans()
-    assert ledger.subnet_bytes(cur, spec, state_code=8) == [5 * 16 + 10 + 4, 5 * 16 + 10 + 3 * 4]
-    assert ledger.subnet_bytes(cur, spec, state_code=4) == [5 * 10 + (3 + 4) + 4, 5 * 10 + (3 + 4) + 3 * 4]
+    assert ledger.subnet_bytes(cur, spec, state_code=8) == [5 * 16 + 24 + 4, 5 * 16 + 24 + 3 * 4]
+    assert ledger.subnet_bytes(cur, spec, state_code=4) == [5 * 10 + 24 + 4, 5 * 10 + 24 + 3 * 4]
     assert ledger.subnet_bytes(cur, spec, state_code="exact") == ledger.subnet_bytes(cur, spec)
     assert ledger.ps_bytes(cur, spec, download=nxt, state_code=8) == [
-        5 * 16 + 10 + 4 + 3 * 16 + 10 + 2 * 4, 5 * 16 + 10 + 3 * 4 + 7 * 16 + 10 + 2 * 4]
+        5 * 16 + 24 + 4 + 3 * 16 + 24 + 2 * 4, 5 * 16 + 24 + 3 * 4 + 7 * 16 + 24 + 2 * 4]
     with pytest.raises(ValueError, match="not both"):
         ledger.subnet_bytes(cur, spec, compress="int8", state_code=8)
     for shared in ("exact", "all_reduce"):
@@ -239,11 +240,13 @@ def test_moment_bytes_against_hand_counts_and_the_exchanges_int8():
         names = ["w", "b", "v"]
         c.count_exchange(cur, nxt, spec, names=names, state_code=8)
         coded = c.take()
-        want = exchange.plan_bytes(cur, nxt, spec, shared=shared, names=names, compress="int8")
-        if shared == "exact":
-            assert coded["sent_by_worker"] == {r: st.bytes_sent for r, st in enumerate(want)}
-        else:  # the shared b through the ring all_reduce, coded: 2 (S - 1) / S of 6 + 4 bytes
-            assert coded["sent_by_worker"] == {r: st.all_to_all_bytes_sent + 10 for r, st in enumerate(want)}
+        want = exchange.plan_bytes(cur, nxt, spec, shared=shared, names=["w", "v"], compress="int8")
+        if shared == "exact":  # b through the all-to-all, exactly
+            exact_b = exchange.plan_bytes(cur, nxt, spec, shared=shared, names=["b"])
+            assert coded["sent_by_worker"] == {r: st.bytes_sent + b.bytes_sent
+                                               for r, (st, b) in enumerate(zip(want, exact_b))}
+        else:  # the shared b through the ring all_reduce, exactly: 2 (S - 1) / S of 24 bytes
+            assert coded["sent_by_worker"] == {r: st.all_to_all_bytes_sent + 24 for r, st in enumerate(want)}
         c.count_exchange(cur, nxt, spec, names=names, state_code="exact")
         assert c.take()["sent"] == sum(st.bytes_sent for st in exchange.plan_bytes(cur, nxt, spec, shared=shared,
                                                                                      names=names))
