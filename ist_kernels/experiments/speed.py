@@ -8,7 +8,11 @@ for every method at a base lr of 1e-3, cosine after a 2-round warm-up), trained 
 ``ddp``, ``diloco``, ``ist-ffn`` and ``ist-heads`` (``ist`` with ``partition=ffn`` / ``heads``) and
 ``resist``, scored in test bits per byte (lower is better) beside the byte-frequency baselines of
 pycode's test split (:func:`ist_kernels.experiments.harness.analysis.pycode_baselines`: the entropy of one
-byte and of a byte given the previous one); ``cnn`` and ``mlp`` on digits, scored in test accuracy.
+byte and of a byte given the previous one); ``lm12`` (named, not in the default ``--configs``), the
+same data, rounds and schedule on ``gpt_tiny`` at width 64 and 12 blocks (0.62M parameters), where
+depth lets a ResIST subnetwork skip most blocks, its methods those of ``lm`` but ``ist-heads`` (2 heads
+cannot be split over 4 workers), ResIST and IST keeping their AdamW moments where they are
+(``momentum_state=local``); ``cnn`` and ``mlp`` on digits, scored in test accuracy.
 On those every method of the trainer's registry that can train the workload (``grelu`` left
 out: it trains a fixed-gate network with local SGD's communication; ``loft`` runs paper 000's
 pipeline: LOFT pre-training for half the rounds, 50% filter pruning, local-SGD fine-tuning of the
