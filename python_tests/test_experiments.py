@@ -743,7 +743,8 @@ def test_speed_runs_dir_keeps_and_reuses_runs(tmp_path, monkeypatch):
     moved = c["tuning"]["lm"]["localsgd"]["2"]["pick"] != a["tuning"]["lm"]["localsgd"]["2"]["pick"]
     assert len(launched) == 1 + moved
     assert c["tuning"]["lm"]["localsgd"]["2"]["scores"][:2] == a["tuning"]["lm"]["localsgd"]["2"]["scores"]
-    # a damaged file and a file of another run are run again and overwritten
+    # a damaged file is run again and overwritten; a file of another run of the same name (made
+    # with other flags, e.g. another --tune-rounds) is kept, the run beside it under its key's hash
     (runs_dir / "tune-lm-2-loopback-localsgd-0.001-0.json").write_text("{not json")
     other = runs_dir / "tune-lm-2-loopback-localsgd-0.003-0.json"
     doc = json.loads(other.read_text())
@@ -752,7 +753,12 @@ def test_speed_runs_dir_keeps_and_reuses_runs(tmp_path, monkeypatch):
     launched.clear()
     assert main(argv + ["--out", str(tmp_path / "d")]) == 0
     assert len(launched) == 2  # the comparison at this grid's pick is still kept under its own lr
-    assert json.loads(other.read_text())["key"]["flags"][-1] != "--something-else"
+    assert json.loads(other.read_text())["key"]["flags"][-1] == "--something-else"
+    beside = sorted(p.name for p in runs_dir.glob("tune-lm-2-loopback-localsgd-0.003-0-*.json"))
+    assert len(beside) == 1 and json.loads((runs_dir / beside[0]).read_text())["key"]["flags"][-1] != "--something-else"
+    launched.clear()
+    assert main(argv + ["--out", str(tmp_path / "e")]) == 0
+    assert launched == []  # both found again: the kept file of each key
 
 
 def test_speed_run_cap_leaves_out_an_emulated_run_the_model_predicts_too_long(tmp_path):

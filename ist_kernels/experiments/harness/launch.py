@@ -13,7 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .link import EmulatedLink, parse_rate
-from .store import NotStored, keep, run_key, stored
+from .store import NotStored, keep, run_key, slot, stored
 
 # ---------------------------------------------------------------- grids in process
 
@@ -78,9 +78,11 @@ def launch(flags: List[str], S: int, seed: int, out_dir: str, link: Optional[Emu
     """One run: S ranks over loopback (the trainer's own --workers S) or inside ``link``'s namespaces
     (one process per rank, the torchrun environment set by hand). Returns its summary and metrics.
     With ``store`` (a path), a run kept there with the same command, S, seed and link is returned
-    instead (``stored_at`` set), and a new run is kept there; ``run_missing`` False: a run not kept
+    instead (``stored_at`` set), and a new run is kept there (beside, not over, a run of that name
+    made with another command: :func:`~.store.slot`); ``run_missing`` False: a run not kept
     raises :class:`NotStored` instead of running."""
     key = run_key(_base_cmd()[1:] + list(flags), S, seed, link)
+    store = slot(store, key)  # a run of this name made another way keeps its own file
     old = stored(store, key)
     if old is not None:
         return old

@@ -1,6 +1,9 @@
 """The run store (``--runs-dir``): each run kept as one JSON file (the key it was made with, when it
 was stored, the host's CPUs, the trainer's summary and per-round metrics) and read back in place of
-running it again when the key is the same: the trainer's arguments, S, the seed and the link."""
+running it again when the key is the same: the trainer's arguments, S, the seed and the link. Runs of
+one name with different keys (e.g. tuning runs of another ``--tune-rounds``) keep a file each: the
+first ``<name>.json``, the others ``<name>-<key hash>.json`` (:func:`slot`)."""
+import hashlib
 import json
 import os
 import time
@@ -31,6 +34,28 @@ def stored(store: Optional[str], key: Dict[str, Any]) -> Optional[Dict[str, Any]
     if doc.get("key") != key or not isinstance(doc.get("metrics"), list) or "summary" not in doc:
         return None
     return {"summary": doc["summary"], "metrics": doc["metrics"], "stored_at": doc.get("stored_at")}
+
+
+def key_hash(key: Dict[str, Any]) -> str:
+    """Ten hex digits of the key's SHA-1 (its JSON, keys sorted)."""
+    return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def slot(store: Optional[str], key: Dict[str, Any]) -> Optional[str]:
+    """The file that keeps (or will keep) the run of ``key`` named by ``store``: ``store`` itself when
+    it is free, unreadable or holds that key; else ``<store without .json>-<key hash>.json``, so that a
+    run of the same name made another way never overwrites it."""
+    if store is None or not os.path.exists(store) or stored(store, key) is not None:
+        return store
+    try:
+        with open(store) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return store
+    if not isinstance(doc, dict) or "key" not in doc:
+        return store
+    root = store[:-len(".json")] if store.endswith(".json") else store
+    return f"{root}-{key_hash(key)}.json"
 
 
 def keep(store: str, key: Dict[str, Any], run: Dict[str, Any]) -> str:
