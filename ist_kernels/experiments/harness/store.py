@@ -21,9 +21,8 @@ def run_key(command: Sequence[str], S: int, seed: int, link) -> Dict[str, Any]:
                                                "tcp": link.tcp}}
 
 
-def stored(store: Optional[str], key: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """The run kept at ``store`` when it was made with ``key`` (else None: a missing, unreadable or
-    different run is run again and overwritten)."""
+def _read(store: Optional[str]) -> Optional[Dict[str, Any]]:
+    """The JSON object kept at ``store`` (None: no store, no file, unreadable, not an object)."""
     if store is None or not os.path.exists(store):
         return None
     try:
@@ -31,7 +30,14 @@ def stored(store: Optional[str], key: Dict[str, Any]) -> Optional[Dict[str, Any]
             doc = json.load(f)
     except (OSError, ValueError):
         return None
-    if doc.get("key") != key or not isinstance(doc.get("metrics"), list) or "summary" not in doc:
+    return doc if isinstance(doc, dict) else None
+
+
+def stored(store: Optional[str], key: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The run kept at ``store`` when it was made with ``key`` (else None: a missing, unreadable or
+    different run is run again and overwritten)."""
+    doc = _read(store)
+    if doc is None or doc.get("key") != key or not isinstance(doc.get("metrics"), list) or "summary" not in doc:
         return None
     return {"summary": doc["summary"], "metrics": doc["metrics"], "stored_at": doc.get("stored_at")}
 
@@ -45,14 +51,8 @@ def slot(store: Optional[str], key: Dict[str, Any]) -> Optional[str]:
     """The file that keeps (or will keep) the run of ``key`` named by ``store``: ``store`` itself when
     it is free, unreadable or holds that key; else ``<store without .json>-<key hash>.json``, so that a
     run of the same name made another way never overwrites it."""
-    if store is None or not os.path.exists(store) or stored(store, key) is not None:
-        return store
-    try:
-        with open(store) as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
-        return store
-    if not isinstance(doc, dict) or "key" not in doc:
+    doc = _read(store)
+    if doc is None or "key" not in doc or stored(store, key) is not None:
         return store
     root = store[:-len(".json")] if store.endswith(".json") else store
     return f"{root}-{key_hash(key)}.json"
