@@ -39,7 +39,7 @@ QMAX = 127
 OCTAVE_CODES = {8: 8, 4: 1}
 
 
-def _slices(x: Tensor, dim: Optional[int]) -> Tensor:
+def slices(x: Tensor, dim: Optional[int]) -> Tensor:
     """[n_slices, m]: ``x``'s slices along ``dim`` (None: one slice), each in row-major order, float32."""
     if dim is None or x.dim() == 0:
         return x.reshape(1, -1).float()
@@ -149,7 +149,7 @@ def fake_quantize_(x: Tensor, dim: Optional[int], bits: int, *, unsigned: bool =
         raise ValueError(f"fake_quantize_: x must be floating point, got {x.dtype}")
     if x.numel() == 0:
         return x
-    rows = _slices(x, dim)
+    rows = slices(x, dim)
     n, m = rows.shape
     if not state_coded(m, bits, x.element_size(), block):
         return x

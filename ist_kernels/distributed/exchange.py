@@ -199,7 +199,7 @@ class _Mover:
     def _rows(v: Tensor, e: Entry, s) -> Tensor:
         """Segment ``s``'s flat values ``v`` as [its slices, values of a slice] (each slice in
         row-major order of the other dims: the order :mod:`.blockwise` codes a slice in)."""
-        return C.view3(v.view(e.compact_shape(s.index.numel())), e.dim).transpose(0, 1).reshape(s.index.numel(), -1)
+        return B.slices(v.view(e.compact_shape(s.index.numel())), e.dim)
 
     @staticmethod
     def _set_rows(v: Tensor, e: Entry, s, rows: Tensor) -> None:
