@@ -1,7 +1,7 @@
 """The round's slice plan of a SubnetMLP in O(rows + cols) (issue 37 item 3), one command:
 
     python bench/bench_plan.py [--widths 1024,2048,4096,8192,16384] [--flat-max 4096] [--route-max 4096]
-                               [--threads N] [--only plan,call,round,ist]
+                               [--threads N] [--only plan,call,round,ist,exchange] [--exchange-max 8192]
 
 prints four tables (depth 2, S = 4 balanced neuron partitions, fp32, best of ``--repeats``):
 
@@ -23,11 +23,15 @@ prints four tables (depth 2, S = 4 balanced neuron partitions, fp32, best of ``-
 4. the ``ist`` method's plan of one round on the mlp (what ``Masked.round_plan`` builds: the trained
    plan and the stored one with every unowned element given a holder, ``with_holders``), as products
    with holder blocks against the flat form (``slice_plan`` + ``with_holders`` element by element,
-   the form before, up to ``--flat-max``); and the routing setup of the decentralized Exchange
+   the form before, up to ``--flat-max``); the routing setup of the decentralized Exchange
    between two rounds' stored plans (both plans' owner masks and rank 0's routing,
-   ``Exchange._prepare`` + ``_layout``), up to ``--route-max``: it still reads a product on its
-   flat view (O(width^2)), for both forms; and ``plan_bytes`` between the two rounds (what a
-   simulated round counts), a product's from its blocks.
+   ``Exchange._prepare`` + ``_layout``): a product routed on its blocks at every width, the plan
+   stated flat (element by element) up to ``--route-max``; and ``plan_bytes`` between the two
+   rounds (what a simulated round counts), a product's from its blocks.
+5. the distributed round's exchange between those two rounds (S gloo ranks on this machine, up to
+   ``--exchange-max``): the Exchange built and its routing set up (``Exchange(...).prepare()``)
+   against its call (the all-to-all of every rank's compact tensors and the owner means); the round
+   with its routing built costs (build + call) / call of the round that reuses it (target 1.2x).
 """
 import argparse
 import time
@@ -162,17 +166,19 @@ def _stored_plans(model, neurons, products):
 
 
 def _routing_setup(cur, nxt, spec):
-    """The decentralized Exchange's setup on rank 0 (no process group): both plans' owner masks and
-    rank 0's routing, stacked products read in their blocks' order."""
-    from ist_kernels.distributed.exchange import _plan_masks, _product_orders
+    """The decentralized Exchange's setup on rank 0 (no process group): both plans' owner masks of
+    the tensors sliced along one dim, rank 0's routing of them, and its products' pieces (what
+    ``Exchange._layout`` builds; a plan stated flat has no products)."""
+    from ist_kernels.distributed.exchange import _plan_masks, _product_entries, route_products
     from ist_kernels.distributed.routing import route
 
     entries, cm = _plan_masks(cur, spec, S, False, "current")
     nm = _plan_masks(nxt, spec, S, False, "next")[1]
-    orders = [{i: o[e.name] for i, e in enumerate(entries) if e.name in o}
-              for o in (_product_orders(cur, spec, 0), _product_orders(nxt, spec, 0))]
-    return route(entries, 0, cm, nm, source_held=cm[0], target_held=nm[0], source_order=orders[0],
-                 target_order=orders[1])
+    routing = route(entries, 0, cm, nm, source_held=cm[0], target_held=nm[0])
+    nxt_of = {e.name: t for e, t in _product_entries(nxt, spec, "next")}
+    route_products(routing, entries, [(e, t, nxt_of[e.name]) for e, t in _product_entries(cur, spec, "current")],
+                   0, S, True, False)
+    return routing
 
 
 def ist_table(widths, flat_max, route_max, repeats):
@@ -195,24 +201,75 @@ def ist_table(widths, flat_max, route_max, repeats):
             flat, ratio = f"{f * 1e3:.1f}", f"{f / p:.0f}x"
             fcur, fnxt = _stored_plans(model, neurons, False)[1:], _stored_plans(model, nxt_neurons, False)[1]
             b_flat = f"{_best(lambda: plan_bytes(fcur[0], fnxt, fcur[1]), max(1, repeats // 2)) * 1e3:.1f}"
-        if w <= route_max:
-            for products in (True, False):
-                cur, nxt = _stored_plans(model, neurons, products)[1:], _stored_plans(model, nxt_neurons, products)[1]
-                t = _best(lambda: _routing_setup(cur[0], nxt, cur[1]), max(1, repeats // 2))
-                if products:
-                    r_prod = f"{t * 1e3:.0f}"
-                else:
-                    r_flat = f"{t * 1e3:.0f}"
+        for products in (True, False) if w <= route_max else (True,):
+            cur, nxt = _stored_plans(model, neurons, products)[1:], _stored_plans(model, nxt_neurons, products)[1]
+            t = _best(lambda: _routing_setup(cur[0], nxt, cur[1]), max(1, repeats // 2))
+            if products:
+                r_prod = f"{t * 1e3:.1f}"
+            else:
+                r_flat = f"{t * 1e3:.0f}"
         print(f"{w:6d} {p * 1e3:16.2f} {flat:>13} {ratio:>13} {blocks:14d} {r_prod:>21} {r_flat:>18} {b_prod:>24} "
               f"{b_flat:>21}")
+
+
+def _exchange_worker(rank, widths, repeats, store, out):
+    import torch.distributed as dist
+
+    from ist_kernels.distributed import Exchange, destroy_process_group, init_process_group
+
+    torch.set_num_threads(1)
+    init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=S, timeout=600)
+    rows = []
+    for w in widths:
+        model, neurons = _problem(w)
+        (cur, spec), nxt = _stored_plans(model, neurons, True)[1:], _stored_plans(
+            model, [neurons[(s + 1) % S] for s in range(S)], True)[1]
+        local = cur.part({n: p.detach() for n, p in model.named_parameters()}, rank)
+        best = {"build": float("inf"), "call": float("inf")}
+        for i in range(repeats + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            ex = Exchange(cur, nxt, spec).prepare()
+            t1 = time.perf_counter()
+            dist.barrier()
+            t2 = time.perf_counter()
+            ex(local)
+            t3 = time.perf_counter()
+            if i:  # the first repeat warms the buffers
+                best["build"], best["call"] = min(best["build"], t1 - t0), min(best["call"], t3 - t2)
+        rows.append((w, best["build"], best["call"], ex.last_stats.bytes_sent))
+    if rank == 0:
+        torch.save(rows, out)
+    destroy_process_group()
+
+
+def exchange_table(widths, repeats):
+    """The distributed round's exchange of the ist method's stored plans (products with holder
+    blocks), S gloo ranks on this machine: the Exchange built (routing set up) against called."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_exchange_worker, args=(widths, repeats, f"{d}/store", f"{d}/rows.pt"), nprocs=S, join=True)
+        rows = torch.load(f"{d}/rows.pt")
+    print(f"\nthe decentralized Exchange between two ist rounds on the mlp (stored plans with holder blocks), "
+          f"S={S} gloo ranks, depth {DEPTH}, rank 0, best of {repeats}")
+    print(f"{'width':>6} {'build + prepare ms':>19} {'exchange call ms':>17} {'built / once':>13} {'target':>7} "
+          f"{'MB sent':>8}")
+    for w, build, call, sent in rows:
+        r = (build + call) / call
+        print(f"{w:6d} {build * 1e3:19.1f} {call * 1e3:17.1f} {r:12.2f}x {'PASS' if r <= 1.2 else 'MISS':>7} "
+              f"{sent / 1e6:8.1f}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--widths", default="1024,2048,4096,8192,16384")
     ap.add_argument("--flat-max", type=int, default=4096, help="largest width the flat plan is built at")
-    ap.add_argument("--route-max", type=int, default=4096, help="largest width the Exchange's routing is set up at")
-    ap.add_argument("--only", default="plan,call,round,ist", help="the tables to print")
+    ap.add_argument("--route-max", type=int, default=4096, help="largest width the Exchange's routing of the flat plan is set up at")
+    ap.add_argument("--exchange-max", type=int, default=8192, help="largest width the distributed exchange runs at")
+    ap.add_argument("--only", default="plan,call,round,ist,exchange", help="the tables to print")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--tau", type=int, default=8)
@@ -231,6 +288,8 @@ def main():
         round_table(widths, a.repeats, a.batch, a.tau)
     if "ist" in only:
         ist_table(widths, a.flat_max, a.route_max, a.repeats)
+    if "exchange" in only:
+        exchange_table([w for w in widths if w <= a.exchange_max], max(1, a.repeats // 2))
 
 
 if __name__ == "__main__":

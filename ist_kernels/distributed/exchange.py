@@ -23,14 +23,15 @@ ring all-reduce's 2(S-1)/S.
 Plans are never sent: every rank derives both from the shared seed.
 
 A product in a plan (a tensor partitioned along two dims, ``TensorSlices.product``: rows x cols)
-is held as its compact rows x cols tensor and routed on its flat view, one slice per element
-(``TensorSlices.flat``): the same bytes and values as the plan stated flat; its routing costs
-O(rows x cols) per round (a routing on the two index lists is what remains, issue 37 item 3). A
-rank that keeps holder blocks of a product (``SlicePlan.with_holders``) holds it as one 1-D tensor,
-its blocks one after another (``TensorSlices.stacked``); the routing reads and writes that order
-(``TensorSlices.flat_ids``), so the bytes and values equal those of the plan stated flat.
-:func:`plan_bytes` and :func:`gather_bytes` count a product from its blocks instead (the elements
-two ranks share are the block pairs' rows meeting x cols meeting), O(blocks^2 x (rows + cols)).
+is held as its compact rows x cols tensor, or, by a rank that keeps holder blocks of it
+(``SlicePlan.with_holders``), as one 1-D tensor, its blocks one after another
+(``TensorSlices.stacked``). It is routed on its index lists, never element by element: what rank
+k sends rank q is, per pair of a block k holds now and one q holds next, rows both hold x cols
+both hold (:func:`.routing.product_pieces`), gathered with two index lists and written back with
+the owners' mean per block (``ops.slices.product``); O(blocks^2 x (rows + cols)) to route. The
+values and bytes equal those of the plan stated flat (``TensorSlices.flat``: one slice per
+element, which is also how codecs see a product's elements). :func:`plan_bytes` and
+:func:`gather_bytes` count a product from its blocks the same way.
 """
 import time
 from dataclasses import dataclass, field
@@ -43,19 +44,25 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import functional as F
+from ..ops.slices.product import gather_product, scatter_products_
 from ..partition.aggregate import aggregate_slices_
-from ..partition.plan import SlicePlan
+from ..partition.plan import SlicePlan, TensorSlices
 from . import blockwise as B, compress as C, quantize as Q
 from .blockwise import BlockCode
 from .group import all_to_all_single, collective_timeout, wait_collective
 from .ledger import all_reduce_wire_bytes, normalise_spec as _normalise_spec, two_stage_sent
 from .routing import (
     Entry,
+    Part,
     Routing,
+    add_product,
+    first_held_parts,
     first_owner,
+    held_parts,
     owner_ids,
     passthrough_entries,
     per_entry_count,
+    product_pieces,
     route,
     sole_owner_in_place,
 )
@@ -162,8 +169,6 @@ class _Mover:
         self.pack = [seg for q in self.peers for seg in routing.send[q]] + routing.send[r]
         self.wire_numel = sum(routing.send_numel[q] for q in self.peers)
         self.recv_wire_numel = sum(routing.recv_numel[k] for k in self.peers)
-        self.source_entries = sorted({s.entry for s in self.pack})
-        self.target_entries = sorted({s.entry for segs in routing.recv for s in segs})
         self.q_send = [self._qlayout(routing.send[q]) if q != r else (0, 0, 0, 0, 0) for q in range(S)]
         self.q_recv = [self._qlayout(routing.recv[k]) if k != r else (0, 0, 0, 0, 0) for k in range(S)]
 
@@ -326,9 +331,43 @@ class _Mover:
         return recv, splits, pays
 
     def _indices(self, device):
-        """The index lists of the pack and unpack, kept on the host whatever ``device`` is: the slice
-        ops read CPU index lists without waiting for the device (no device->host sync in a round)."""
-        return [s.index.cpu() for s in self.pack], [[s.index.cpu() for s in segs] for segs in self.routing.recv]
+        """The index lists of the pack and unpack (segments along one dim), kept on the host whatever
+        ``device`` is: the slice ops read CPU index lists without waiting for the device (no
+        device->host sync in a round)."""
+        return ([s.index.cpu() for s in self.pack if s.pieces is None],
+                [[s.index.cpu() for s in segs if s.pieces is None] for segs in self.routing.recv])
+
+    def _pack(self, send: Tensor, sources: Dict[int, Tensor], pack_idx: List[Tensor], device) -> None:
+        """Gather every pack segment into ``send``, in pack order: the segments along one dim with
+        one ``gather_slices`` launch per run of them (one in all where no product is routed), a
+        product's pieces each with :func:`~ist_kernels.ops.slices.product.gather_product`."""
+        F = _functional()
+        flat = [j for j, s in enumerate(self.pack) if s.pieces is None]
+        entries = sorted({self.pack[j].entry for j in flat})
+        src_list = [sources[e] if not self.entries[e].integral else
+                    _as_buffer(sources[e], self.dtype, self.entries[e].name, "Exchange") for e in entries]
+        src_pos = {e: i for i, e in enumerate(entries)}
+        dims = [self.entries[e].dim for e in entries]
+        if len(flat) == len(self.pack):
+            F._gather_flat(src_list, [src_pos[s.entry] for s in self.pack], pack_idx, dims, out=send)
+            return
+        offs = [0]
+        for s in self.pack:
+            offs.append(offs[-1] + s.numel)
+        k = 0  # position in pack_idx (flat segments only)
+        j = 0
+        while j < len(self.pack):
+            s = self.pack[j]
+            if s.pieces is not None:
+                _gather_pieces(sources[s.entry], s.pieces, send[offs[j]:offs[j + 1]], device)
+                j += 1
+                continue
+            end = j
+            while end < len(self.pack) and self.pack[end].pieces is None:
+                end += 1
+            F._gather_flat(src_list, [src_pos[x.entry] for x in self.pack[j:end]], pack_idx[k:k + end - j], dims,
+                           out=send[offs[j]:offs[end]])
+            k, j = k + end - j, end
 
     def run(self, sources: Dict[int, Tensor], targets: Dict[int, Tensor], *, quantize: bool, device,
             name: str, round: Optional[int], group, timeout: timedelta, stats: CommStats,
@@ -336,18 +375,13 @@ class _Mover:
         """sources: entry -> this rank's tensor, viewed as the entry's compact shape;
         targets: entry -> tensor to write the owner means into (same views, own dtype).
         compress: None, "bf16" or "int8" (per slice, :mod:`.compress`; replaces ``quantize``)."""
-        F = _functional()
         t_pack = time.perf_counter()
         r, S = self.routing.rank, self.routing.world_size
         pack_idx, recv_idx = self._indices(device)
-        src_list = [sources[e] if not self.entries[e].integral else
-                    _as_buffer(sources[e], self.dtype, self.entries[e].name, name) for e in self.source_entries]
-        src_pos = {e: i for i, e in enumerate(self.source_entries)}
         scratch = _scratch()
         if self.pack:  # the pack, wire and receive buffers never leave run(): reused across rounds
             send = scratch.take(sum(s.numel for s in self.pack), self.dtype, device)
-            F._gather_flat(src_list, [src_pos[s.entry] for s in self.pack], pack_idx,
-                            [self.entries[e].dim for e in self.source_entries], out=send)
+            self._pack(send, sources, pack_idx, device)
         else:
             send = torch.empty(0, dtype=self.dtype, device=device)
         own = send[self.wire_numel:]
@@ -425,14 +459,27 @@ class _Mover:
         # unpack: segments from ranks 0..S-1 in order (this rank's own part taken from `own`),
         # aggregated as the simulated path does (floating: owner means; integer counters, which
         # travel as exact floats, back in their dtype: the owners' maximum)
-        tgt_list = [targets[e] for e in self.target_entries]
-        tgt_pos = {e: i for i, e in enumerate(self.target_entries)}
+        flat_targets = sorted({s.entry for segs in self.routing.recv for s in segs if s.pieces is None})
+        tgt_list = [targets[e] for e in flat_targets]
+        tgt_pos = {e: i for i, e in enumerate(flat_targets)}
         updates, ids, idx = [], [], []
+        blocks: Dict[Tuple[int, int], Tuple[int, int, list, list]] = {}  # a product's target blocks
         recv_off = 0
         for k in range(S):
             buf, off = (own, 0) if k == r else (recv, recv_off)
-            for seg, index in zip(self.routing.recv[k], recv_idx[k]):
+            flat_idx = iter(recv_idx[k])
+            for seg in self.routing.recv[k]:
                 e = self.entries[seg.entry]
+                if seg.pieces is not None:  # pieces, each into its block of the target's storage
+                    at = off
+                    for p in seg.pieces:
+                        b = blocks.setdefault((seg.entry, p.offset), (p.height, p.width, [], []))
+                        b[2].append((p.rows.to(device), p.cols.to(device)))
+                        b[3].append(buf[at:at + p.numel].view(p.rows.numel(), p.cols.numel()))
+                        at += p.numel
+                    off += seg.numel
+                    continue
+                index = next(flat_idx)
                 u = buf[off:off + seg.numel].view(e.compact_shape(index.numel()))
                 updates.append(u.to(e.dtype) if e.integral else u)
                 ids.append(tgt_pos[seg.entry])
@@ -441,8 +488,21 @@ class _Mover:
             if k != r:
                 recv_off = off
         if updates:
-            aggregate_slices_(tgt_list, ids, updates, idx, [self.entries[e].dim for e in self.target_entries])
+            aggregate_slices_(tgt_list, ids, updates, idx, [self.entries[e].dim for e in flat_targets])
+        for (entry, offset), (h, w, index, ups) in blocks.items():  # owners in ascending source rank
+            scatter_products_(targets[entry][offset:offset + h * w].view(h, w), (0, 1), index, ups, "mean")
         stats.unpack_seconds += time.perf_counter() - t_unpack
+
+
+def _gather_pieces(source: Tensor, pieces, out: Tensor, device) -> None:
+    """A product segment: ``pieces`` of ``source`` (a rank's compact 1-D storage) into ``out``, one
+    after another, each row-major."""
+    at = 0
+    for p in pieces:
+        block = source[p.offset:p.offset + p.height * p.width].view(p.height, p.width)
+        gather_product(block, (0, 1), (p.rows.to(device), p.cols.to(device)),
+                       out[at:at + p.numel].view(p.rows.numel(), p.cols.numel()))
+        at += p.numel
 
 
 def _all_reduce_mean_(tensors: List[Tensor], *, name: str, round, group, timeout, stats: CommStats) -> None:
@@ -536,14 +596,14 @@ def _compressed_mean_(tensors: List[Tensor], compress: str, *, name: str, round,
         stats.unpack_seconds += time.perf_counter() - t_unpack + mid
 
 
-def _plan_masks(plan: SlicePlan, spec, S: int, shared_as_slice: bool, what: str, products: bool = True):
+def _plan_masks(plan: SlicePlan, spec, S: int, shared_as_slice: bool, what: str):
     """The all-to-all entries of a plan (partitioned tensors, plus the shared ones as one slice each
     when shared_as_slice; floating tensors first, then integer ones) and its [S, N] owner mask.
 
     Integer partitioned tensors (e.g. the BN step counters of a ResIST block) travel with their
     block, as exact integers in the floating buffer; integer shared tensors are counters that every
-    rank keeps as they are. A 0-d tensor is one slice (viewed as [1]). ``products=False`` leaves the
-    products out (counted from their blocks: :func:`_product_bytes`)."""
+    rank keeps as they are. A 0-d tensor is one slice (viewed as [1]). Products are left out: they
+    are routed and counted on their blocks (:func:`_product_entries`, :func:`_product_bytes`)."""
     missing = [t.name for t in plan.tensors if t.name not in spec]
     if missing:
         raise KeyError(f"spec lacks tensors of the {what} plan: {missing[:8]}")
@@ -556,13 +616,7 @@ def _plan_masks(plan: SlicePlan, spec, S: int, shared_as_slice: bool, what: str,
                 continue
             found.append((Entry(t.name, 0, (1, prod(shape)), shape, dtype, True), everyone))
             continue
-        if t.product:  # moved on its flat view, one slice per element (its compact tensors: rows x cols)
-            if not products:
-                continue
-            if not dtype.is_floating_point:
-                raise ValueError(f"the {what} plan partitions the integer tensor {t.name!r} as a product; only "
-                                 "floating tensors can be")
-            found.append((Entry(t.name, 0, (prod(shape),), shape, dtype, False), [o.cpu() for o in t.flat(shape).owners]))
+        if t.product:  # routed on its blocks (_product_entries, routing.product_pieces), not in the masks
             continue
         if not shape:
             if t.dim not in (0, -1):
@@ -592,12 +646,41 @@ def _product_shapes(plan: Optional[SlicePlan], rank: int) -> Dict[str, Tuple[int
             for t in plan.tensors if t.product}
 
 
-def _product_orders(plan: Optional[SlicePlan], spec, rank: int) -> Dict[str, Tensor]:
-    """name -> the flat ids of ``rank``'s elements of every product it keeps as blocks, in the
-    order of its compact tensor (``TensorSlices.flat_ids``): the positions the routing takes."""
-    if plan is None:
-        return {}
-    return {t.name: t.flat_ids(rank, spec[t.name][0][1]) for t in plan.tensors if t.product and t.stacked(rank)}
+def _product_entries(plan: SlicePlan, spec, what: str) -> List[Tuple[Entry, TensorSlices]]:
+    """The products of ``plan`` as all-to-all entries (each viewed flat, one slice per element:
+    codecs and byte counts see what the plan stated flat would move) with their plan tensors."""
+    out = []
+    for t in plan.tensors:
+        if not t.product:
+            continue
+        shape, dtype = spec[t.name]
+        if not dtype.is_floating_point:
+            raise ValueError(f"the {what} plan partitions the integer tensor {t.name!r} as a product; only "
+                             "floating tensors can be")
+        if len(shape) != 2 or (t.dim % 2, t.col_dim % 2) != (0, 1):
+            raise ValueError(f"the {what} plan partitions {t.name!r} of shape {list(shape)} as a product along "
+                             f"dims ({t.dim}, {t.col_dim}); the exchange moves products of 2-D tensors along (0, 1)")
+        out.append((Entry(t.name, 0, (prod(shape),), shape, dtype, False), t))
+    return out
+
+
+def _first_held(t: TensorSlices, shape) -> List[int]:
+    """Per rank k, how many elements of product ``t`` (2-D ``shape``) k holds that no rank below k
+    holds (the copies :func:`gather_full_model` takes from k with reduce="copy"), from the blocks."""
+    parts = first_held_parts([t.blocks(k) for k in range(len(t.owners))], shape)
+    return [sum(p.rows.numel() * p.cols.numel() for p in mine) for mine in parts]
+
+
+def _same_blocks(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x.cpu(), y.cpu()) for p, q in zip(a, b) for x, y in zip(p, q))
+
+
+def _check_products_covered(products, what: str, hint: str) -> None:
+    for e, t in products:
+        hole = e.size - sum(_first_held(t, e.real_shape))
+        if hole:
+            raise ValueError(f"{what} {hole} elements of the product {e.name!r} have no owner, and no rank would "
+                             f"hold them; {hint}")
 
 
 def _buffer_dtype(entries: List[Entry], who: str) -> torch.dtype:
@@ -703,11 +786,11 @@ def plan_bytes(current: SlicePlan, next: Optional[SlicePlan], spec: Spec, *, sto
     spec = _normalise_spec(spec)
     S = current.num_subnetworks
     chosen = set(names if names is not None else current.names())
-    entries, cur = _plan_masks(current, spec, S, shared == "exact", "current", products=False)
+    entries, cur = _plan_masks(current, spec, S, shared == "exact", "current")
     if storage == "decentralized":
         if next is None:
             raise ValueError("plan_bytes: decentralized storage needs the next plan")
-        dst = _plan_masks(next, spec, S, shared == "exact", "next", products=False)[1]
+        dst = _plan_masks(next, spec, S, shared == "exact", "next")[1]
     else:
         dst = torch.ones_like(cur)
     products = [t for t in current.tensors if t.product and t.name in chosen]
@@ -743,41 +826,10 @@ def plan_bytes(current: SlicePlan, next: Optional[SlicePlan], spec: Spec, *, sto
                       average_bytes_sent=avg[r], average_bytes_received=avg[r]) for r in range(S)]
 
 
-def _first_held(t, shape) -> List[int]:
-    """Per rank k, how many elements of product ``t`` (2-D ``shape``) k holds that no rank below k
-    holds (the copies :func:`gather_full_model` takes from k with reduce="copy"), from the blocks:
-    a block's rows grouped by the lower ranks' blocks they meet, each group's columns less those
-    blocks' columns."""
-    S = len(t.owners)
-    out = []
-    lower: List[Tuple[Tensor, Tensor]] = []
-    for k in range(S):
-        n = 0
-        for rows, cols in t.blocks(k):
-            rows, cols = rows.cpu(), cols.cpu()
-            if not rows.numel() or not cols.numel():
-                continue
-            meet = torch.zeros(len(lower), rows.numel(), dtype=torch.bool)
-            for i, (r, _) in enumerate(lower):
-                mark = torch.zeros(shape[0], dtype=torch.bool)
-                mark[r] = True
-                meet[i] = mark[rows]
-            groups, count = torch.unique(meet.T, dim=0, return_counts=True) if lower else (
-                torch.zeros(1, 0, dtype=torch.bool), torch.tensor([rows.numel()]))
-            for g, c in zip(groups, count.tolist()):
-                taken = torch.zeros(shape[1], dtype=torch.bool)
-                for i in g.nonzero().flatten().tolist():
-                    taken[lower[i][1]] = True
-                n += c * (cols.numel() - int(taken[cols].sum()))
-        out.append(n)
-        lower += [(r.cpu(), c.cpu()) for r, c in t.blocks(k) if r.numel() and c.numel()]
-    return out
-
-
-def _gather_masks(plan: SlicePlan, spec, S: int, dst: int, reduce: str, who: str, products: bool = True):
+def _gather_masks(plan: SlicePlan, spec, S: int, dst: int, reduce: str, who: str):
     """(entries, held [S, N], contributes [S, N], needs [S, N]) of assembling ``plan``'s full model
-    on ``dst`` (``products=False``: the products left out)."""
-    entries, cur = _plan_masks(plan, spec, S, True, "gathered", products)
+    on ``dst`` (products left out: :func:`_product_entries`)."""
+    entries, cur = _plan_masks(plan, spec, S, True, "gathered")
     _check_covered(entries, cur, f"{who}: in the plan", "the full model cannot be assembled")
     src = cur
     if reduce == "copy":
@@ -797,7 +849,7 @@ def gather_bytes(plan: SlicePlan, spec: Spec, *, dst: int = 0, reduce: str = "co
         raise ValueError(f"gather_bytes: reduce must be 'copy' or 'mean', got {reduce!r}")
     spec = _normalise_spec(spec)
     S = plan.num_subnetworks
-    entries, _, src, need = _gather_masks(plan, spec, S, dst, reduce, "gather_bytes", products=False)
+    entries, _, src, need = _gather_masks(plan, spec, S, dst, reduce, "gather_bytes")
     products = [t for t in plan.tensors if t.product]
     floats = sorted({d for d in [e.dtype for e in entries] + [spec[t.name][1] for t in products]
                      if d.is_floating_point}, key=str)
@@ -817,6 +869,42 @@ def gather_bytes(plan: SlicePlan, spec: Spec, *, dst: int = 0, reduce: str = "co
     diag = M.diagonal()
     sent, recv = (M.sum(1) - diag).tolist(), (M.sum(0) - diag).tolist()
     return [CommStats(None, S, 1 if entries or products else 0, int(sent[r]), int(recv[r]), 0) for r in range(S)]
+
+
+def route_products(routing: Routing, entries: List[Entry], pairs, rank: int, S: int, decentralized: bool,
+                   coded: bool) -> Tuple[List[int], List[int], List[int]]:
+    """Add products to ``rank``'s ``routing``, on their blocks (rows x cols), never element by
+    element: ``pairs`` of (entry, this round's plan tensor, the next round's) are appended to
+    ``entries`` (their ids in the all-to-all's numbering go on after the last entry's) and their
+    pieces to the messages. Returns the elements ``rank`` holds of each now and next, and the
+    products it hands back as they are (held alone in both rounds as the same blocks; not where
+    ``coded``: every copy is encoded then). Replicated storage (``decentralized`` False): every
+    rank holds and needs the full tensor."""
+    base = entries[-1].base + entries[-1].size if entries else 0
+    cur, nxt, passthrough = [], [], []
+    for e, t, u in pairs:
+        i = len(entries)
+        entries.append(Entry(e.name, e.dim, e.shape, e.real_shape, e.dtype, False, base))
+        base += e.size
+        n0, n1 = e.real_shape
+        if decentralized:
+            contrib = [held_parts(t.blocks(k)) for k in range(S)]
+            need = [held_parts(u.blocks(q)) for q in range(S)]
+            cur.append(t.count(rank))
+            nxt.append(u.count(rank))
+        else:
+            contrib = [[Part(rows.cpu(), cols.cpu()) for rows, cols in t.blocks(k)] for k in range(S)]
+            need = [[Part(torch.arange(n0), torch.arange(n1))]] * S
+            cur.append(e.size)
+            nxt.append(e.size)
+        send = [product_pieces(contrib[rank], need[q], (n0, n1))[0] for q in range(S)]
+        recv = [product_pieces(contrib[k], need[rank], (n0, n1))[1] for k in range(S)]
+        if (decentralized and not coded and send[rank] and not any(send[q] or recv[q] for q in range(S) if q != rank)
+                and _same_blocks(t.blocks(rank), u.blocks(rank)) and t.stacked(rank) == u.stacked(rank)):
+            send[rank] = recv[rank] = []
+            passthrough.append(i)
+        add_product(routing, i, send, recv)
+    return cur, nxt, passthrough
 
 
 class Exchange:
@@ -918,11 +1006,14 @@ class Exchange:
                 diff = sorted(n for n in set(a) | set(b) if a.get(n, "absent") != b.get(n, "absent"))
                 raise ValueError(f"Exchange: the current and next plans must hold the same tensors with the same "
                                  f"dims (shared: None); they differ at {diff[:8]}")
-        self._entries, self._cur_mask = _plan_masks(cur, spec, self.world_size, self.shared == "exact", "current")
+        exact = self.shared == "exact"
+        self._entries, self._cur_mask = _plan_masks(cur, spec, self.world_size, exact, "current")
         self._cur_2d, self._nxt_2d = _product_shapes(cur, self.rank), _product_shapes(nxt, self.rank)
-        self._cur_order, self._nxt_order = _product_orders(cur, spec, self.rank), _product_orders(nxt, spec, self.rank)
-        self._nxt_mask = (_plan_masks(nxt, spec, self.world_size, self.shared == "exact", "next")[1]
+        self._nxt_mask = (_plan_masks(nxt, spec, self.world_size, exact, "next")[1]
                           if nxt is not None else None)
+        self._products = _product_entries(cur, spec, "current")
+        nxt_products = dict((e.name, t) for e, t in _product_entries(nxt, spec, "next")) if nxt is not None else {}
+        self._products_next = [nxt_products.get(e.name) for e, _ in self._products]
         self._shared_names = [t.name for t in cur.tensors if t.shared and spec[t.name][1].is_floating_point]
         self._counters = {t.name for t in cur.tensors if t.shared and not spec[t.name][1].is_floating_point}
         if self.storage == "decentralized":
@@ -931,6 +1022,12 @@ class Exchange:
                 _check_covered(self._entries, mask, f"Exchange: decentralized storage needs every partitioned "
                                f"slice owned by >= 1 subnetwork, but in the {what} plan (round {self.round})",
                                "use storage='replicated' for plans with unowned slices (e.g. Bernoulli masks)")
+                plan_products = self._products if what == "current" else [
+                    (e, t) for (e, _), t in zip(self._products, self._products_next)]
+                _check_products_covered(plan_products, f"Exchange: decentralized storage needs every partitioned "
+                                        f"slice owned by >= 1 subnetwork, but in the {what} plan (round "
+                                        f"{self.round})", "use storage='replicated' for plans with unowned slices "
+                                        "(e.g. Bernoulli masks), or SlicePlan.with_holders")
 
     def _layout(self, names: Tuple[str, ...], quantized: Union[bool, str, BlockCode]):
         key = (names, quantized)
@@ -946,21 +1043,17 @@ class Exchange:
         cols = torch.cat(cols) if cols else torch.zeros(0, dtype=torch.int64)
         cur = self._cur_mask[:, cols]
         r = self.rank
+        coded = self.compress is not None or isinstance(quantized, BlockCode)
         if self.storage == "decentralized":
             # a compact tensor that stays with its sole owner is handed back as it is
             nxt = self._nxt_mask[:, cols]
             passthrough = passthrough_entries(sub, cur, nxt, r)
-            if self.compress is not None or isinstance(quantized, BlockCode):  # every copy is encoded, this
-                passthrough = []                                                   # rank's own too
-            # a product kept as blocks: its compact tensor's order may change with the same elements
-            orders = [{i: o[e.name] for i, e in enumerate(sub) if e.name in o} for o in (self._cur_order,
-                                                                                       self._nxt_order)]
-            passthrough = [i for i in passthrough if i not in orders[0] and i not in orders[1]]
+            if coded:  # every copy is encoded, this rank's own too
+                passthrough = []
             flag = torch.zeros(len(sub), dtype=torch.bool)
             flag[passthrough] = True
             keep = torch.repeat_interleave(flag, torch.tensor([e.size for e in sub], dtype=torch.int64))
-            routing = route(sub, r, cur, nxt, source_held=cur[r], target_held=nxt[r], keep_own=keep,
-                            source_order=orders[0], target_order=orders[1])
+            routing = route(sub, r, cur, nxt, source_held=cur[r], target_held=nxt[r], keep_own=keep)
             cur_rows = per_entry_count(cur[r], sub).tolist() if sub else []
             nxt_rows = per_entry_count(nxt[r], sub).tolist() if sub else []
         else:
@@ -969,7 +1062,11 @@ class Exchange:
             passthrough = []
             keep = None if quantized else sole_owner_in_place(cur, r)
             routing = route(sub, r, cur, torch.ones_like(cur), source_held=None, target_held=None, keep_own=keep)
-            cur_rows = nxt_rows = [e.size for e in sub]
+            cur_rows = [e.size for e in sub]
+            nxt_rows = list(cur_rows)
+        pairs = [(e, t, u) for (e, t), u in zip(self._products, self._products_next) if e.name in chosen]
+        c, n, p = route_products(routing, sub, pairs, r, self.world_size, self.storage == "decentralized", coded)
+        cur_rows, nxt_rows, passthrough = cur_rows + c, nxt_rows + n, passthrough + p
         mover = _Mover(sub, routing, _buffer_dtype(sub, "Exchange"))
         ar = [n for n in self._shared_names if n in chosen] if self.shared == "all_reduce" else []
         lay = (sub, mover, cur_rows, nxt_rows, ar, set(passthrough))
@@ -1127,16 +1224,29 @@ def gather_full_model(local: Mapping[str, Tensor], plan: SlicePlan, spec: Spec, 
         raise ValueError(f"gather_full_model: dst must be in [0, {S}), got {dst}")
     spec = _normalise_spec(spec)
     entries, cur, src, need = _gather_masks(plan, spec, S, dst, reduce, "gather_full_model")
-    orders = _product_orders(plan, spec, r)
-    routing = route(entries, r, src, need, source_held=cur[r], target_held=None,
-                    source_order={i: orders[e.name] for i, e in enumerate(entries) if e.name in orders})
-    mover = _Mover(entries, routing, _buffer_dtype(entries, "gather_full_model"))
+    routing = route(entries, r, src, need, source_held=cur[r], target_held=None)
     rows = per_entry_count(cur[r], entries).tolist() if entries else []
-    products = _product_shapes(plan, r)
+    products = _product_entries(plan, spec, "gathered")
+    _check_products_covered(products, "gather_full_model: in the plan", "the full model cannot be assembled")
+    base = entries[-1].base + entries[-1].size if entries else 0
+    for e, t in products:  # on their blocks: each element from its lowest holder (copy) or from all (mean)
+        i, e.base = len(entries), base
+        entries.append(e)
+        base += e.size
+        n0, n1 = e.real_shape
+        held = [t.blocks(k) for k in range(S)]
+        contrib = first_held_parts(held, (n0, n1)) if reduce == "copy" else [held_parts(b) for b in held]
+        full = [Part(torch.arange(n0), torch.arange(n1))]
+        send = [product_pieces(contrib[r], full, (n0, n1))[0] if q == dst else [] for q in range(S)]
+        recv = [product_pieces(contrib[k], full, (n0, n1))[1] if r == dst else [] for k in range(S)]
+        add_product(routing, i, send, recv)
+        rows.append(t.count(r))
+    mover = _Mover(entries, routing, _buffer_dtype(entries, "gather_full_model"))
+    shapes = _product_shapes(plan, r)
     sources, targets, device = {}, {}, None
     for i, e in enumerate(entries):
         t = local.get(e.name)
-        expect = products.get(e.name, e.local_shape(rows[i]))
+        expect = shapes.get(e.name, e.local_shape(rows[i]))
         if t is None:
             if rows[i] > 0:
                 raise KeyError(f"gather_full_model: rank {r} holds {e.name!r} but local lacks it")

@@ -11,10 +11,15 @@ Given which ranks contribute which ids (``src``) and which ranks need which ids 
 group one segment of the packed buffer; rank q receives from every k in rank order, so the owners
 of a slice are visited in ascending rank in the unpack, as in the simulated single-process path
 (scatter_slices_ over subnetworks 0..S-1).
+
+A product (a tensor partitioned along two dims, ``TensorSlices.product``) is routed on its index
+lists, never element by element: what rank k sends rank q is, for every pair of a block k
+contributes (rows x cols) and a block q needs, the rows both hold x the cols both hold, a
+:class:`Piece` of each end's compact storage (:func:`product_pieces`); O(blocks^2 x (rows + cols)).
 """
 from dataclasses import dataclass, field
 from math import prod
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -56,10 +61,65 @@ class Entry:
 
 
 @dataclass
+class Piece:
+    """Rows ``rows`` x cols ``cols`` (int64 positions) of the ``height`` x ``width`` block that starts
+    at element ``offset`` of a rank's compact 1-D storage of a product."""
+    offset: int
+    height: int
+    width: int
+    rows: Tensor
+    cols: Tensor
+
+    @property
+    def numel(self) -> int:
+        return self.rows.numel() * self.cols.numel()
+
+
+@dataclass
+class Part:
+    """Rows x cols (``rows``, ``cols``: indices of the full 2-D tensor) of a product that a rank
+    contributes or needs, lying in the block of its compact storage that starts at element ``offset``
+    and holds rows ``store_rows`` x cols ``store_cols`` (None: the storage is the full tensor)."""
+    rows: Tensor
+    cols: Tensor
+    offset: int = 0
+    store_rows: Optional[Tensor] = None
+    store_cols: Optional[Tensor] = None
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def mark(self, axis: int, n: int) -> Tensor:
+        """[n] bool: the rows (axis 0) or cols (axis 1) of this part, marked (kept for reuse)."""
+        key = ("mark", axis)
+        if key not in self._memo:
+            m = torch.zeros(n, dtype=torch.bool)
+            m[(self.rows, self.cols)[axis]] = True
+            self._memo[key] = m
+        return self._memo[key]
+
+    def where(self, axis: int, ids: Tensor, n: int) -> Tensor:
+        """Positions of ``ids`` (rows of axis 0, cols of axis 1, all held) in this part's storage block."""
+        store = (self.store_rows, self.store_cols)[axis]
+        if store is None:
+            return ids
+        key = ("pos", axis)
+        if key not in self._memo:
+            pos = torch.full((n,), -1, dtype=torch.int64)
+            pos[store] = torch.arange(store.numel(), dtype=torch.int64)
+            self._memo[key] = pos
+        return self._memo[key][ids]
+
+    def extent(self, axis: int, n: int) -> int:
+        """The storage block's rows (axis 0) or cols (axis 1)."""
+        store = (self.store_rows, self.store_cols)[axis]
+        return n if store is None else store.numel()
+
+
+@dataclass
 class Segment:
     entry: int  # index into the entries
     index: Tensor  # int64 positions along the entry's dim, in the source (send) or target (recv)
     numel: int
+    pieces: Optional[List[Piece]] = None  # a product's segment: its pieces, in order (``index`` unused)
 
 
 @dataclass
@@ -135,8 +195,6 @@ def route(
     source_held: Optional[Tensor],
     target_held: Optional[Tensor],
     keep_own: Optional[Tensor] = None,
-    source_order: Optional[Mapping[int, Tensor]] = None,
-    target_order: Optional[Mapping[int, Tensor]] = None,
 ) -> Routing:
     """Rank ``rank``'s messages.
 
@@ -147,9 +205,7 @@ def route(
     full tensors (positions are the slice indices themselves).
     keep_own [N] bool: slices this rank leaves out of its message to itself (they are already where
     they belong: see :func:`sole_owner_in_place`, :func:`passthrough_entries`).
-    source_order / target_order: entry -> its held slices (entry-local ids) in the order of this
-    rank's compact source / target tensor where that is not ascending (a product stored as blocks,
-    ``TensorSlices.flat_ids``); positions are taken from it.
+    Products are added to the routing by :func:`add_product`.
     """
     S, N = src.shape
     sizes = torch.tensor([e.size for e in entries], dtype=torch.int64)
@@ -158,11 +214,6 @@ def route(
     local = torch.arange(N, dtype=torch.int64) - bases[tensor_of] if N else torch.zeros(0, dtype=torch.int64)
     src_pos = local if source_held is None else _positions(source_held, tensor_of, bases)
     dst_pos = local if target_held is None else _positions(target_held, tensor_of, bases)
-    for pos, held, order in ((src_pos, source_held, source_order), (dst_pos, target_held, target_order)):
-        for e, ids in (order or {}).items():
-            if held is None:
-                raise ValueError("routing: an order of held slices needs the held mask (compact tensors)")
-            pos[bases[e] + ids] = torch.arange(ids.numel(), dtype=torch.int64)
     slice_numel = [e.slice_numel for e in entries]
 
     def segments(ids: Tensor, pos: Tensor) -> List[Segment]:
@@ -191,6 +242,87 @@ def route(
     out.send_numel = [sum(s.numel for s in segs) for segs in out.send]
     out.recv_numel = [sum(s.numel for s in segs) for segs in out.recv]
     return out
+
+
+def add_product(routing: Routing, entry: int, send: Sequence[List[Piece]], recv: Sequence[List[Piece]]) -> None:
+    """Add product ``entry``'s pieces to ``routing``: ``send[q]`` to rank q, ``recv[k]`` from rank k,
+    one segment a message, after the products already there and before every tensor sliced along
+    one dim (a message keeps its floating tensors first)."""
+    for segs_of, pieces_of in ((routing.send, send), (routing.recv, recv)):
+        for segs, pieces in zip(segs_of, pieces_of):
+            if pieces:
+                at = sum(1 for s in segs if s.pieces is not None)
+                segs.insert(at, Segment(entry, _NO_INDEX, sum(p.numel for p in pieces), list(pieces)))
+    routing.send_numel = [sum(s.numel for s in segs) for segs in routing.send]
+    routing.recv_numel = [sum(s.numel for s in segs) for segs in routing.recv]
+
+
+_NO_INDEX = torch.zeros(0, dtype=torch.int64)
+
+
+def held_parts(blocks: Sequence[Tuple[Tensor, Tensor]]) -> List[Part]:
+    """The parts of a rank that holds a product's ``blocks`` (rows, cols) as its compact storage,
+    one after another (``TensorSlices.blocks``: one block, rows x cols, or holder blocks stacked)."""
+    out, off = [], 0
+    for rows, cols in blocks:
+        rows, cols = rows.cpu(), cols.cpu()
+        out.append(Part(rows, cols, off, rows, cols))
+        off += rows.numel() * cols.numel()
+    return out
+
+
+def first_held_parts(blocks: Sequence[Sequence[Tuple[Tensor, Tensor]]], shape: Tuple[int, int]) -> List[List[Part]]:
+    """Per rank k (``blocks[k]``: its blocks, held as :func:`held_parts`), the elements of a product
+    of 2-D ``shape`` it holds and no rank below k holds, as parts of its storage: a block's rows
+    grouped by the lower ranks' blocks they meet, each group's cols less those blocks' cols."""
+    out: List[List[Part]] = []
+    lower: List[Part] = []
+    for held in blocks:
+        mine, parts = [], [p for p in held_parts(held) if p.rows.numel() and p.cols.numel()]
+        for p in parts:
+            meet = torch.stack([q.mark(0, shape[0])[p.rows] for q in lower]) if lower else None
+            if 0 < len(lower) <= 62:  # a row's lower blocks met as the bits of one int64 key
+                key = (meet.to(torch.int64) << torch.arange(len(lower), dtype=torch.int64).unsqueeze(1)).sum(0)
+                keys, inverse = torch.unique(key, return_inverse=True)
+                groups = (keys.unsqueeze(1) >> torch.arange(len(lower), dtype=torch.int64)) & 1
+            elif lower:
+                groups, inverse = torch.unique(meet.T, dim=0, return_inverse=True)
+            else:
+                groups, inverse = torch.zeros(1, 0, dtype=torch.bool), torch.zeros(p.rows.numel(), dtype=torch.int64)
+            for gi, g in enumerate(groups):
+                taken = torch.zeros(shape[1], dtype=torch.bool)
+                for i in g.nonzero().flatten().tolist():
+                    taken |= lower[i].mark(1, shape[1])
+                cols = p.cols[~taken[p.cols]]
+                if cols.numel():
+                    mine.append(Part(p.rows[inverse == gi], cols, p.offset, p.store_rows, p.store_cols))
+        out.append(mine)
+        lower += parts
+    return out
+
+
+def product_pieces(contrib: Sequence[Part], need: Sequence[Part], shape: Tuple[int, int]
+                   ) -> Tuple[List[Piece], List[Piece]]:
+    """What a rank that contributes ``contrib`` sends one that needs ``need`` of a product of 2-D
+    ``shape``: per pair (a, b) in that order, rows of both x cols of both, as pieces of the sender's
+    storage and, in the same order, of the receiver's. O(len(contrib) x len(need) x (rows + cols));
+    a part's marks and positions are kept in it for the next call."""
+    send, recv = [], []
+    needs = [b for b in need if b.rows.numel() and b.cols.numel()]
+    for a in contrib:
+        if not a.rows.numel() or not a.cols.numel():
+            continue
+        for b in needs:
+            rows = a.rows[b.mark(0, shape[0])[a.rows]]
+            if not rows.numel():
+                continue
+            cols = a.cols[b.mark(1, shape[1])[a.cols]]
+            if not cols.numel():
+                continue
+            for out, p in ((send, a), (recv, b)):
+                out.append(Piece(p.offset, p.extent(0, shape[0]), p.extent(1, shape[1]), p.where(0, rows, shape[0]),
+                                 p.where(1, cols, shape[1])))
+    return send, recv
 
 
 def sole_owner_in_place(src: Tensor, rank: int) -> Tensor:
