@@ -911,6 +911,30 @@ def test_claims_lm_row_reads_the_seed_summary_over_the_slowest_link():
                                 )[0][1] == "not run"
 
 
+def test_claims_lm_row_reads_lm12_where_its_run_is_kept(tmp_path):
+    """The main language model of the claims row is lm12 (results/speed_lm12/) where its run has a
+    summary, else speed.json's lm; each named with its model and its markdown."""
+    import json
+
+    def doc(workload, vs):
+        return {"summary": [{"workload": workload, "workers": 4, "method": m, "compress": "none", "link": "10mbit",
+                             "seeds": [0], "vs_localsgd": v, "time_to_target_s": 500.0}
+                            for m, v in (("localsgd", 1.0), ("resist", vs))], "runs": []}
+
+    (tmp_path / "speed.json").write_text(json.dumps(doc("lm", 0.8)))
+    d, workload, model, md = claims._speed_lm(str(tmp_path))
+    assert (workload, model, md) == ("lm", "gpt_tiny on pycode", "results/speed.md")
+    assert claims.rows_speed_lm(d, workload, model, md)[0][2].startswith("faster, not 0.6x (resist 0.80x")
+    (tmp_path / "speed_lm12").mkdir()
+    (tmp_path / "speed_lm12" / "speed.json").write_text(json.dumps(doc("lm12", 0.45)))
+    d, workload, model, md = claims._speed_lm(str(tmp_path))
+    assert workload == "lm12" and md == "results/speed_lm12/speed.md" and "12 blocks" in model
+    row = claims.rows_speed_lm(d, workload, model, md)[0]
+    assert "12 blocks of width 64" in row[1] and "results/speed_lm12/speed.md" in row[1]
+    assert row[2].startswith("holds (resist 0.45x")
+    assert claims.rows_speed_lm(d)[0][1] == "not run"  # lm's rows are not in lm12's run
+
+
 def test_claims_cnn_speed_rows_fall_back_to_speed_digits(tmp_path):
     """While speed.json holds only the language model, papers 000/003's time rows read the digits
     workloads' run kept in speed_digits/ and name its markdown; with CNN runs, speed.json's own."""

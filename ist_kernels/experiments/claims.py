@@ -249,13 +249,30 @@ def _speed_row_runs(doc: Dict, method: str, claim: str, md: str) -> List[str]:
 LM_BAR = 0.6
 
 
-def rows_speed_lm(doc: Optional[Dict]) -> List[List[str]]:
-    """Time to local SGD's bits per byte on the speed experiment's language model (its ``summary``:
-    the seeds' rounds to target x each link's measured round time), over its slowest link, at its
-    largest S: the best subnetwork method against local SGD."""
+#: the language models of ``speed``: their model in words, newest (the main one) first, and where
+#: their last run is kept
+LM_WORKLOADS = (("lm12", "gpt_tiny, 12 blocks of width 64, on pycode", "speed_lm12"),
+                ("lm", "gpt_tiny on pycode", ""))
+
+
+def _speed_lm(folder: str) -> Tuple[Optional[Dict], str, str, str]:
+    """(speed doc, workload, model in words, markdown path) of the main language model whose last run
+    has a summary (lm12's in ``<folder>/speed_lm12/``, else speed.json's lm)."""
+    for workload, model, sub in LM_WORKLOADS:
+        doc = _load(os.path.join(folder, sub) if sub else folder, "speed")
+        if doc is not None and any(e["workload"] == workload for e in doc.get("summary", [])):
+            return doc, workload, model, f"results/{sub + '/' if sub else ''}speed.md"
+    return None, "lm", LM_WORKLOADS[-1][1], "results/speed.md"
+
+
+def rows_speed_lm(doc: Optional[Dict], workload: str = "lm", model: str = "gpt_tiny on pycode",
+                  md: str = "results/speed.md") -> List[List[str]]:
+    """Time to local SGD's bits per byte on the speed experiment's language model ``workload`` (its
+    ``summary``: the seeds' rounds to target x each link's measured round time), over its slowest
+    link, at its largest S: the best subnetwork method against local SGD."""
     claim = ("Subnetwork methods on a transformer (IST of FFN units / heads, papers 001-002; ResIST layers, paper 003; "
              "arXiv 2507.09029): reach local SGD's quality in less wall-clock time over a slow link")
-    rows = [e for e in (doc or {}).get("summary", []) if e["workload"] == "lm" and e["compress"] == "none"]
+    rows = [e for e in (doc or {}).get("summary", []) if e["workload"] == workload and e["compress"] == "none"]
     if not rows:
         return [[claim, "not run", "—"]]
     S = max(e["workers"] for e in rows)
@@ -267,7 +284,7 @@ def rows_speed_lm(doc: Optional[Dict]) -> List[List[str]]:
     subs = {m: e for m, e in here.items() if m not in ("localsgd", "ddp", "diloco")}
     if base is None or not subs:
         return [[claim, "not run", "—"]]
-    loop = [r for r in doc["runs"] if r["workload"] == "lm" and r["workers"] == S and r["link"] == "loopback"
+    loop = [r for r in doc["runs"] if r["workload"] == workload and r["workers"] == S and r["link"] == "loopback"
             and r["compress"] == "none"]
     finals = [r["final_metric"] for r in loop if r["method"] == "localsgd"]
     others = {}
@@ -283,13 +300,13 @@ def rows_speed_lm(doc: Optional[Dict]) -> List[List[str]]:
     best = min(reached, key=lambda m: reached[m]["vs_localsgd"]) if reached else None
     seeds = sorted({sd for e in rows for sd in e["seeds"]})
     meas = (f"time to local SGD's final test bits per byte + the margin, over {slow}, S={S}, each method at its tuned lr "
-            f"(gpt_tiny on pycode, AdamW; {len(seeds)} seed(s)): local SGD "
+            f"({model}, AdamW; {len(seeds)} seed(s)): local SGD "
             + ("not reached" if base["time_to_target_s"] is None else f"{base['time_to_target_s']:.0f} s")
             + "; " + ", ".join(f"{m} {ratio(e)}" for m, e in sorted(subs.items()))
             + (f"; local SGD's final {sum(finals) / len(finals):.3f} bits per byte" if finals else "")
             + (f" (a byte given the previous one: {b:.3f})" if b else "")
             + ("; the others' final: " + ", ".join(f"{m} {sum(v) / len(v):.3f}" for m, v in sorted(others.items()))
-               if others else "") + "; results/speed.md")
+               if others else "") + f"; {md}")
     verdict = ("not reached by any subnetwork method" if best is None
                else f"holds ({best} {reached[best]['vs_localsgd']:.2f}x <= {LM_BAR:g}x)"
                if reached[best]["vs_localsgd"] <= LM_BAR
@@ -448,7 +465,7 @@ def table(folder: str, bytes_path: Optional[str] = None) -> str:
                          "0.487 at S=8); accuracy (Tables 2-9) is not reproduced here")
             + rows_grelu(_load(folder, "grelu"))
             + rows_speed(*_speed_with_cnn(folder))
-            + rows_speed_lm(_load(folder, "speed"))
+            + rows_speed_lm(*_speed_lm(folder))
             + rows_paper003(_load(folder, "paper003"))
             + rows_transformer(_load(folder, "transformer")))
     lines = ["| paper: claim | our measurement (mean ± std over seeds) | verdict |", "|---|---|---|"]
