@@ -497,7 +497,9 @@ def test_speed_lm12_workload_is_the_12_block_model_with_its_moments_kept():
     is not one of its methods (width 64 has 2 heads: no split over S = 4)."""
     from ist_kernels.experiments import speed
 
-    assert "lm12" not in speed.parse([]).configs
+    assert speed.parse([]).configs == ["lm12", "cnn", "mlp"]  # the main language model; lm is named
+    quick = speed.workload(speed.parse(["--quick"]), "lm12")
+    assert (quick["depth"], quick["rounds"], quick["train"]["context"]) == (6, 3, 16)
     args = speed.parse(["--configs", "lm12", "--workers", "4", "--links", "loopback", "--compress", "none"])
     todo, skipped = speed.cells(args)
     assert skipped == [] and {c[3] for c in todo} == {"localsgd", "ddp", "diloco", "ist-ffn", "resist"}
