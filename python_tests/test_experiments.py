@@ -863,8 +863,14 @@ def test_speed_lr_grid_per_workload(capsys):
     cnn = speed.workload(args, "cnn")
     assert HT.lr_grid(cnn, "localsgd", HT.lr_grid_of(args, "cnn")) == [0.0166667, 0.05, 0.15]
     assert HT.lr_grid(speed.workload(args, "lm"), "localsgd", HT.lr_grid_of(args, "lm")) == [1e-3, 3e-3, 1e-2]
+    # one method of a workload: its own grid; the workload's others keep the workload's
+    args = speed.parse(["--configs", "lm,cnn", "--lr-grid-of", "lm=3,6", "--lr-grid-of", "lm:diloco=1,3",
+                        "--compress", "none"])
+    assert HT.lr_grid_of(args, "lm", "diloco") == [1.0, 3.0] and HT.lr_grid_of(args, "lm", "resist") == [3.0, 6.0]
+    assert HT.lr_grid_of(args, "lm") == [3.0, 6.0] and HT.lr_grid_of(args, "cnn", "diloco") == list(HT.LR_GRID)
     for bad, says in ((["--lr-grid-of", "cnn=0,1"], "--lr-grid-of 'cnn=0,1'"),
-                      (["--lr-grid-of", "mlp=1,3"], "--lr-grid-of 'mlp=1,3'")):
+                      (["--lr-grid-of", "mlp=1,3"], "--lr-grid-of 'mlp=1,3'"),
+                      (["--lr-grid-of", "mlp:diloco=1,3"], "--lr-grid-of 'mlp:diloco=1,3'")):
         with pytest.raises(SystemExit):
             speed.parse(["--configs", "lm,cnn"] + bad)
         assert says in capsys.readouterr().err

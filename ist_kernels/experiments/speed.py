@@ -177,9 +177,9 @@ def parser() -> argparse.ArgumentParser:
                    help="S for one workload in place of --workers (repeatable), e.g. lm=4")
     p.add_argument("--links-of", action="append", default=[], metavar="WORKLOAD=LINK[,LINK...]",
                    help="links for one workload in place of --links (repeatable), e.g. lm=loopback,10mbit")
-    p.add_argument("--lr-grid-of", action="append", default=[], metavar="WORKLOAD=M[,M...]",
-                   help="the lr grid's multipliers for one workload in place of --lr-grid (repeatable), e.g. "
-                        "cnn=1/3,1,3")
+    p.add_argument("--lr-grid-of", action="append", default=[], metavar="WORKLOAD[:METHOD]=M[,M...]",
+                   help="the lr grid's multipliers for one workload (or one method of it) in place of --lr-grid "
+                        "(repeatable), e.g. cnn=1/3,1,3 or lm12:diloco=1,3")
     p.add_argument("--link-seeds", type=int, default=None, metavar="N",
                    help="over an emulated link run only the first N of --seeds (default: all); loopback runs "
                         "them all")
@@ -239,7 +239,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         per = {}
         for item in getattr(args, flag):
             name, _, value = item.partition("=")
-            if name not in args.configs or not value:
+            workload = name.split(":")[0] if flag == "lr_grid_of" else name  # lr: WORKLOAD or WORKLOAD:METHOD
+            if workload not in args.configs or not value:
                 p.error(f"--{flag.replace('_', '-')} {item!r}: expected WORKLOAD=VALUES with WORKLOAD one of "
                         f"--configs ({', '.join(args.configs)})")
             try:

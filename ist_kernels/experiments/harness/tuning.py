@@ -42,9 +42,11 @@ def lr_grid(w: Dict[str, Any], method: str, multipliers: Sequence[float]) -> Lis
     return sorted({float(f"{base * m:.6g}") for m in multipliers})
 
 
-def lr_grid_of(args, config: str) -> List[float]:
-    """The lr grid's multipliers of workload ``config``: its --lr-grid-of, else --lr-grid."""
-    return getattr(args, "lr_grid_of", {}).get(config, args.lr_grid)
+def lr_grid_of(args, config: str, method: Optional[str] = None) -> List[float]:
+    """The lr grid's multipliers of ``method`` on workload ``config``: its --lr-grid-of
+    ``config:method``, else ``config``'s, else --lr-grid."""
+    per = getattr(args, "lr_grid_of", {})
+    return per.get(f"{config}:{method}", per.get(config, args.lr_grid))
 
 
 def tune_rounds(args, w: Dict[str, Any]) -> int:
@@ -99,7 +101,7 @@ def tune(args, todo: Sequence[Tuple], work: str, workloads: Dict[str, Dict[str, 
     (the run store). Runs go under ``work``. Returns the JSON's ``tuning`` ({config: {method: {S:
     entry}}}), the picks {(config, method, S): lr} and the errors of failed tuning runs."""
     seed = args.seeds[0]
-    grids = {k: lr_grid(workloads[k[0]], k[1], lr_grid_of(args, k[0])) for k in tuning_keys(todo)}
+    grids = {k: lr_grid(workloads[k[0]], k[1], lr_grid_of(args, k[0], k[1])) for k in tuning_keys(todo)}
     cells_ = [(config, S, "loopback", method, lr, seed) for (config, method, S), g in grids.items() if len(g) > 1
               for lr in g]
 
@@ -141,7 +143,7 @@ def tune(args, todo: Sequence[Tuple], work: str, workloads: Dict[str, Dict[str, 
         picks[(config, method, S)] = pick
         errors += [f"tuning {config}/{method}/S={S}: {e}" for e in errs]
         tuning.setdefault(config, {}).setdefault(method, {})[str(S)] = {
-            "base_lr": base_lr(w, method), "multipliers": list(lr_grid_of(args, config)), "grid": grid,
+            "base_lr": base_lr(w, method), "multipliers": list(lr_grid_of(args, config, method)), "grid": grid,
             "scores": scores,
             "metric": metric, "higher_is_better": higher, "pick": pick, "pick_multiplier": pick / base_lr(w, method),
             "ran": len(grid) > 1, "fallback": fallback, "rounds": rounds, "holdout": args.tune_holdout,
