@@ -538,3 +538,93 @@ def test_exchange_routes_products_on_their_blocks_as_the_flat_plan(S, tmp_path):
 
     mp.spawn(_routed_worker, args=(S, str(tmp_path / "store"), str(tmp_path)), nprocs=S, join=True)
     assert [torch.load(tmp_path / f"checked{r}.pt") for r in range(S)] == [28] * S
+
+
+def _random_blocks(g, S, per, shape):
+    """Per rank, ``per`` (rows, cols) blocks of sorted random index lists (some empty; blocks of one
+    rank and of different ranks may overlap)."""
+    out = []
+    for _ in range(S):
+        mine = []
+        for _ in range(per):
+            r = torch.nonzero(torch.rand(shape[0], generator=g) < 0.4).flatten()
+            c = torch.nonzero(torch.rand(shape[1], generator=g) < 0.4).flatten()
+            mine.append((r, c))
+        out.append(mine)
+    return out
+
+
+@pytest.mark.parametrize("S,per", [(3, 2), (4, 5), (9, 8)])  # 72 blocks: past the int64 key's 62 bits
+def test_union_sizes_and_first_holders_from_blocks(S, per, monkeypatch):
+    """routing.union_sizes / first_held_counts count, from the blocks, the elements ranks 0..k-1
+    hold and those rank k holds first: equal to counting marked elements one by one (also with the
+    row groups taken a few at a time)."""
+    from ist_kernels.distributed import routing
+
+    g = torch.Generator().manual_seed(S * 10 + per)
+    shape = (13, 17)
+    blocks = _random_blocks(g, S, per, shape)
+    held = [set() for _ in range(S)]
+    for k in range(S):
+        for r, c in blocks[k]:
+            held[k] |= {(i, j) for i in r.tolist() for j in c.tolist()}
+    want = [len(set().union(*held[:k])) for k in range(S + 1)]
+    for chunk in (1 << 22, 20):  # 20 marks a chunk: one row group at a time
+        monkeypatch.setattr(routing, "_CHUNK", chunk)
+        assert routing.union_sizes(blocks, shape, range(S + 1)) == want
+        assert routing.first_held_counts(blocks, shape) == [want[k + 1] - want[k] for k in range(S)]
+    assert routing.union_sizes([[] for _ in range(S)], shape, [S]) == [0]
+
+
+def _brute_pieces(contrib, need, shape):
+    """Pair by pair, element by element: the rows (cols) of a that b holds, in a's order, and their
+    places in each end's storage (a Part's ``store_*`` or, None, the full tensor)."""
+    def place(store, i):
+        return i if store is None else store.tolist().index(i)
+
+    out = []
+    for i, a in enumerate(contrib):
+        for j, b in enumerate(need):
+            rows = [x for x in a.rows.tolist() if x in b.rows.tolist()]
+            cols = [x for x in a.cols.tolist() if x in b.cols.tolist()]
+            if rows and cols:
+                out.append((i, j, [place(a.store_rows, x) for x in rows], [place(a.store_cols, x) for x in cols],
+                            [place(b.store_rows, x) for x in rows], [place(b.store_cols, x) for x in cols]))
+    return out
+
+
+@pytest.mark.parametrize("stores", ["held", "full", "mixed"])
+def test_meet_pieces_against_pairwise_reference(stores):
+    """routing.meet_pieces (all pairs of parts in one batch) lists the pairs that share rows and cols
+    in (i, j) order, each piece's rows and cols at their places in the sender's and the receiver's
+    storage, as a pair-by-pair element-wise reference does; empty parts meet nothing."""
+    from ist_kernels.distributed.routing import Part, held_parts, meet_pieces, product_pieces
+
+    g = torch.Generator().manual_seed(len(stores))
+    shape = (12, 10)
+    blocks = _random_blocks(g, 3, 3, shape)
+    if stores == "held":
+        contrib = [p for b in blocks[:2] for p in held_parts(b)]
+        need = held_parts(blocks[2])
+    elif stores == "full":
+        contrib = [Part(r, c) for r, c in blocks[0] + blocks[1]]
+        need = [Part(torch.arange(12), torch.arange(10))]
+    else:  # parts lying inside bigger storage blocks (as first_held_parts gives), and full needs
+        contrib = []
+        for p in held_parts(blocks[0]):
+            keep_r, keep_c = p.rows[::2], p.cols[1::2]
+            contrib.append(Part(keep_r, keep_c, p.offset, p.store_rows, p.store_cols))
+        contrib += held_parts(blocks[1])
+        need = held_parts(blocks[2]) + [Part(torch.arange(12), torch.arange(10))]
+    contrib.append(Part(torch.zeros(0, dtype=torch.int64), torch.arange(3)))  # empty rows: meets nothing
+    got = meet_pieces(contrib, need, shape)
+    want = _brute_pieces(contrib, need, shape)
+    assert len(want) > 3
+    assert [(i, j, s.rows.tolist(), s.cols.tolist(), r.rows.tolist(), r.cols.tolist()) for i, j, s, r in got] == want
+    for i, j, s, r in got:
+        a, b = contrib[i], need[j]
+        assert (s.offset, s.height, s.width) == (a.offset, a.extent(0, 12), a.extent(1, 10))
+        assert (r.offset, r.height, r.width) == (b.offset, b.extent(0, 12), b.extent(1, 10))
+    send, recv = product_pieces(contrib, need, shape)
+    assert [p.rows.tolist() for p in send] == [w[2] for w in want] and [p.cols.tolist() for p in recv] == [w[5] for w in want]
+    assert meet_pieces([], need, shape) == [] and meet_pieces(contrib, [], shape) == []

@@ -56,15 +56,18 @@ from .routing import (
     Part,
     Routing,
     add_product,
+    first_held_counts,
     first_held_parts,
     first_owner,
     held_parts,
+    meet_pieces,
     owner_ids,
     passthrough_entries,
     per_entry_count,
     product_pieces,
     route,
     sole_owner_in_place,
+    union_sizes,
 )
 
 Spec = Mapping[str, Union[Tensor, Tuple[Sequence[int], torch.dtype]]]
@@ -667,8 +670,7 @@ def _product_entries(plan: SlicePlan, spec, what: str) -> List[Tuple[Entry, Tens
 def _first_held(t: TensorSlices, shape) -> List[int]:
     """Per rank k, how many elements of product ``t`` (2-D ``shape``) k holds that no rank below k
     holds (the copies :func:`gather_full_model` takes from k with reduce="copy"), from the blocks."""
-    parts = first_held_parts([t.blocks(k) for k in range(len(t.owners))], shape)
-    return [sum(p.rows.numel() * p.cols.numel() for p in mine) for mine in parts]
+    return first_held_counts([t.blocks(k) for k in range(len(t.owners))], shape)
 
 
 def _same_blocks(a, b) -> bool:
@@ -677,7 +679,8 @@ def _same_blocks(a, b) -> bool:
 
 def _check_products_covered(products, what: str, hint: str) -> None:
     for e, t in products:
-        hole = e.size - sum(_first_held(t, e.real_shape))
+        S = len(t.owners)
+        hole = e.size - union_sizes([t.blocks(k) for k in range(S)], e.real_shape, [S])[0]
         if hole:
             raise ValueError(f"{what} {hole} elements of the product {e.name!r} have no owner, and no rank would "
                              f"hold them; {hint}")
@@ -897,8 +900,15 @@ def route_products(routing: Routing, entries: List[Entry], pairs, rank: int, S: 
             need = [[Part(torch.arange(n0), torch.arange(n1))]] * S
             cur.append(e.size)
             nxt.append(e.size)
-        send = [product_pieces(contrib[rank], need[q], (n0, n1))[0] for q in range(S)]
-        recv = [product_pieces(contrib[k], need[rank], (n0, n1))[1] for k in range(S)]
+        # this rank's messages in two batches: its blocks against every rank's needs, and every
+        # rank's blocks against its needs (a message's pairs in the order product_pieces lists them)
+        send, recv = [[] for _ in range(S)], [[] for _ in range(S)]
+        of_need = [q for q in range(S) for _ in need[q]]
+        for _, j, piece, _ in meet_pieces(contrib[rank], [b for q in range(S) for b in need[q]], (n0, n1)):
+            send[of_need[j]].append(piece)
+        of_contrib = [k for k in range(S) for _ in contrib[k]]
+        for a, _, _, piece in meet_pieces([a for k in range(S) for a in contrib[k]], need[rank], (n0, n1)):
+            recv[of_contrib[a]].append(piece)
         if (decentralized and not coded and send[rank] and not any(send[q] or recv[q] for q in range(S) if q != rank)
                 and _same_blocks(t.blocks(rank), u.blocks(rank)) and t.stacked(rank) == u.stacked(rank)):
             send[rank] = recv[rank] = []

@@ -258,6 +258,7 @@ def add_product(routing: Routing, entry: int, send: Sequence[List[Piece]], recv:
 
 
 _NO_INDEX = torch.zeros(0, dtype=torch.int64)
+_CHUNK = 1 << 22  # union_sizes: column marks per chunk of row groups
 
 
 def held_parts(blocks: Sequence[Tuple[Tensor, Tensor]]) -> List[Part]:
@@ -301,28 +302,132 @@ def first_held_parts(blocks: Sequence[Sequence[Tuple[Tensor, Tensor]]], shape: T
     return out
 
 
+def _cat(idx: Sequence[Tensor], place: bool = False) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The index lists one after another, which list each element came from, and (``place``) its
+    place in that list."""
+    lens = torch.tensor([i.numel() for i in idx], dtype=torch.int64)
+    which = torch.repeat_interleave(lens)
+    at = torch.arange(which.numel(), dtype=torch.int64) - (lens.cumsum(0) - lens)[which] if place else None
+    return (torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)), which, at
+
+
+def _stacked(parts: Sequence[Part], axis: int, n: int) -> Tuple[Tensor, Tensor]:
+    """[len(parts), n] bool marks of the parts' rows (axis 0) or cols (axis 1) and [len(parts), n]
+    int64 positions of each in its part's storage block (-1 where the storage lacks it)."""
+    ids, which, _ = _cat([(p.rows, p.cols)[axis] for p in parts])
+    marks = torch.zeros(len(parts), n, dtype=torch.bool)
+    marks[which, ids] = True
+    stores = [(p.store_rows, p.store_cols)[axis] for p in parts]
+    pos = torch.full((len(parts), n), -1, dtype=torch.int64)
+    full = [i for i, st in enumerate(stores) if st is None]
+    if full:
+        pos[full] = torch.arange(n, dtype=torch.int64)
+    kept = [i for i, st in enumerate(stores) if st is not None]
+    if kept:
+        ids, which, place = _cat([stores[i] for i in kept], True)
+        pos[torch.tensor(kept, dtype=torch.int64)[which], ids] = place
+    return marks, pos
+
+
+def meet_pieces(contrib: Sequence[Part], need: Sequence[Part], shape: Tuple[int, int]
+                ) -> List[Tuple[int, int, Piece, Piece]]:
+    """Every pair (i, j), in order of i then j, where ``contrib[i]`` and ``need[j]`` of a product of
+    2-D ``shape`` share rows and cols: (i, j, the rows both hold x the cols both hold as a piece of
+    contrib[i]'s storage, the same as a piece of need[j]'s), rows and cols ascending as the parts
+    list them. All pairs at once: a fixed number of tensor operations over len(contrib) x len(need)
+    x the longest part's rows (cols) marks, whatever the number of parts, then one small Python
+    object per piece."""
+    A, Nb = len(contrib), len(need)
+    if not A or not Nb:
+        return []
+    axes = []
+    for axis in (0, 1):
+        n = shape[axis]
+        idx = [(a.rows, a.cols)[axis] for a in contrib]
+        ids, owner, place = _cat(idx, True)
+        stores = [(a.store_rows, a.store_cols)[axis] for a in contrib]
+        if all(st is i for st, i in zip(stores, idx)):  # held parts: a row's place in the part is its position
+            at = place
+        elif all(st is None for st in stores):  # full tensors: positions are the ids
+            at = ids
+        else:
+            at = _stacked(contrib, axis, n)[1][owner, ids]
+        width = max(i.numel() for i in idx)
+        pad = torch.zeros(A, width, dtype=torch.int64)  # contrib i's ids in row i, padded
+        pad[owner, place] = ids
+        valid = torch.zeros(A, width, dtype=torch.bool)
+        valid[owner, place] = True
+        marks, need_pos = _stacked(need, axis, n)
+        # [A, Nb, width]: contrib i's p-th id lies in need j; nonzero lists (i, j, p) in that order
+        i, j, p = (marks[:, pad].transpose(0, 1) & valid.unsqueeze(1)).nonzero().unbind(1)
+        counts = torch.bincount(i * Nb + j, minlength=A * Nb)
+        flat_at = torch.zeros(A, width, dtype=torch.int64)
+        flat_at[owner, place] = at
+        sizes = counts.tolist()
+        axes.append((counts, torch.split(flat_at[i, p], sizes), torch.split(need_pos[j, pad[i, p]], sizes)))
+    (cr, src_r, dst_r), (cc, src_c, dst_c) = axes
+    out = []
+    for k in ((cr > 0) & (cc > 0)).nonzero().flatten().tolist():
+        i, j = divmod(k, Nb)
+        a, b = contrib[i], need[j]
+        out.append((i, j, Piece(a.offset, a.extent(0, shape[0]), a.extent(1, shape[1]), src_r[k], src_c[k]),
+                    Piece(b.offset, b.extent(0, shape[0]), b.extent(1, shape[1]), dst_r[k], dst_c[k])))
+    return out
+
+
 def product_pieces(contrib: Sequence[Part], need: Sequence[Part], shape: Tuple[int, int]
                    ) -> Tuple[List[Piece], List[Piece]]:
     """What a rank that contributes ``contrib`` sends one that needs ``need`` of a product of 2-D
     ``shape``: per pair (a, b) in that order, rows of both x cols of both, as pieces of the sender's
-    storage and, in the same order, of the receiver's. O(len(contrib) x len(need) x (rows + cols));
-    a part's marks and positions are kept in it for the next call."""
-    send, recv = [], []
-    needs = [b for b in need if b.rows.numel() and b.cols.numel()]
-    for a in contrib:
-        if not a.rows.numel() or not a.cols.numel():
-            continue
-        for b in needs:
-            rows = a.rows[b.mark(0, shape[0])[a.rows]]
-            if not rows.numel():
-                continue
-            cols = a.cols[b.mark(1, shape[1])[a.cols]]
-            if not cols.numel():
-                continue
-            for out, p in ((send, a), (recv, b)):
-                out.append(Piece(p.offset, p.extent(0, shape[0]), p.extent(1, shape[1]), p.where(0, rows, shape[0]),
-                                 p.where(1, cols, shape[1])))
-    return send, recv
+    storage and, in the same order, of the receiver's (:func:`meet_pieces`)."""
+    met = meet_pieces(contrib, need, shape)
+    return [s for _, _, s, _ in met], [r for _, _, _, r in met]
+
+
+def union_sizes(blocks: Sequence[Sequence[Tuple[Tensor, Tensor]]], shape: Tuple[int, int],
+                upto: Sequence[int]) -> List[int]:
+    """For each k of ``upto``, how many elements of a product of 2-D ``shape`` ranks 0..k-1 hold
+    (``blocks[r]``: rank r's (rows, cols) blocks), their blocks' union. A union is counted per group
+    of rows that meet the same blocks (the OR of those blocks' cols), never element by element:
+    O(blocks x (rows + cols) + groups x blocks x cols)."""
+    S = len(blocks)
+    flat = [(k, r.cpu(), c.cpu()) for k in range(S) for r, c in blocks[k] if r.numel() and c.numel()]
+    if not flat:
+        return [0] * len(upto)
+    B, (n0, n1) = len(flat), shape
+    rows = torch.zeros(B, n0, dtype=torch.bool)
+    cols = torch.zeros(B, n1, dtype=torch.float32)  # exact: a column sums at most B ones
+    ids, which, _ = _cat([r for _, r, _ in flat])
+    rows[which, ids] = True
+    ids, which, _ = _cat([c for _, _, c in flat])
+    cols[which, ids] = 1
+    if B <= 62:  # a row's blocks as the bits of one int64 key
+        bit = torch.arange(B, dtype=torch.int64)
+        keys, inverse = torch.unique((rows.to(torch.int64) << bit.unsqueeze(1)).sum(0), return_inverse=True)
+        groups = ((keys.unsqueeze(1) >> bit) & 1).to(torch.float32)
+    else:
+        groups, inverse = torch.unique(rows.T, dim=0, return_inverse=True)
+        groups = groups.to(torch.float32)
+    height = torch.bincount(inverse, minlength=groups.shape[0])  # rows per group
+    rank = torch.tensor([k for k, _, _ in flat], dtype=torch.int64)
+    step = max(1, _CHUNK // max(1, n1))  # groups per chunk: at most ~4M column marks at once
+    out = []
+    for k in upto:
+        mine = rank < k
+        total = 0
+        if bool(mine.any()):
+            for g in range(0, groups.shape[0], step):
+                covered = (groups[g:g + step, mine] @ cols[mine]) > 0  # [groups, n1]: cols a block of the group holds
+                total += int((covered.sum(1) * height[g:g + step]).sum())
+        out.append(total)
+    return out
+
+
+def first_held_counts(blocks: Sequence[Sequence[Tuple[Tensor, Tensor]]], shape: Tuple[int, int]) -> List[int]:
+    """Per rank k (``blocks[k]``: the (rows, cols) blocks it holds of a product of 2-D ``shape``),
+    how many elements it holds that no rank below k holds: |U_<=k| - |U_<k| (:func:`union_sizes`)."""
+    union = union_sizes(blocks, shape, range(len(blocks) + 1))
+    return [union[k + 1] - union[k] for k in range(len(blocks))]
 
 
 def sole_owner_in_place(src: Tensor, rank: int) -> Tensor:
