@@ -628,3 +628,25 @@ def test_meet_pieces_against_pairwise_reference(stores):
     send, recv = product_pieces(contrib, need, shape)
     assert [p.rows.tolist() for p in send] == [w[2] for w in want] and [p.cols.tolist() for p in recv] == [w[5] for w in want]
     assert meet_pieces([], need, shape) == [] and meet_pieces(contrib, [], shape) == []
+
+
+def test_exchange_owner_lists_checked_naming_tensor_and_subnetwork():
+    """The exchange's owner masks (routing.owner_ids, every list checked at once) refuse an owner
+    list that is unsorted, repeats, leaves the dim or is not 1-D int64, naming the tensor and the
+    subnetwork; a first index below the last list's last one is fine (a new list starts)."""
+    spec = {"w": ((5, 3), torch.float32), "v": ((4,), torch.float32)}
+
+    def plan(w1, v1):
+        return SlicePlan(2, (TensorSlices("w", 0, (torch.tensor([3, 4]), w1)),
+                             TensorSlices("v", 0, (torch.tensor([0, 3]), v1))))
+
+    ok = plan(torch.tensor([0, 1, 2]), torch.tensor([1, 2]))
+    assert plan_bytes(ok, plan(torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2, 3])), spec)[0].bytes_sent == 2 * 4
+    for w1, v1, name, s in ((torch.tensor([2, 1]), torch.tensor([1]), "w", 1),
+                            (torch.tensor([0, 5]), torch.tensor([1]), "w", 1),
+                            (torch.tensor([0, 1, 2]), torch.tensor([1, 1]), "v", 1),
+                            (torch.tensor([0, 1, 2]), torch.tensor([-1, 2]), "v", 1)):
+        with pytest.raises(ValueError, match=rf"tensor '{name}': owner indices of subnetwork {s} must be sorted"):
+            plan_bytes(plan(w1, v1), ok, spec)
+    with pytest.raises(ValueError, match=r"tensor 'v': owner indices of subnetwork 1 must be a 1-D int64"):
+        plan_bytes(plan(torch.tensor([0, 1, 2]), torch.tensor([1.0, 2.0])), ok, spec)

@@ -135,33 +135,34 @@ class Routing:
 
 def owner_ids(entries: Sequence[Entry], owners: Sequence[Sequence[Tensor]], num: int, what: str) -> Tensor:
     """[S, N] bool: subnetwork s owns global slice id i (owners[e][s]: sorted, unique int64 indices
-    along entry e's dim). Raises ValueError naming the tensor on a bad index list."""
+    along entry e's dim). Raises ValueError naming the tensor on a bad index list. Every subnetwork's
+    lists of every entry checked and marked at once (a fixed number of tensor operations)."""
     total = entries[-1].base + entries[-1].size if entries else 0
     mask = torch.zeros(num, total, dtype=torch.bool)
+    idx = [per_s[s] for s in range(num) for per_s in owners]  # subnetwork-major, entries in order
+    for k, i in enumerate(idx):
+        if i.dtype != torch.int64 or i.dim() != 1:
+            raise ValueError(f"{what}: tensor {entries[k % len(entries)].name!r}: owner indices of subnetwork "
+                             f"{k // len(entries)} must be a 1-D int64 tensor, got {i.dtype} with shape {tuple(i.shape)}")
+    if not idx:
+        return mask
+    raw, which, _ = _cat([i.cpu() for i in idx])
+    if not raw.numel():
+        return mask
+    lens = torch.tensor([i.numel() for i in idx], dtype=torch.int64)
+    entry = which % len(entries)
     sizes = torch.tensor([e.size for e in entries], dtype=torch.int64)
     bases = torch.tensor([e.base for e in entries], dtype=torch.int64)
-    for s in range(num):
-        idx = [per_s[s] for per_s in owners]
-        for e, i in enumerate(idx):
-            if i.dtype != torch.int64 or i.dim() != 1:
-                raise ValueError(f"{what}: tensor {entries[e].name!r}: owner indices of subnetwork {s} must be "
-                                 f"a 1-D int64 tensor, got {i.dtype} with shape {tuple(i.shape)}")
-        lens = torch.tensor([i.numel() for i in idx], dtype=torch.int64)
-        if not int(lens.sum()):
-            continue
-        raw = torch.cat([i.cpu() for i in idx])
-        lim = torch.repeat_interleave(sizes, lens)
-        ok = (raw >= 0) & (raw < lim)
-        inc = raw[1:] > raw[:-1]
-        starts = lens.cumsum(0) - lens  # a new tensor begins at these positions
-        inc[(starts[(lens > 0) & (starts > 0)] - 1)] = True
-        if not bool(ok.all()) or not bool(inc.all()):
-            for e, i in enumerate(idx):
-                if i.numel() and (int(i.min()) < 0 or int(i.max()) >= entries[e].size or bool((i[1:] <= i[:-1]).any())):
-                    raise ValueError(
-                        f"{what}: tensor {entries[e].name!r}: owner indices of subnetwork {s} must be sorted, unique "
-                        f"and in [0, {entries[e].size}) along dim {entries[e].dim}, got {i.tolist()[:16]}...")
-        mask[s, raw + torch.repeat_interleave(bases, lens)] = True
+    ok = (raw >= 0) & (raw < sizes[entry])
+    inc = torch.ones_like(ok)
+    inc[1:] = raw[1:] > raw[:-1]
+    inc[(lens.cumsum(0) - lens)[lens > 0]] = True  # a list's first index follows nothing
+    if not bool((ok & inc).all()):
+        k = int(which[~(ok & inc)][0])
+        e, s, i = entries[k % len(entries)], k // len(entries), idx[k]
+        raise ValueError(f"{what}: tensor {e.name!r}: owner indices of subnetwork {s} must be sorted, unique "
+                         f"and in [0, {e.size}) along dim {e.dim}, got {i.tolist()[:16]}...")
+    mask[which // len(entries), raw + bases[entry]] = True
     return mask
 
 
