@@ -650,3 +650,44 @@ def test_exchange_owner_lists_checked_naming_tensor_and_subnetwork():
             plan_bytes(plan(w1, v1), ok, spec)
     with pytest.raises(ValueError, match=r"tensor 'v': owner indices of subnetwork 1 must be a 1-D int64"):
         plan_bytes(plan(torch.tensor([0, 1, 2]), torch.tensor([1.0, 2.0])), ok, spec)
+
+
+def test_comm_shares_one_exchange_per_round_and_plans(tmp_path, monkeypatch):
+    """The trainer's Comm.exchange builds one Exchange for a round's calls between the same plans
+    with the same options (the model's and each moment's exchange: the routing derived once) and
+    gives the values of a fresh one; other options, another round or no spec build anew."""
+    from ist_kernels.train import comm as comm_mod
+    from ist_kernels.train.comm import Comm
+    from ist_kernels.train.timing import Clock
+
+    init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, timeout=30)
+    try:
+        built = []
+
+        class Counted(Exchange):
+            def __init__(self, *a, **k):
+                built.append(k.get("round"))
+                super().__init__(*a, **k)
+
+        monkeypatch.setattr(comm_mod, "Exchange", Counted)
+        g = torch.Generator().manual_seed(3)
+        full = {"w": torch.randn(7, 5, generator=g), "v": torch.randn(6, 4, generator=g)}
+        spec = {n: (tuple(x.shape), x.dtype) for n, x in full.items()}
+        cur = SlicePlan(1, (TensorSlices("w", 0, (torch.arange(7),), (torch.arange(5),), 1),
+                            TensorSlices("v", 0, (torch.arange(6),))))
+        nxt = SlicePlan(1, (TensorSlices("w", 0, (torch.arange(7),), (torch.arange(5),), 1),
+                            TensorSlices("v", 0, (torch.arange(6),))))  # equal, another object
+        c = Comm(world_size=1, rank=0, distributed=True, local_workers=[0], shared="exact", clock=Clock())
+        want = Exchange(cur, nxt, spec, shared="exact", round=1)(cur.part(full, 0))
+        for _ in range(2):  # the model, then a moment keyed like it: one Exchange
+            out = c.exchange(cur, nxt, spec, cur.part(full, 0), round=1)
+            assert all(torch.equal(out[n], want[n]) for n in want)
+        assert built == [1]
+        c.exchange(cur, nxt, spec, {"v": cur.part(full, 0)["v"]}, round=1, names=["v"])  # a name set of the same Exchange
+        assert built == [1]
+        c.exchange(cur, nxt, spec, cur.part(full, 0), round=1, compress="bf16")  # other options
+        c.exchange(cur, nxt, spec, cur.part(full, 0), round=2)  # the next round
+        c.exchange(nxt, cur, spec, nxt.part(full, 0), round=2)  # other plans
+        assert built == [1, 1, 2, 2]
+    finally:
+        destroy_process_group()

@@ -85,6 +85,10 @@ class Comm:
         #: ones in the same order, so comparing the ranks' lists says how long each waited for the
         #: last to arrive, at most the collective's seconds (the runner's ``peer_wait_s``).
         self.entered: List[Tuple[float, float]] = []
+        #: the Exchanges of the round being exchanged, by their plans and options: the model's and
+        #: each moment's exchange between the same two plans share one (its routing derived once)
+        self._exchanges: Dict[tuple, tuple] = {}
+        self._exchange_round: Optional[int] = None
 
     @property
     def sent(self) -> int:
@@ -153,13 +157,30 @@ class Comm:
         if not self.distributed:
             raise RuntimeError("Comm.exchange needs a distributed run; simulated runs aggregate in process "
                                "and count with Comm.count_exchange")
-        ex = Exchange(current, next, spec, storage=storage, shared=shared or self.shared, round=round,
-                      drop_unowned=drop_unowned, compress=compress)
+        ex = self._exchange_of(current, next, spec, storage=storage, shared=shared or self.shared, round=round,
+                               drop_unowned=drop_unowned, compress=compress)
         code = None if state_code in (None, "exact") else BlockCode(state_code, unsigned=second)
         out = ex(local, names=names, code=code)
         self._sent(ex.last_stats.bytes_sent, received=ex.last_stats.bytes_received)
         self._charge(ex.last_stats)
         return out
+
+    def _exchange_of(self, current, next, spec, *, round: int, **options) -> Exchange:
+        """The round's Exchange from ``current`` to ``next`` with ``options``: built at its first
+        exchange of round ``round``, reused by the others (the plans, the spec and the options the
+        same objects and values); a new round drops the last one's. Without a spec (replicated
+        storage: the first call's tensors are its spec) every call builds its own."""
+        if spec is None:
+            return Exchange(current, next, spec, round=round, **options)
+        if round != self._exchange_round:
+            self._exchanges, self._exchange_round = {}, round
+        key = (id(current), id(next), id(spec), tuple(sorted(options.items())))
+        kept = self._exchanges.get(key)
+        if kept is not None and kept[0] is current and kept[1] is next and kept[2] is spec:
+            return kept[3]
+        ex = Exchange(current, next, spec, round=round, **options)
+        self._exchanges[key] = (current, next, spec, ex)  # held: their ids stay theirs
+        return ex
 
     def _coded_state_bytes(self, current, next, spec, names, storage: str, shared: Optional[str], code):
         """Per rank, (sent, received) of an exchange of optimizer moments coded block-wise as
