@@ -17,6 +17,8 @@ from ist_kernels.distributed import (
 from ist_kernels.nn import SubnetMLP
 from ist_kernels.partition import SlicePlan, TensorSlices, positions
 
+from conftest import CUDA_PARAM
+
 
 def _owners(g, n, S, kind):
     """S sorted index lists into range(n): disjoint, Bernoulli (overlapping, some unowned) or empty."""
@@ -372,14 +374,17 @@ def test_product_holders_plan_size_of_ist():
     assert sum(t.count(s) for s in range(S)) == n * n
 
 
-def test_exchange_of_product_holders_on_one_rank(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", CUDA_PARAM])
+def test_exchange_of_product_holders_on_one_rank(tmp_path, device):
     """S = 1, both plans with holder blocks (the rank keeps the unowned elements as blocks, its
     compact tensor 1-D in block order): the Exchange reads and writes that order (the next compact
-    tensor equals the next plan's part, bit for bit), gather_full_model assembles the full tensor,
-    and a product's holder blocks count in the plan's fingerprint."""
+    tensor equals the next plan's part, bit for bit; on CUDA through NCCL, twice, the second call
+    with the index lists it moved to the device the first time), gather_full_model assembles the
+    full tensor, and a product's holder blocks count in the plan's fingerprint."""
     from ist_kernels.distributed.exchange import plan_fingerprint
 
-    init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, timeout=30)
+    init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                       world_size=1, timeout=30)
     try:
         g = torch.Generator().manual_seed(4)
         full = {"w": torch.randn(7, 5, generator=g), "b": torch.randn(2, generator=g)}
@@ -391,12 +396,15 @@ def test_exchange_of_product_holders_on_one_rank(tmp_path):
             return p.with_holders({"w": (7, 5)})
         cur, nxt = plan([0, 2, 3, 6], [1, 4]), plan([1, 2, 5], [0, 1, 3])
         assert cur.tensors[0].stacked(0) and nxt.tensors[0].stacked(0)
-        local = cur.part(full, 0)
+        local = {n: x.to(device) for n, x in cur.part(full, 0).items()}
         assert local["w"].shape == (35,)
-        out = Exchange(cur, nxt, meta, shared="exact")(local)
-        assert torch.equal(out["w"], nxt.part(full, 0)["w"]) and torch.equal(out["b"], full["b"])
-        got = gather_full_model(cur.part(full, 0), cur, meta)
-        assert all(torch.equal(got[n], full[n]) for n in full)
+        ex = Exchange(cur, nxt, meta, shared="exact")
+        for _ in range(2):
+            out = ex({n: x.clone() for n, x in local.items()})
+            assert out["w"].device.type == device
+            assert torch.equal(out["w"].cpu(), nxt.part(full, 0)["w"]) and torch.equal(out["b"].cpu(), full["b"])
+        got = gather_full_model(local, cur, meta)
+        assert all(torch.equal(got[n].cpu(), full[n]) for n in full)
         bare = SlicePlan(1, (TensorSlices("w", 0, (torch.tensor([0, 2, 3, 6]),), (torch.tensor([1, 4]),), 1),
                              TensorSlices("b", None)))
         assert plan_fingerprint(cur) != plan_fingerprint(bare)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import functional as F
-from ..ops.slices.product import gather_product, scatter_products_
+from ..ops.slices.product import gather_product, overlaps, scatter_products_
 from ..partition.aggregate import aggregate_slices_
 from ..partition.plan import SlicePlan, TensorSlices
 from . import blockwise as B, compress as C, quantize as Q
@@ -174,6 +174,45 @@ class _Mover:
         self.recv_wire_numel = sum(routing.recv_numel[k] for k in self.peers)
         self.q_send = [self._qlayout(routing.send[q]) if q != r else (0, 0, 0, 0, 0) for q in range(S)]
         self.q_recv = [self._qlayout(routing.recv[k]) if k != r else (0, 0, 0, 0, 0) for k in range(S)]
+        self._blocks = self._product_blocks()
+        self._on_device: Dict[torch.device, Tuple[list, list]] = {}
+
+    def _product_blocks(self):
+        """The unpack of the products, from the routing alone: per target block (entry, offset in
+        its storage, height, width), the pieces written into it in ascending source rank, each as
+        (from this rank's own part, start in that buffer, rows, cols), and whether two of them
+        share an element (decided here, on the host: the write-back never asks the device)."""
+        r, S = self.routing.rank, self.routing.world_size
+        blocks: Dict[Tuple[int, int], Tuple[int, int, list]] = {}
+        recv_off = 0
+        for k in range(S):
+            off = 0 if k == r else recv_off
+            for seg in self.routing.recv[k]:
+                if seg.pieces is not None:
+                    at = off
+                    for p in seg.pieces:
+                        blocks.setdefault((seg.entry, p.offset), (p.height, p.width, []))[2].append(
+                            (k == r, at, p.rows, p.cols))
+                        at += p.numel
+                off += seg.numel
+            if k != r:
+                recv_off = off
+        return [(entry, offset, h, w, pieces, overlaps([(p[2], p[3]) for p in pieces], (h, w)))
+                for (entry, offset), (h, w, pieces) in blocks.items()]
+
+    def _device_pieces(self, device) -> Tuple[list, list]:
+        """The products' index lists on ``device``, moved once per mover and device (one copy of
+        them all): per pack segment with pieces its [(piece, rows, cols)], per target block its
+        [(rows, cols)] (``_blocks``' order)."""
+        device = torch.device(device)
+        if device not in self._on_device:
+            host = [x for s in self.pack if s.pieces is not None for p in s.pieces for x in (p.rows, p.cols)]
+            host += [x for b in self._blocks for _, _, rows, cols in b[4] for x in (rows, cols)]
+            moved = iter(torch.split(torch.cat(host).to(device), [x.numel() for x in host]) if host else ())
+            pack = [[(p, next(moved), next(moved)) for p in s.pieces] for s in self.pack if s.pieces is not None]
+            unpack = [[(next(moved), next(moved)) for _ in b[4]] for b in self._blocks]
+            self._on_device[device] = (pack, unpack)
+        return self._on_device[device]
 
     def _qlayout(self, segs):
         """(bytes, scales, raw integer part offset, codes offset, floating elements) of one chunk."""
@@ -357,12 +396,13 @@ class _Mover:
         offs = [0]
         for s in self.pack:
             offs.append(offs[-1] + s.numel)
+        pieces = iter(self._device_pieces(device)[0])
         k = 0  # position in pack_idx (flat segments only)
         j = 0
         while j < len(self.pack):
             s = self.pack[j]
             if s.pieces is not None:
-                _gather_pieces(sources[s.entry], s.pieces, send[offs[j]:offs[j + 1]], device)
+                _gather_pieces(sources[s.entry], next(pieces), send[offs[j]:offs[j + 1]])
                 j += 1
                 continue
             end = j
@@ -466,20 +506,13 @@ class _Mover:
         tgt_list = [targets[e] for e in flat_targets]
         tgt_pos = {e: i for i, e in enumerate(flat_targets)}
         updates, ids, idx = [], [], []
-        blocks: Dict[Tuple[int, int], Tuple[int, int, list, list]] = {}  # a product's target blocks
         recv_off = 0
         for k in range(S):
             buf, off = (own, 0) if k == r else (recv, recv_off)
             flat_idx = iter(recv_idx[k])
             for seg in self.routing.recv[k]:
                 e = self.entries[seg.entry]
-                if seg.pieces is not None:  # pieces, each into its block of the target's storage
-                    at = off
-                    for p in seg.pieces:
-                        b = blocks.setdefault((seg.entry, p.offset), (p.height, p.width, [], []))
-                        b[2].append((p.rows.to(device), p.cols.to(device)))
-                        b[3].append(buf[at:at + p.numel].view(p.rows.numel(), p.cols.numel()))
-                        at += p.numel
+                if seg.pieces is not None:  # the products' pieces: below, per target block
                     off += seg.numel
                     continue
                 index = next(flat_idx)
@@ -492,19 +525,20 @@ class _Mover:
                 recv_off = off
         if updates:
             aggregate_slices_(tgt_list, ids, updates, idx, [self.entries[e].dim for e in flat_targets])
-        for (entry, offset), (h, w, index, ups) in blocks.items():  # owners in ascending source rank
-            scatter_products_(targets[entry][offset:offset + h * w].view(h, w), (0, 1), index, ups, "mean")
+        for (entry, offset, h, w, pieces, overlap), index in zip(self._blocks, self._device_pieces(device)[1]):
+            ups = [(own if mine else recv)[at:at + rows.numel() * cols.numel()].view(rows.numel(), cols.numel())
+                   for mine, at, rows, cols in pieces]  # owners in ascending source rank
+            scatter_products_(targets[entry][offset:offset + h * w].view(h, w), (0, 1), index, ups, "mean", overlap)
         stats.unpack_seconds += time.perf_counter() - t_unpack
 
 
-def _gather_pieces(source: Tensor, pieces, out: Tensor, device) -> None:
-    """A product segment: ``pieces`` of ``source`` (a rank's compact 1-D storage) into ``out``, one
-    after another, each row-major."""
+def _gather_pieces(source: Tensor, pieces, out: Tensor) -> None:
+    """A product segment: ``pieces`` (piece, its rows and cols on the device) of ``source`` (a rank's
+    compact 1-D storage) into ``out``, one after another, each row-major."""
     at = 0
-    for p in pieces:
+    for p, rows, cols in pieces:
         block = source[p.offset:p.offset + p.height * p.width].view(p.height, p.width)
-        gather_product(block, (0, 1), (p.rows.to(device), p.cols.to(device)),
-                       out[at:at + p.numel].view(p.rows.numel(), p.cols.numel()))
+        gather_product(block, (0, 1), (rows, cols), out[at:at + p.numel].view(rows.numel(), cols.numel()))
         at += p.numel
 
 

@@ -346,33 +346,34 @@ def meet_pieces(contrib: Sequence[Part], need: Sequence[Part], shape: Tuple[int,
         n = shape[axis]
         idx = [(a.rows, a.cols)[axis] for a in contrib]
         ids, owner, place = _cat(idx, True)
-        stores = [(a.store_rows, a.store_cols)[axis] for a in contrib]
-        if all(st is i for st, i in zip(stores, idx)):  # held parts: a row's place in the part is its position
-            at = place
-        elif all(st is None for st in stores):  # full tensors: positions are the ids
-            at = ids
-        else:
-            at = _stacked(contrib, axis, n)[1][owner, ids]
         width = max(i.numel() for i in idx)
-        pad = torch.zeros(A, width, dtype=torch.int64)  # contrib i's ids in row i, padded
+        pad = torch.full((A, width), n, dtype=torch.int64)  # contrib i's ids in row i, padded with n
         pad[owner, place] = ids
-        valid = torch.zeros(A, width, dtype=torch.bool)
-        valid[owner, place] = True
-        marks, need_pos = _stacked(need, axis, n)
+        marks, need_pos = _stacked(need, axis, n + 1)  # column n (the padding) marked by none
         # [A, Nb, width]: contrib i's p-th id lies in need j; nonzero lists (i, j, p) in that order
-        i, j, p = (marks[:, pad].transpose(0, 1) & valid.unsqueeze(1)).nonzero().unbind(1)
-        counts = torch.bincount(i * Nb + j, minlength=A * Nb)
-        flat_at = torch.zeros(A, width, dtype=torch.int64)
-        flat_at[owner, place] = at
-        sizes = counts.tolist()
-        axes.append((counts, torch.split(flat_at[i, p], sizes), torch.split(need_pos[j, pad[i, p]], sizes)))
+        i, j, p = marks[:, pad].transpose(0, 1).nonzero().unbind(1)
+        got = pad[i, p]
+        stores = [(a.store_rows, a.store_cols)[axis] for a in contrib]
+        if all(st is x for st, x in zip(stores, idx)):  # held parts: an id's place in its part is its position
+            at = p
+        elif all(st is None for st in stores):  # full tensors: positions are the ids
+            at = got
+        else:
+            at = _stacked(contrib, axis, n)[1][i, got]
+        axes.append((torch.bincount(i * Nb + j, minlength=A * Nb), at, need_pos[j, got]))
     (cr, src_r, dst_r), (cc, src_c, dst_c) = axes
+    met = ((cr > 0) & (cc > 0)).nonzero().flatten().tolist()
+    if not met:
+        return []
+    ends_r, ends_c = cr.cumsum(0).tolist(), cc.cumsum(0).tolist()
+    n_r, n_c = cr.tolist(), cc.tolist()
     out = []
-    for k in ((cr > 0) & (cc > 0)).nonzero().flatten().tolist():
+    for k in met:  # each pair's rows (cols) lie at [end - count, end) of the (i, j)-ordered lists
         i, j = divmod(k, Nb)
         a, b = contrib[i], need[j]
-        out.append((i, j, Piece(a.offset, a.extent(0, shape[0]), a.extent(1, shape[1]), src_r[k], src_c[k]),
-                    Piece(b.offset, b.extent(0, shape[0]), b.extent(1, shape[1]), dst_r[k], dst_c[k])))
+        r0, r1, c0, c1 = ends_r[k] - n_r[k], ends_r[k], ends_c[k] - n_c[k], ends_c[k]
+        out.append((i, j, Piece(a.offset, a.extent(0, shape[0]), a.extent(1, shape[1]), src_r[r0:r1], src_c[c0:c1]),
+                    Piece(b.offset, b.extent(0, shape[0]), b.extent(1, shape[1]), dst_r[r0:r1], dst_c[c0:c1])))
     return out
 
 
