@@ -54,6 +54,7 @@ from .ledger import all_reduce_wire_bytes, normalise_spec as _normalise_spec, tw
 from .routing import (
     Entry,
     Part,
+    Piece,
     Routing,
     add_product,
     first_held_counts,
@@ -64,7 +65,6 @@ from .routing import (
     owner_ids,
     passthrough_entries,
     per_entry_count,
-    product_pieces,
     route,
     sole_owner_in_place,
     union_sizes,
@@ -908,6 +908,24 @@ def gather_bytes(plan: SlicePlan, spec: Spec, *, dst: int = 0, reduce: str = "co
     return [CommStats(None, S, 1 if entries or products else 0, int(sent[r]), int(recv[r]), 0) for r in range(S)]
 
 
+def _messages(contrib: Sequence[Sequence[Part]], need: Sequence[Sequence[Part]], rank: int, shape: Tuple[int, int]
+              ) -> Tuple[List[List[Piece]], List[List[Piece]]]:
+    """``rank``'s messages of a product of 2-D ``shape`` that rank k contributes ``contrib[k]`` of and
+    rank q needs ``need[q]`` of: per peer, the pieces it sends and those it receives, in two batches
+    (its parts against every rank's needs, every rank's parts against its needs; a message's pairs
+    in the order :func:`.routing.product_pieces` lists them)."""
+    S = len(contrib)
+    send: List[List[Piece]] = [[] for _ in range(S)]
+    recv: List[List[Piece]] = [[] for _ in range(S)]
+    of_need = [q for q in range(S) for _ in need[q]]
+    for _, j, piece, _ in meet_pieces(contrib[rank], [b for q in range(S) for b in need[q]], shape):
+        send[of_need[j]].append(piece)
+    of_contrib = [k for k in range(S) for _ in contrib[k]]
+    for a, _, _, piece in meet_pieces([a for k in range(S) for a in contrib[k]], need[rank], shape):
+        recv[of_contrib[a]].append(piece)
+    return send, recv
+
+
 def route_products(routing: Routing, entries: List[Entry], pairs, rank: int, S: int, decentralized: bool,
                    coded: bool) -> Tuple[List[int], List[int], List[int]]:
     """Add products to ``rank``'s ``routing``, on their blocks (rows x cols), never element by
@@ -934,15 +952,7 @@ def route_products(routing: Routing, entries: List[Entry], pairs, rank: int, S: 
             need = [[Part(torch.arange(n0), torch.arange(n1))]] * S
             cur.append(e.size)
             nxt.append(e.size)
-        # this rank's messages in two batches: its blocks against every rank's needs, and every
-        # rank's blocks against its needs (a message's pairs in the order product_pieces lists them)
-        send, recv = [[] for _ in range(S)], [[] for _ in range(S)]
-        of_need = [q for q in range(S) for _ in need[q]]
-        for _, j, piece, _ in meet_pieces(contrib[rank], [b for q in range(S) for b in need[q]], (n0, n1)):
-            send[of_need[j]].append(piece)
-        of_contrib = [k for k in range(S) for _ in contrib[k]]
-        for a, _, _, piece in meet_pieces([a for k in range(S) for a in contrib[k]], need[rank], (n0, n1)):
-            recv[of_contrib[a]].append(piece)
+        send, recv = _messages(contrib, need, rank, (n0, n1))
         if (decentralized and not coded and send[rank] and not any(send[q] or recv[q] for q in range(S) if q != rank)
                 and _same_blocks(t.blocks(rank), u.blocks(rank)) and t.stacked(rank) == u.stacked(rank)):
             send[rank] = recv[rank] = []
@@ -1281,9 +1291,7 @@ def gather_full_model(local: Mapping[str, Tensor], plan: SlicePlan, spec: Spec, 
         held = [t.blocks(k) for k in range(S)]
         contrib = first_held_parts(held, (n0, n1)) if reduce == "copy" else [held_parts(b) for b in held]
         full = [Part(torch.arange(n0), torch.arange(n1))]
-        send = [product_pieces(contrib[r], full, (n0, n1))[0] if q == dst else [] for q in range(S)]
-        recv = [product_pieces(contrib[k], full, (n0, n1))[1] if r == dst else [] for k in range(S)]
-        add_product(routing, i, send, recv)
+        add_product(routing, i, *_messages(contrib, [full if q == dst else [] for q in range(S)], r, (n0, n1)))
         rows.append(t.count(r))
     mover = _Mover(entries, routing, _buffer_dtype(entries, "gather_full_model"))
     shapes = _product_shapes(plan, r)

@@ -15,7 +15,9 @@ of a slice are visited in ascending rank in the unpack, as in the simulated sing
 A product (a tensor partitioned along two dims, ``TensorSlices.product``) is routed on its index
 lists, never element by element: what rank k sends rank q is, for every pair of a block k
 contributes (rows x cols) and a block q needs, the rows both hold x the cols both hold, a
-:class:`Piece` of each end's compact storage (:func:`product_pieces`); O(blocks^2 x (rows + cols)).
+:class:`Piece` of each end's compact storage (:func:`product_pieces`); O(blocks^2 x (rows + cols)),
+all pairs in one batch of tensor operations (:func:`meet_pieces`). Whether the blocks cover a
+product, and which elements a rank holds first, are unions of blocks (:func:`union_sizes`).
 """
 from dataclasses import dataclass, field
 from math import prod
