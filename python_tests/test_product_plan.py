@@ -699,3 +699,14 @@ def test_comm_shares_one_exchange_per_round_and_plans(tmp_path, monkeypatch):
         assert built == [1, 1, 2, 2]
     finally:
         destroy_process_group()
+
+
+def test_integer_product_refused_by_the_byte_counts():
+    """A product of an integer tensor is refused, naming it, by plan_bytes and gather_bytes (the
+    exchange cannot average it element-wise as a float)."""
+    plan = SlicePlan(1, (TensorSlices("c", 0, (torch.arange(3),), (torch.arange(2),), 1),))
+    spec = {"c": ((3, 2), torch.int64)}
+    with pytest.raises(ValueError, match=r"partitions the integer tensor 'c' as a product"):
+        plan_bytes(plan, plan, spec)
+    with pytest.raises(ValueError, match=r"partitions the integer tensor 'c' as a product"):
+        gather_bytes(plan, spec)

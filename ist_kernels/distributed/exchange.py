@@ -683,6 +683,12 @@ def _product_shapes(plan: Optional[SlicePlan], rank: int) -> Dict[str, Tuple[int
             for t in plan.tensors if t.product}
 
 
+def _check_floating_product(t: TensorSlices, dtype: torch.dtype, what: str) -> None:
+    if not dtype.is_floating_point:
+        raise ValueError(f"the {what} plan partitions the integer tensor {t.name!r} as a product; only "
+                         "floating tensors can be")
+
+
 def _product_entries(plan: SlicePlan, spec, what: str) -> List[Tuple[Entry, TensorSlices]]:
     """The products of ``plan`` as all-to-all entries (each viewed flat, one slice per element:
     codecs and byte counts see what the plan stated flat would move) with their plan tensors."""
@@ -691,9 +697,7 @@ def _product_entries(plan: SlicePlan, spec, what: str) -> List[Tuple[Entry, Tens
         if not t.product:
             continue
         shape, dtype = spec[t.name]
-        if not dtype.is_floating_point:
-            raise ValueError(f"the {what} plan partitions the integer tensor {t.name!r} as a product; only "
-                             "floating tensors can be")
+        _check_floating_product(t, dtype, what)
         if len(shape) != 2 or (t.dim % 2, t.col_dim % 2) != (0, 1):
             raise ValueError(f"the {what} plan partitions {t.name!r} of shape {list(shape)} as a product along "
                              f"dims ({t.dim}, {t.col_dim}); the exchange moves products of 2-D tensors along (0, 1)")
@@ -832,9 +836,7 @@ def plan_bytes(current: SlicePlan, next: Optional[SlicePlan], spec: Spec, *, sto
         dst = torch.ones_like(cur)
     products = [t for t in current.tensors if t.product and t.name in chosen]
     for t in products:
-        if not spec[t.name][1].is_floating_point:
-            raise ValueError(f"the current plan partitions the integer tensor {t.name!r} as a product; only "
-                             "floating tensors can be")
+        _check_floating_product(t, spec[t.name][1], "current")
     picked = [e.dtype for e in entries if e.name in chosen] + [spec[t.name][1] for t in products]
     floats = sorted({d for d in picked if d.is_floating_point}, key=str)
     if len(floats) > 1:
@@ -888,6 +890,8 @@ def gather_bytes(plan: SlicePlan, spec: Spec, *, dst: int = 0, reduce: str = "co
     S = plan.num_subnetworks
     entries, _, src, need = _gather_masks(plan, spec, S, dst, reduce, "gather_bytes")
     products = [t for t in plan.tensors if t.product]
+    for t in products:  # as gather_full_model refuses them
+        _check_floating_product(t, spec[t.name][1], "gathered")
     floats = sorted({d for d in [e.dtype for e in entries] + [spec[t.name][1] for t in products]
                      if d.is_floating_point}, key=str)
     if len(floats) > 1:
