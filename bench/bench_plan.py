@@ -65,6 +65,14 @@ def _problem(width, device="cpu"):
     return model, neurons
 
 
+def _next_neurons(width):
+    """The next round's partition: drawn anew, as the ist method draws every round's (each block
+    of this round meets every block of the next)."""
+    parts = [categorical_partition(width, S, round_generator(seed=0, round=DEPTH + l), balanced=True)
+             for l in range(DEPTH)]
+    return [[parts[l][s] for l in range(DEPTH)] for s in range(S)]
+
+
 def _flat_plan(model, neurons):
     """The round's gather/scatter plan on the flat view (one slice per element): the form before."""
     sp = model.slice_plan(neurons)
@@ -190,7 +198,7 @@ def ist_table(widths, flat_max, route_max, repeats):
           f"{'plan_bytes (flat) ms':>21}")
     for w in widths:
         model, neurons = _problem(w)
-        nxt_neurons = [neurons[(s + 1) % S] for s in range(S)]
+        nxt_neurons = _next_neurons(w)
         p = _best(lambda: _stored_plans(model, neurons, True), repeats)
         held = _stored_plans(model, neurons, True)[1]
         blocks = max(len(b) for t in held.tensors if t.holds for b in t.holds)
@@ -224,7 +232,7 @@ def _exchange_worker(rank, widths, repeats, batch, tau, store, out):
     for w in widths:
         model, neurons = _problem(w)
         (cur, spec), nxt = _stored_plans(model, neurons, True)[1:], _stored_plans(
-            model, [neurons[(s + 1) % S] for s in range(S)], True)[1]
+            model, _next_neurons(w), True)[1]
         local = cur.part({n: p.detach() for n, p in model.named_parameters()}, rank)
         mine = model.compact([neurons[rank]]).modules[0]  # this rank's subnetwork, for its local steps
         g = torch.Generator().manual_seed(1 + rank)

@@ -367,15 +367,15 @@ def meet_pieces(contrib: Sequence[Part], need: Sequence[Part], shape: Tuple[int,
     met = ((cr > 0) & (cc > 0)).nonzero().flatten().tolist()
     if not met:
         return []
-    ends_r, ends_c = cr.cumsum(0).tolist(), cc.cumsum(0).tolist()
     n_r, n_c = cr.tolist(), cc.tolist()
+    (src_r, dst_r), (src_c, dst_c) = [(torch.split(x, n), torch.split(y, n)) for x, y, n in
+                                      ((src_r, dst_r, n_r), (src_c, dst_c, n_c))]  # per pair (i, j)
+    ext_a = [(a.offset, a.extent(0, shape[0]), a.extent(1, shape[1])) for a in contrib]
+    ext_b = [(b.offset, b.extent(0, shape[0]), b.extent(1, shape[1])) for b in need]
     out = []
-    for k in met:  # each pair's rows (cols) lie at [end - count, end) of the (i, j)-ordered lists
+    for k in met:
         i, j = divmod(k, Nb)
-        a, b = contrib[i], need[j]
-        r0, r1, c0, c1 = ends_r[k] - n_r[k], ends_r[k], ends_c[k] - n_c[k], ends_c[k]
-        out.append((i, j, Piece(a.offset, a.extent(0, shape[0]), a.extent(1, shape[1]), src_r[r0:r1], src_c[c0:c1]),
-                    Piece(b.offset, b.extent(0, shape[0]), b.extent(1, shape[1]), dst_r[r0:r1], dst_c[c0:c1])))
+        out.append((i, j, Piece(*ext_a[i], src_r[k], src_c[k]), Piece(*ext_b[j], dst_r[k], dst_c[k])))
     return out
 
 
