@@ -710,3 +710,36 @@ def test_integer_product_refused_by_the_byte_counts():
         plan_bytes(plan, plan, spec)
     with pytest.raises(ValueError, match=r"partitions the integer tensor 'c' as a product"):
         gather_bytes(plan, spec)
+
+
+@pytest.mark.parametrize("S,per", [(3, 2), (4, 4)])
+def test_first_held_parts_are_each_elements_lowest_holder(S, per, monkeypatch):
+    """routing.first_held_parts (gather_full_model's copy: each element from its lowest holder) gives
+    rank k exactly the elements its blocks hold and no lower rank's do, each once, as parts lying in
+    the block of its storage they came from; also with the row groups taken one at a time."""
+    from ist_kernels.distributed import routing
+
+    g = torch.Generator().manual_seed(S + per)
+    shape = (14, 9)
+    blocks = []
+    for _ in range(S):  # a rank's blocks: disjoint row sets, random cols
+        rows = torch.randperm(shape[0], generator=g)[:10].sort().values
+        mine = []
+        for r in rows.tensor_split(per):
+            c = torch.nonzero(torch.rand(shape[1], generator=g) < 0.5).flatten()
+            mine.append((r.sort().values, c))
+        blocks.append(mine)
+    held = [{(i, j) for r, c in b for i in r.tolist() for j in c.tolist()} for b in blocks]
+    for chunk in (1 << 22, 9):
+        monkeypatch.setattr(routing, "_CHUNK", chunk)
+        parts = routing.first_held_parts(blocks, shape)
+        for k in range(S):
+            got = [(i, j) for p in parts[k] for i in p.rows.tolist() for j in p.cols.tolist()]
+            assert len(got) == len(set(got)) and set(got) == held[k] - set().union(*held[:k])
+            starts = {}
+            for r, c in blocks[k]:
+                starts[len(starts) and sum(x.numel() * y.numel() for x, y in blocks[k][:len(starts)])] = (r, c)
+            for p in parts[k]:
+                r, c = starts[p.offset]
+                assert torch.equal(p.store_rows, r) and torch.equal(p.store_cols, c)
+                assert set(p.rows.tolist()) <= set(r.tolist()) and set(p.cols.tolist()) <= set(c.tolist())

@@ -278,30 +278,43 @@ def held_parts(blocks: Sequence[Tuple[Tensor, Tensor]]) -> List[Part]:
 def first_held_parts(blocks: Sequence[Sequence[Tuple[Tensor, Tensor]]], shape: Tuple[int, int]) -> List[List[Part]]:
     """Per rank k (``blocks[k]``: its blocks, held as :func:`held_parts`), the elements of a product
     of 2-D ``shape`` it holds and no rank below k holds, as parts of its storage: a block's rows
-    grouped by the lower ranks' blocks they meet, each group's cols less those blocks' cols."""
+    grouped by the lower ranks' blocks they meet (one int64 key per row), each group's cols less
+    those blocks' cols (one small matmul of the groups and the lower blocks' col marks)."""
+    n0, n1 = shape
     out: List[List[Part]] = []
-    lower: List[Part] = []
+    low_rows = torch.zeros(0, n0, dtype=torch.bool)  # the lower ranks' blocks' rows and cols, marked
+    low_cols = torch.zeros(0, n1, dtype=torch.float32)  # (exact: a sum of at most #blocks ones)
     for held in blocks:
         mine, parts = [], [p for p in held_parts(held) if p.rows.numel() and p.cols.numel()]
+        L = low_rows.shape[0]
         for p in parts:
-            meet = torch.stack([q.mark(0, shape[0])[p.rows] for q in lower]) if lower else None
-            if 0 < len(lower) <= 62:  # a row's lower blocks met as the bits of one int64 key
-                key = (meet.to(torch.int64) << torch.arange(len(lower), dtype=torch.int64).unsqueeze(1)).sum(0)
-                keys, inverse = torch.unique(key, return_inverse=True)
-                groups = (keys.unsqueeze(1) >> torch.arange(len(lower), dtype=torch.int64)) & 1
-            elif lower:
-                groups, inverse = torch.unique(meet.T, dim=0, return_inverse=True)
+            if not L:
+                mine.append(p)
+                continue
+            meet = low_rows[:, p.rows]  # [L, rows]
+            if L <= 62:  # a row's lower blocks met as the bits of one int64 key
+                bit = torch.arange(L, dtype=torch.int64)
+                keys, inverse = torch.unique((meet.to(torch.int64) << bit.unsqueeze(1)).sum(0), return_inverse=True)
+                groups = ((keys.unsqueeze(1) >> bit) & 1).to(torch.float32)
             else:
-                groups, inverse = torch.zeros(1, 0, dtype=torch.bool), torch.zeros(p.rows.numel(), dtype=torch.int64)
-            for gi, g in enumerate(groups):
-                taken = torch.zeros(shape[1], dtype=torch.bool)
-                for i in g.nonzero().flatten().tolist():
-                    taken |= lower[i].mark(1, shape[1])
-                cols = p.cols[~taken[p.cols]]
-                if cols.numel():
-                    mine.append(Part(p.rows[inverse == gi], cols, p.offset, p.store_rows, p.store_cols))
+                groups, inverse = torch.unique(meet.T, dim=0, return_inverse=True)
+                groups = groups.to(torch.float32)
+            step = max(1, _CHUNK // n1)
+            for g0 in range(0, groups.shape[0], step):
+                free = ((groups[g0:g0 + step] @ low_cols) == 0)[:, p.cols]  # [groups, cols]: no lower block has it
+                for gi in range(free.shape[0]):
+                    cols = p.cols[free[gi]]
+                    if cols.numel():
+                        mine.append(Part(p.rows[inverse == g0 + gi], cols, p.offset, p.store_rows, p.store_cols))
         out.append(mine)
-        lower += parts
+        if parts:
+            r = torch.zeros(len(parts), n0, dtype=torch.bool)
+            c = torch.zeros(len(parts), n1, dtype=torch.float32)
+            ids, which, _ = _cat([q.rows for q in parts])
+            r[which, ids] = True
+            ids, which, _ = _cat([q.cols for q in parts])
+            c[which, ids] = 1
+            low_rows, low_cols = torch.cat([low_rows, r]), torch.cat([low_cols, c])
     return out
 
 
