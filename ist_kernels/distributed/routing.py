@@ -275,6 +275,18 @@ def held_parts(blocks: Sequence[Tuple[Tensor, Tensor]]) -> List[Part]:
     return out
 
 
+def _row_groups(meet: Tensor) -> Tuple[Tensor, Tensor]:
+    """Rows grouped by the blocks they meet (``meet``: [blocks, rows] bool): [groups, blocks] float
+    (1: the group's rows meet that block) and each row's group. Up to 62 blocks a row's pattern is
+    the bits of one int64 key (one ``unique`` of a vector), beyond that ``unique`` of the columns."""
+    if meet.shape[0] <= 62:
+        bit = torch.arange(meet.shape[0], dtype=torch.int64)
+        keys, inverse = torch.unique((meet.to(torch.int64) << bit.unsqueeze(1)).sum(0), return_inverse=True)
+        return ((keys.unsqueeze(1) >> bit) & 1).to(torch.float32), inverse
+    groups, inverse = torch.unique(meet.T, dim=0, return_inverse=True)
+    return groups.to(torch.float32), inverse
+
+
 def first_held_parts(blocks: Sequence[Sequence[Tuple[Tensor, Tensor]]], shape: Tuple[int, int]) -> List[List[Part]]:
     """Per rank k (``blocks[k]``: its blocks, held as :func:`held_parts`), the elements of a product
     of 2-D ``shape`` it holds and no rank below k holds, as parts of its storage: a block's rows
@@ -291,14 +303,7 @@ def first_held_parts(blocks: Sequence[Sequence[Tuple[Tensor, Tensor]]], shape: T
             if not L:
                 mine.append(p)
                 continue
-            meet = low_rows[:, p.rows]  # [L, rows]
-            if L <= 62:  # a row's lower blocks met as the bits of one int64 key
-                bit = torch.arange(L, dtype=torch.int64)
-                keys, inverse = torch.unique((meet.to(torch.int64) << bit.unsqueeze(1)).sum(0), return_inverse=True)
-                groups = ((keys.unsqueeze(1) >> bit) & 1).to(torch.float32)
-            else:
-                groups, inverse = torch.unique(meet.T, dim=0, return_inverse=True)
-                groups = groups.to(torch.float32)
+            groups, inverse = _row_groups(low_rows[:, p.rows])
             step = max(1, _CHUNK // n1)
             for g0 in range(0, groups.shape[0], step):
                 free = ((groups[g0:g0 + step] @ low_cols) == 0)[:, p.cols]  # [groups, cols]: no lower block has it
@@ -418,13 +423,7 @@ def union_sizes(blocks: Sequence[Sequence[Tuple[Tensor, Tensor]]], shape: Tuple[
     rows[which, ids] = True
     ids, which, _ = _cat([c for _, _, c in flat])
     cols[which, ids] = 1
-    if B <= 62:  # a row's blocks as the bits of one int64 key
-        bit = torch.arange(B, dtype=torch.int64)
-        keys, inverse = torch.unique((rows.to(torch.int64) << bit.unsqueeze(1)).sum(0), return_inverse=True)
-        groups = ((keys.unsqueeze(1) >> bit) & 1).to(torch.float32)
-    else:
-        groups, inverse = torch.unique(rows.T, dim=0, return_inverse=True)
-        groups = groups.to(torch.float32)
+    groups, inverse = _row_groups(rows)
     height = torch.bincount(inverse, minlength=groups.shape[0])  # rows per group
     rank = torch.tensor([k for k, _, _ in flat], dtype=torch.int64)
     step = max(1, _CHUNK // max(1, n1))  # groups per chunk: at most ~4M column marks at once
