@@ -87,7 +87,7 @@ class Comm:
         self.entered: List[Tuple[float, float]] = []
         #: the Exchanges of the round being exchanged, by their plans and options: the model's and
         #: each moment's exchange between the same two plans share one (its routing derived once)
-        self._exchanges: Dict[tuple, tuple] = {}
+        self._exchanges: Dict[tuple, Tuple[object, Exchange]] = {}
         self._exchange_round: Optional[int] = None
 
     @property
@@ -175,12 +175,9 @@ class Comm:
         if round != self._exchange_round:
             self._exchanges, self._exchange_round = {}, round
         key = (id(current), id(next), id(spec), tuple(sorted(options.items())))
-        kept = self._exchanges.get(key)
-        if kept is not None and kept[0] is current and kept[1] is next and kept[2] is spec:
-            return kept[3]
-        ex = Exchange(current, next, spec, round=round, **options)
-        self._exchanges[key] = (current, next, spec, ex)  # held: their ids stay theirs
-        return ex
+        if key not in self._exchanges:  # the entry holds the plans (in the Exchange) and the spec: their ids stay theirs
+            self._exchanges[key] = (spec, Exchange(current, next, spec, round=round, **options))
+        return self._exchanges[key][1]
 
     def _coded_state_bytes(self, current, next, spec, names, storage: str, shared: Optional[str], code):
         """Per rank, (sent, received) of an exchange of optimizer moments coded block-wise as
