@@ -87,28 +87,6 @@ class Part:
     offset: int = 0
     store_rows: Optional[Tensor] = None
     store_cols: Optional[Tensor] = None
-    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-
-    def mark(self, axis: int, n: int) -> Tensor:
-        """[n] bool: the rows (axis 0) or cols (axis 1) of this part, marked (kept for reuse)."""
-        key = ("mark", axis)
-        if key not in self._memo:
-            m = torch.zeros(n, dtype=torch.bool)
-            m[(self.rows, self.cols)[axis]] = True
-            self._memo[key] = m
-        return self._memo[key]
-
-    def where(self, axis: int, ids: Tensor, n: int) -> Tensor:
-        """Positions of ``ids`` (rows of axis 0, cols of axis 1, all held) in this part's storage block."""
-        store = (self.store_rows, self.store_cols)[axis]
-        if store is None:
-            return ids
-        key = ("pos", axis)
-        if key not in self._memo:
-            pos = torch.full((n,), -1, dtype=torch.int64)
-            pos[store] = torch.arange(store.numel(), dtype=torch.int64)
-            self._memo[key] = pos
-        return self._memo[key][ids]
 
     def extent(self, axis: int, n: int) -> int:
         """The storage block's rows (axis 0) or cols (axis 1)."""
@@ -313,13 +291,8 @@ def first_held_parts(blocks: Sequence[Sequence[Tuple[Tensor, Tensor]]], shape: T
                         mine.append(Part(p.rows[inverse == g0 + gi], cols, p.offset, p.store_rows, p.store_cols))
         out.append(mine)
         if parts:
-            r = torch.zeros(len(parts), n0, dtype=torch.bool)
-            c = torch.zeros(len(parts), n1, dtype=torch.float32)
-            ids, which, _ = _cat([q.rows for q in parts])
-            r[which, ids] = True
-            ids, which, _ = _cat([q.cols for q in parts])
-            c[which, ids] = 1
-            low_rows, low_cols = torch.cat([low_rows, r]), torch.cat([low_cols, c])
+            low_rows = torch.cat([low_rows, _marks([q.rows for q in parts], n0)])
+            low_cols = torch.cat([low_cols, _marks([q.cols for q in parts], n1, torch.float32)])
     return out
 
 
@@ -332,12 +305,18 @@ def _cat(idx: Sequence[Tensor], place: bool = False) -> Tuple[Tensor, Tensor, Op
     return (torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)), which, at
 
 
+def _marks(idx: Sequence[Tensor], n: int, dtype: torch.dtype = torch.bool) -> Tensor:
+    """[len(idx), n]: row i marks (True / 1) the indices of ``idx[i]``."""
+    out = torch.zeros(len(idx), n, dtype=dtype)
+    ids, which, _ = _cat(idx)
+    out[which, ids] = 1
+    return out
+
+
 def _stacked(parts: Sequence[Part], axis: int, n: int) -> Tuple[Tensor, Tensor]:
     """[len(parts), n] bool marks of the parts' rows (axis 0) or cols (axis 1) and [len(parts), n]
     int64 positions of each in its part's storage block (-1 where the storage lacks it)."""
-    ids, which, _ = _cat([(p.rows, p.cols)[axis] for p in parts])
-    marks = torch.zeros(len(parts), n, dtype=torch.bool)
-    marks[which, ids] = True
+    marks = _marks([(p.rows, p.cols)[axis] for p in parts], n)
     stores = [(p.store_rows, p.store_cols)[axis] for p in parts]
     pos = torch.full((len(parts), n), -1, dtype=torch.int64)
     full = [i for i, st in enumerate(stores) if st is None]
@@ -416,13 +395,9 @@ def union_sizes(blocks: Sequence[Sequence[Tuple[Tensor, Tensor]]], shape: Tuple[
     flat = [(k, r.cpu(), c.cpu()) for k in range(S) for r, c in blocks[k] if r.numel() and c.numel()]
     if not flat:
         return [0] * len(upto)
-    B, (n0, n1) = len(flat), shape
-    rows = torch.zeros(B, n0, dtype=torch.bool)
-    cols = torch.zeros(B, n1, dtype=torch.float32)  # exact: a column sums at most B ones
-    ids, which, _ = _cat([r for _, r, _ in flat])
-    rows[which, ids] = True
-    ids, which, _ = _cat([c for _, _, c in flat])
-    cols[which, ids] = 1
+    n0, n1 = shape
+    rows = _marks([r for _, r, _ in flat], n0)
+    cols = _marks([c for _, _, c in flat], n1, torch.float32)  # exact: a column sums at most len(flat) ones
     groups, inverse = _row_groups(rows)
     height = torch.bincount(inverse, minlength=groups.shape[0])  # rows per group
     rank = torch.tensor([k for k, _, _ in flat], dtype=torch.int64)
