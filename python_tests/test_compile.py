@@ -56,8 +56,11 @@ def test_compile_five_rounds_compile_once_and_train_the_same(tmp_path):
     assert (c_sum["compiles"], c_sum["recompiles"]) == (1, 0)
     tp = c_sum["time_by_part"]
     assert tp["compile"] > 0 and e_sum["time_by_part"]["compile"] == 0
-    assert c_hist[1]["time"]["compile"] > 0.1  # the first round compiled ...
-    assert all(r["time"]["compile"] < 0.1 for r in c_hist[2:])  # ... the others only wrap their new modules
+    # the first round compiled, the others only wrapped their new modules: most of the run's compile
+    # seconds are the first round's (no absolute threshold: inductor's on-disk cache, warmed by an
+    # earlier test or run, makes a compile of this model take well under 0.1 s)
+    later = [r["time"]["compile"] for r in c_hist[2:]]
+    assert c_hist[1]["time"]["compile"] > sum(later), (c_hist[1]["time"]["compile"], later)
     assert c_sum["train_loss"] == pytest.approx(e_sum["train_loss"], rel=0.01)
     assert c_sum["test_loss"] == pytest.approx(e_sum["test_loss"], rel=0.01)
     assert len(c_hist) == len(e_hist) == 6
