@@ -568,6 +568,7 @@ def test_union_sizes_and_first_holders_from_blocks(S, per, monkeypatch):
     hold and those rank k holds first: equal to counting marked elements one by one (also with the
     row groups taken a few at a time)."""
     from ist_kernels.distributed import routing
+    from ist_kernels.ops.slices import product
 
     g = torch.Generator().manual_seed(S * 10 + per)
     shape = (13, 17)
@@ -578,10 +579,51 @@ def test_union_sizes_and_first_holders_from_blocks(S, per, monkeypatch):
             held[k] |= {(i, j) for i in r.tolist() for j in c.tolist()}
     want = [len(set().union(*held[:k])) for k in range(S + 1)]
     for chunk in (1 << 22, 20):  # 20 marks a chunk: one row group at a time
-        monkeypatch.setattr(routing, "_CHUNK", chunk)
+        monkeypatch.setattr(product, "UNION_CHUNK", chunk)
+        monkeypatch.setattr(routing, "UNION_CHUNK", chunk)
         assert routing.union_sizes(blocks, shape, range(S + 1)) == want
         assert routing.first_held_counts(blocks, shape) == [want[k + 1] - want[k] for k in range(S)]
     assert routing.union_sizes([[] for _ in range(S)], shape, [S]) == [0]
+
+
+def _elements(index):
+    return [{(i, j) for i in r.tolist() for j in c.tolist()} for r, c in index]
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA_PARAM])
+@pytest.mark.parametrize("n", [2, 7, 70])  # 70 segments: past the int64 key's 62 bits
+def test_union_numels_and_overlaps_against_elements(device, n, monkeypatch):
+    """ops.slices.product.union_numels counts the elements of every prefix of the segments and
+    overlaps says whether two segments share one: equal to sets of elements, on random segments (empty
+    ones among them), on an IST partition (disjoint rows: the quick exit), on segments that share
+    rows but not cols, on one shared element, and with the row groups taken one at a time."""
+    from ist_kernels.ops.slices import product
+
+    g = torch.Generator().manual_seed(n)
+    shape = (11, 19)
+
+    def rand(p):
+        return torch.nonzero(torch.rand(shape[0], generator=g) < p).flatten(), \
+            torch.nonzero(torch.rand(shape[1], generator=g) < p).flatten()
+
+    cases = {"random": [rand(0.3) for _ in range(n)] + [(torch.zeros(0, dtype=torch.int64), torch.arange(3))],
+             "ist": [(torch.arange(shape[0])[k::n], torch.arange(shape[1])) for k in range(n)],
+             "rows shared": [(torch.arange(shape[0]), torch.arange(shape[1])[k::n]) for k in range(n)]}
+    one = [(torch.tensor([k]), torch.tensor([k])) for k in range(min(n, shape[0]))]  # a diagonal: no two meet
+    cases["diagonal"] = one
+    cases["one shared"] = one + [(torch.tensor([0, 10]), torch.tensor([18, 0]))] if n > 1 else one
+    for chunk in (1 << 22, 19):  # 19 marks a chunk: one row group at a time
+        monkeypatch.setattr(product, "UNION_CHUNK", chunk)
+        for name, index in cases.items():
+            index = [(r.to(device), c.to(device)) for r, c in index]
+            sets = _elements(index)
+            upto = list(range(len(index) + 1))
+            want = [len(set().union(*sets[:k])) for k in upto]
+            assert product.union_numels(index, shape, upto) == want, name
+            shared = any(sets[i] & sets[j] for j in range(len(sets)) for i in range(j))
+            assert product.overlaps(index, shape) is shared, name
+    assert product.union_numels([], shape, [0]) == [0]
+    assert product.overlaps([], shape) is False
 
 
 def _brute_pieces(contrib, need, shape):
@@ -731,7 +773,7 @@ def test_first_held_parts_are_each_elements_lowest_holder(S, per, monkeypatch):
         blocks.append(mine)
     held = [{(i, j) for r, c in b for i in r.tolist() for j in c.tolist()} for b in blocks]
     for chunk in (1 << 22, 9):
-        monkeypatch.setattr(routing, "_CHUNK", chunk)
+        monkeypatch.setattr(routing, "UNION_CHUNK", chunk)
         parts = routing.first_held_parts(blocks, shape)
         for k in range(S):
             got = [(i, j) for p in parts[k] for i in p.rows.tolist() for j in p.cols.tolist()]

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import functional as F
-from ..ops.slices.product import gather_product, scatter_products_
+from ..ops.slices.product import gather_product, overlaps, scatter_products_
 from ..partition.aggregate import aggregate_slices_
 from ..partition.plan import SlicePlan, TensorSlices
 from . import blockwise as B, compress as C, quantize as Q
@@ -197,9 +197,7 @@ class _Mover:
                 off += seg.numel
             if k != r:
                 recv_off = off
-        # two pieces share an element iff the pieces' sizes sum to more than their union
-        return [(entry, offset, h, w, pieces, len(pieces) > 1 and sum(p[2].numel() * p[3].numel() for p in pieces) >
-                 union_sizes([[(p[2], p[3])] for p in pieces], (h, w), [len(pieces)])[0])
+        return [(entry, offset, h, w, pieces, overlaps([(p[2], p[3]) for p in pieces], (h, w)))
                 for (entry, offset), (h, w, pieces) in blocks.items()]
 
     def _device_pieces(self, device) -> Tuple[list, list]:

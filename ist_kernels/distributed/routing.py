@@ -26,6 +26,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ..ops.slices.product import UNION_CHUNK, marks, row_groups, union_numels
+
 
 @dataclass
 class Entry:
@@ -239,7 +241,6 @@ def add_product(routing: Routing, entry: int, send: Sequence[List[Piece]], recv:
 
 
 _NO_INDEX = torch.zeros(0, dtype=torch.int64)
-_CHUNK = 1 << 22  # union_sizes: column marks per chunk of row groups
 
 
 def held_parts(blocks: Sequence[Tuple[Tensor, Tensor]]) -> List[Part]:
@@ -251,18 +252,6 @@ def held_parts(blocks: Sequence[Tuple[Tensor, Tensor]]) -> List[Part]:
         out.append(Part(rows, cols, off, rows, cols))
         off += rows.numel() * cols.numel()
     return out
-
-
-def _row_groups(meet: Tensor) -> Tuple[Tensor, Tensor]:
-    """Rows grouped by the blocks they meet (``meet``: [blocks, rows] bool): [groups, blocks] float
-    (1: the group's rows meet that block) and each row's group. Up to 62 blocks a row's pattern is
-    the bits of one int64 key (one ``unique`` of a vector), beyond that ``unique`` of the columns."""
-    if meet.shape[0] <= 62:
-        bit = torch.arange(meet.shape[0], dtype=torch.int64)
-        keys, inverse = torch.unique((meet.to(torch.int64) << bit.unsqueeze(1)).sum(0), return_inverse=True)
-        return ((keys.unsqueeze(1) >> bit) & 1).to(torch.float32), inverse
-    groups, inverse = torch.unique(meet.T, dim=0, return_inverse=True)
-    return groups.to(torch.float32), inverse
 
 
 def first_held_parts(blocks: Sequence[Sequence[Tuple[Tensor, Tensor]]], shape: Tuple[int, int]) -> List[List[Part]]:
@@ -281,8 +270,8 @@ def first_held_parts(blocks: Sequence[Sequence[Tuple[Tensor, Tensor]]], shape: T
             if not L:
                 mine.append(p)
                 continue
-            groups, inverse = _row_groups(low_rows[:, p.rows])
-            step = max(1, _CHUNK // n1)
+            groups, inverse = row_groups(low_rows[:, p.rows])
+            step = max(1, UNION_CHUNK // n1)
             for g0 in range(0, groups.shape[0], step):
                 free = ((groups[g0:g0 + step] @ low_cols) == 0)[:, p.cols]  # [groups, cols]: no lower block has it
                 for gi in range(free.shape[0]):
@@ -291,8 +280,8 @@ def first_held_parts(blocks: Sequence[Sequence[Tuple[Tensor, Tensor]]], shape: T
                         mine.append(Part(p.rows[inverse == g0 + gi], cols, p.offset, p.store_rows, p.store_cols))
         out.append(mine)
         if parts:
-            low_rows = torch.cat([low_rows, _marks([q.rows for q in parts], n0)])
-            low_cols = torch.cat([low_cols, _marks([q.cols for q in parts], n1, torch.float32)])
+            low_rows = torch.cat([low_rows, marks([q.rows for q in parts], n0)])
+            low_cols = torch.cat([low_cols, marks([q.cols for q in parts], n1, torch.float32)])
     return out
 
 
@@ -305,18 +294,10 @@ def _cat(idx: Sequence[Tensor], place: bool = False) -> Tuple[Tensor, Tensor, Op
     return (torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)), which, at
 
 
-def _marks(idx: Sequence[Tensor], n: int, dtype: torch.dtype = torch.bool) -> Tensor:
-    """[len(idx), n]: row i marks (True / 1) the indices of ``idx[i]``."""
-    out = torch.zeros(len(idx), n, dtype=dtype)
-    ids, which, _ = _cat(idx)
-    out[which, ids] = 1
-    return out
-
-
 def _stacked(parts: Sequence[Part], axis: int, n: int) -> Tuple[Tensor, Tensor]:
     """[len(parts), n] bool marks of the parts' rows (axis 0) or cols (axis 1) and [len(parts), n]
     int64 positions of each in its part's storage block (-1 where the storage lacks it)."""
-    marks = _marks([(p.rows, p.cols)[axis] for p in parts], n)
+    marked = marks([(p.rows, p.cols)[axis] for p in parts], n)
     stores = [(p.store_rows, p.store_cols)[axis] for p in parts]
     pos = torch.full((len(parts), n), -1, dtype=torch.int64)
     full = [i for i, st in enumerate(stores) if st is None]
@@ -326,7 +307,7 @@ def _stacked(parts: Sequence[Part], axis: int, n: int) -> Tuple[Tensor, Tensor]:
     if kept:
         ids, which, place = _cat([stores[i] for i in kept], True)
         pos[torch.tensor(kept, dtype=torch.int64)[which], ids] = place
-    return marks, pos
+    return marked, pos
 
 
 def meet_pieces(contrib: Sequence[Part], need: Sequence[Part], shape: Tuple[int, int]
@@ -348,9 +329,9 @@ def meet_pieces(contrib: Sequence[Part], need: Sequence[Part], shape: Tuple[int,
         width = max(i.numel() for i in idx)
         pad = torch.full((A, width), n, dtype=torch.int64)  # contrib i's ids in row i, padded with n
         pad[owner, place] = ids
-        marks, need_pos = _stacked(need, axis, n + 1)  # column n (the padding) marked by none
+        need_marks, need_pos = _stacked(need, axis, n + 1)  # column n (the padding) marked by none
         # [A, Nb, width]: contrib i's p-th id lies in need j; nonzero lists (i, j, p) in that order
-        i, j, p = marks[:, pad].transpose(0, 1).nonzero().unbind(1)
+        i, j, p = need_marks[:, pad].transpose(0, 1).nonzero().unbind(1)
         got = pad[i, p]
         stores = [(a.store_rows, a.store_cols)[axis] for a in contrib]
         if all(st is x for st, x in zip(stores, idx)):  # held parts: an id's place in its part is its position
@@ -388,30 +369,13 @@ def product_pieces(contrib: Sequence[Part], need: Sequence[Part], shape: Tuple[i
 def union_sizes(blocks: Sequence[Sequence[Tuple[Tensor, Tensor]]], shape: Tuple[int, int],
                 upto: Sequence[int]) -> List[int]:
     """For each k of ``upto``, how many elements of a product of 2-D ``shape`` ranks 0..k-1 hold
-    (``blocks[r]``: rank r's (rows, cols) blocks), their blocks' union. A union is counted per group
-    of rows that meet the same blocks (the OR of those blocks' cols), never element by element:
-    O(blocks x (rows + cols) + groups x blocks x cols)."""
-    S = len(blocks)
-    flat = [(k, r.cpu(), c.cpu()) for k in range(S) for r, c in blocks[k] if r.numel() and c.numel()]
-    if not flat:
-        return [0] * len(upto)
-    n0, n1 = shape
-    rows = _marks([r for _, r, _ in flat], n0)
-    cols = _marks([c for _, _, c in flat], n1, torch.float32)  # exact: a column sums at most len(flat) ones
-    groups, inverse = _row_groups(rows)
-    height = torch.bincount(inverse, minlength=groups.shape[0])  # rows per group
-    rank = torch.tensor([k for k, _, _ in flat], dtype=torch.int64)
-    step = max(1, _CHUNK // max(1, n1))  # groups per chunk: at most ~4M column marks at once
-    out = []
-    for k in upto:
-        mine = rank < k
-        total = 0
-        if bool(mine.any()):
-            for g in range(0, groups.shape[0], step):
-                covered = (groups[g:g + step, mine] @ cols[mine]) > 0  # [groups, n1]: cols a block of the group holds
-                total += int((covered.sum(1) * height[g:g + step]).sum())
-        out.append(total)
-    return out
+    (``blocks[r]``: rank r's (rows, cols) blocks): their blocks' union
+    (:func:`~ist_kernels.ops.slices.product.union_numels`, never element by element)."""
+    flat = [(r.cpu(), c.cpu()) for held in blocks for r, c in held]
+    below = [0]
+    for held in blocks:
+        below.append(below[-1] + len(held))  # blocks of the ranks below k
+    return union_numels(flat, shape, [below[k] for k in upto])
 
 
 def first_held_counts(blocks: Sequence[Sequence[Tuple[Tensor, Tensor]]], shape: Tuple[int, int]) -> List[int]:

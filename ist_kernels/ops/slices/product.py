@@ -127,15 +127,73 @@ def _meet(lists: Sequence[Tensor], size: int) -> bool:
     return bool(lists) and int(torch.bincount(torch.cat(lists), minlength=size).max()) > 1
 
 
+UNION_CHUNK = 1 << 22  # union_numels: column marks per chunk of row groups (~16 MB of float32)
+
+
+def marks(lists: Sequence[Tensor], n: int, dtype: torch.dtype = torch.bool) -> Tensor:
+    """[len(lists), n] on the lists' device: row i marks (True / 1) the indices of ``lists[i]``
+    (each in [0, n)). One scatter, no host sync."""
+    device = lists[0].device if lists else torch.device("cpu")
+    out = torch.zeros(len(lists), n, dtype=dtype, device=device)
+    lens = [i.numel() for i in lists]
+    if sum(lens):
+        which = torch.repeat_interleave(torch.arange(len(lists), device=device),
+                                        torch.tensor(lens, device=device), output_size=sum(lens))
+        out[which, torch.cat(list(lists))] = 1
+    return out
+
+
+def row_groups(meet: Tensor) -> Tuple[Tensor, Tensor]:
+    """Rows grouped by the segments they meet (``meet``: [segments, rows] bool): [groups, segments]
+    float32 (1: the group's rows meet that segment) and each row's group. Up to 62 segments a row's
+    pattern is the bits of one int64 key (one ``unique`` of a vector), beyond that ``unique`` of the
+    columns."""
+    if meet.shape[0] <= 62:
+        bit = torch.arange(meet.shape[0], dtype=torch.int64, device=meet.device)
+        keys, inverse = torch.unique((meet.to(torch.int64) << bit.unsqueeze(1)).sum(0), return_inverse=True)
+        return ((keys.unsqueeze(1) >> bit) & 1).to(torch.float32), inverse
+    groups, inverse = torch.unique(meet.T, dim=0, return_inverse=True)
+    return groups.to(torch.float32), inverse
+
+
+def union_numels(index: Sequence[Product], sizes: Tuple[int, int], upto: Sequence[int]) -> List[int]:
+    """For each k of ``upto``, how many elements of a product of 2-D ``sizes`` the segments
+    ``index[:k]`` own together: the union of their rows x cols, never element by element. The rows
+    are grouped by the segments they meet (:func:`row_groups`); a group owns the OR of those
+    segments' cols (one small matmul of 0/1 marks, exact in float32) for each of its rows:
+    O(segments x (rows + cols) + groups x segments x cols), one host sync."""
+    keep = [j for j, (r, c) in enumerate(index) if r.numel() and c.numel()]
+    if not keep:
+        return [0] * len(upto)
+    n0, n1 = sizes
+    rows = marks([index[j][0] for j in keep], n0)
+    cols = marks([index[j][1] for j in keep], n1, torch.float32)
+    groups, inverse = row_groups(rows)
+    height = torch.bincount(inverse, minlength=groups.shape[0])  # rows per group
+    step = max(1, UNION_CHUNK // max(1, n1))  # groups per chunk
+    totals = []
+    for k in upto:
+        m = sum(j < k for j in keep)  # the kept segments below k: a prefix of them
+        total = torch.zeros((), dtype=torch.int64, device=rows.device)
+        for g in range(0, groups.shape[0] if m else 0, step):
+            covered = (groups[g:g + step, :m] @ cols[:m]) > 0  # [groups, n1]: cols some segment of the group owns
+            total = total + (covered.sum(1) * height[g:g + step]).sum()
+        totals.append(total)
+    return torch.stack(totals).tolist()
+
+
 def overlaps(index: Sequence[Product], sizes: Tuple[int, int]) -> bool:
     """Whether some element is owned by two of the segments (their rows and their cols both meet),
     from the index lists (``sizes``: the two dims' lengths): at once False where the rows (or the
-    cols) of all segments are disjoint, e.g. an IST partition; else pair by pair. Counted with
-    ``bincount`` (serial on the CPU, no parallel region for a few thousand indices)."""
+    cols) of all segments are disjoint, e.g. an IST partition (``bincount``: serial on the CPU, no
+    parallel region for a few thousand indices); else every pair at once: the segments' row marks
+    times their transpose counts the rows each pair shares, the same for cols (two small matmuls of
+    0/1 marks, exact in float32), one host sync."""
     if len(index) < 2 or not _meet([p[0] for p in index], sizes[0]) or not _meet([p[1] for p in index], sizes[1]):
         return False
-    return any(_meet([index[j][0], index[i][0]], sizes[0]) and _meet([index[j][1], index[i][1]], sizes[1])
-               for j in range(len(index)) for i in range(j))
+    rows, cols = marks([p[0] for p in index], sizes[0], torch.float32), marks([p[1] for p in index], sizes[1], torch.float32)
+    both = ((rows @ rows.T) > 0) & ((cols @ cols.T) > 0)  # [n, n]: pairs that share rows and cols
+    return bool(both.triu(1).any())
 
 
 @torch.no_grad()
