@@ -1,9 +1,9 @@
 """The round's slice plan of a SubnetMLP in O(rows + cols) (issue 37 item 3), one command:
 
     python bench/bench_plan.py [--widths 1024,2048,4096,8192,16384] [--flat-max 4096] [--route-max 4096]
-                               [--threads N] [--only plan,call,round,ist,exchange] [--exchange-max 8192]
+                               [--threads N] [--only plan,call,round,ist,exchange,overlap] [--exchange-max 8192]
 
-prints four tables (depth 2, S = 4 balanced neuron partitions, fp32, best of ``--repeats``):
+prints six tables (depth 2, S = 4 balanced neuron partitions, fp32, best of ``--repeats``):
 
 1. plan build per width: the planned gather/scatter of a round of all S subnetworks
    (``SubnetMLP._planned``: every tensor's index lists, validated, the compact buffers allocated)
@@ -33,6 +33,12 @@ prints four tables (depth 2, S = 4 balanced neuron partitions, fp32, best of ``-
    against its call (the all-to-all of every rank's compact tensors and the owner means), alone and
    in the round: tau local steps of each rank's subnetwork then the exchange, built in the round or
    built before; the round with its routing built costs at most 1.2x the one that reuses it (target).
+6. ``overlaps`` (whether two segments of a product target share an element: the owner mean's slow
+   path, asked by the SubnetMLP plan and the Exchange for every target block) on a width x width
+   target: a x a pieces that tile it (rows and cols each split a ways at random: what a round's
+   write-back of a freshly drawn partition brings, every pair meeting in rows or cols but no element
+   shared) and a x a random segments that do share elements; against the pair-by-pair check
+   ``overlaps`` made before (one ``bincount`` per dim and pair, stopping at the first shared pair).
 """
 import argparse
 import time
@@ -42,6 +48,7 @@ import torch
 from ist_kernels import functional as IF
 from ist_kernels.distributed import plan_bytes
 from ist_kernels.nn import SubnetMLP
+from ist_kernels.ops.slices.product import overlaps
 from ist_kernels.partition import categorical_partition, round_generator
 
 S, DEPTH, IN, OUT = 4, 2, 256, 10
@@ -291,13 +298,46 @@ def exchange_table(widths, repeats, batch, tau):
               f"{b['round once'] * 1e3:14.1f} {rr:11.2f}x {'PASS' if rr <= 1.2 else 'MISS':>7} {sent / 1e6:8.1f}")
 
 
+def _pairwise_overlaps(index, sizes):
+    """The check ``overlaps`` made before (the baseline): the quick disjoint exit, then pair by pair,
+    one ``bincount`` per dim, stopping at the first pair that shares rows and cols."""
+    def meet(lists, n):
+        return int(torch.bincount(torch.cat(lists), minlength=n).max()) > 1
+
+    if len(index) < 2 or not meet([p[0] for p in index], sizes[0]) or not meet([p[1] for p in index], sizes[1]):
+        return False
+    return any(meet([index[j][0], index[i][0]], sizes[0]) and meet([index[j][1], index[i][1]], sizes[1])
+               for j in range(len(index)) for i in range(j))
+
+
+def overlap_table(widths, repeats):
+    print("\n6. overlaps on a width x width target: a x a pieces tiling it (no element shared) and a x a random "
+          "segments (sharing), ms")
+    print(f"{'width':>6} {'a':>3} {'tiled: pairwise':>16} {'now':>8} {'ratio':>7} {'random: pairwise':>17} {'now':>8} "
+          f"{'ratio':>7}")
+    g = torch.Generator().manual_seed(0)
+    for w in widths:
+        for a in (S, 2 * S):
+            rp, cp = torch.randperm(w, generator=g), torch.randperm(w, generator=g)
+            tiled = [(rp[i::a].sort().values, cp[j::a].sort().values) for i in range(a) for j in range(a)]
+            rand = [(torch.nonzero(torch.rand(w, generator=g) < 0.5).flatten(),
+                     torch.nonzero(torch.rand(w, generator=g) < 0.5).flatten()) for _ in range(a * a)]
+            row = []
+            for ix, want in ((tiled, False), (rand, True)):
+                assert overlaps(ix, (w, w)) is want and _pairwise_overlaps(ix, (w, w)) is want
+                old = _best(lambda: _pairwise_overlaps(ix, (w, w)), repeats)
+                new = _best(lambda: overlaps(ix, (w, w)), repeats)
+                row += [old * 1e3, new * 1e3, old / new]
+            print(f"{w:6d} {a:3d} {row[0]:16.3f} {row[1]:8.3f} {row[2]:6.2f}x {row[3]:17.3f} {row[4]:8.3f} {row[5]:6.2f}x")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--widths", default="1024,2048,4096,8192,16384")
     ap.add_argument("--flat-max", type=int, default=4096, help="largest width the flat plan is built at")
     ap.add_argument("--route-max", type=int, default=4096, help="largest width the Exchange's routing of the flat plan is set up at")
     ap.add_argument("--exchange-max", type=int, default=8192, help="largest width the distributed exchange runs at")
-    ap.add_argument("--only", default="plan,call,round,ist,exchange", help="the tables to print")
+    ap.add_argument("--only", default="plan,call,round,ist,exchange,overlap", help="the tables to print")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--tau", type=int, default=8)
@@ -318,6 +358,8 @@ def main():
         ist_table(widths, a.flat_max, a.route_max, a.repeats)
     if "exchange" in only:
         exchange_table([w for w in widths if w <= a.exchange_max], max(1, a.repeats // 2), a.batch, a.tau)
+    if "overlap" in only:
+        overlap_table(widths, a.repeats)
 
 
 if __name__ == "__main__":

@@ -596,7 +596,8 @@ def test_union_numels_and_overlaps_against_elements(device, n, monkeypatch):
     """ops.slices.product.union_numels counts the elements of every prefix of the segments and
     overlaps says whether two segments share one: equal to sets of elements, on random segments (empty
     ones among them), on an IST partition (disjoint rows: the quick exit), on segments that share
-    rows but not cols, on one shared element, and with the row groups taken one at a time."""
+    rows but not cols, on one shared element, on single elements with the one shared pair last, and
+    with the row groups taken one at a time."""
     from ist_kernels.ops.slices import product
 
     g = torch.Generator().manual_seed(n)
@@ -612,6 +613,10 @@ def test_union_numels_and_overlaps_against_elements(device, n, monkeypatch):
     one = [(torch.tensor([k]), torch.tensor([k])) for k in range(min(n, shape[0]))]  # a diagonal: no two meet
     cases["diagonal"] = one
     cases["one shared"] = one + [(torch.tensor([0, 10]), torch.tensor([18, 0]))] if n > 1 else one
+    cells = torch.randperm(shape[0] * shape[1], generator=g)[:n].tolist()  # n elements, one a segment
+    late = [(torch.tensor([c // shape[1]]), torch.tensor([c % shape[1]])) for c in cells]
+    cases["late shared"] = late + [late[0]]  # only the last segment shares (overlaps' last batch)
+    cases["elements"] = late
     for chunk in (1 << 22, 19):  # 19 marks a chunk: one row group at a time
         monkeypatch.setattr(product, "UNION_CHUNK", chunk)
         for name, index in cases.items():

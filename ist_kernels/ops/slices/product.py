@@ -186,14 +186,27 @@ def overlaps(index: Sequence[Product], sizes: Tuple[int, int]) -> bool:
     """Whether some element is owned by two of the segments (their rows and their cols both meet),
     from the index lists (``sizes``: the two dims' lengths): at once False where the rows (or the
     cols) of all segments are disjoint, e.g. an IST partition (``bincount``: serial on the CPU, no
-    parallel region for a few thousand indices); else every pair at once: the segments' row marks
-    times their transpose counts the rows each pair shares, the same for cols (two small matmuls of
-    0/1 marks, exact in float32), one host sync."""
-    if len(index) < 2 or not _meet([p[0] for p in index], sizes[0]) or not _meet([p[1] for p in index], sizes[1]):
+    parallel region for a few thousand indices); else the pairs in batches: the row marks of a
+    batch of segments times those of every segment up to it count the rows each pair shares, the
+    same for cols (small matmuls of 0/1 marks, exact in float32). The batches double (8, 8, 16,
+    32, ... segments), so a shared pair among the first segments stops it early; a host sync per
+    batch."""
+    n = len(index)
+    if n < 2 or not _meet([p[0] for p in index], sizes[0]) or not _meet([p[1] for p in index], sizes[1]):
         return False
-    rows, cols = marks([p[0] for p in index], sizes[0], torch.float32), marks([p[1] for p in index], sizes[1], torch.float32)
-    both = ((rows @ rows.T) > 0) & ((cols @ cols.T) > 0)  # [n, n]: pairs that share rows and cols
-    return bool(both.triu(1).any())
+    rows = torch.zeros(0, sizes[0], dtype=torch.float32, device=index[0][0].device)
+    cols = torch.zeros(0, sizes[1], dtype=torch.float32, device=index[0][1].device)
+    start = 0
+    while start < n:
+        end = min(n, max(8, 2 * start))
+        rows = torch.cat([rows, marks([p[0] for p in index[start:end]], sizes[0], torch.float32)])
+        cols = torch.cat([cols, marks([p[1] for p in index[start:end]], sizes[1], torch.float32)])
+        # [batch, end]: segment start + b and segment i share rows and cols, for i < start + b
+        both = ((rows[start:end] @ rows.T) > 0) & ((cols[start:end] @ cols.T) > 0)
+        if bool(both.tril(start - 1).any()):
+            return True
+        start = end
+    return False
 
 
 @torch.no_grad()
