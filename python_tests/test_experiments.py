@@ -812,6 +812,28 @@ def test_speed_seed_summary_times_the_seeds_rounds_by_each_links_round_time():
     assert "| lm | 4 | ist-ffn | none | 10mbit | 12, —, 13 |" in md and "not reached" in md
 
 
+def test_speed_report_says_when_kept_runs_span_sessions():
+    """Kept runs more than an hour apart are of different sessions: the report says so and lists
+    each session's methods and seeds (seeds in number order, the varying fields named); runs of one
+    session, runs not kept and unparsable times give nothing."""
+    def run(method, seed, at, link="loopback"):
+        return {"config": "lm12", "workers": 4, "method": method, "compress": "none", "link": link, "seed": seed,
+                "measured_at": at}
+
+    one = [run("localsgd", 0, "2026-11-29T06:43:39Z"), run("resist", 0, "2026-11-29T07:40:00Z"),
+           run("resist", 1, None), run("ddp", 10, "not a time")]
+    assert HR.sessions_lines(one) == [] and HR.sessions_lines([]) == []
+    two = one + [run("ddp", 2, "2026-11-29T15:05:51Z"), run("ddp", 10, "2026-11-29T14:57:53Z"),
+                 run("ddp", 1, "2026-11-29T08:30:00Z")]
+    (blank, line) = HR.sessions_lines(two)
+    assert blank == "" and "measured in 2 sessions" in line
+    assert ("2026-11-29 06:43-08:30 UTC: ddp 1; localsgd 0; resist 0 | 2026-11-29 14:57-15:05 UTC: ddp 2, 10."
+            in line), line
+    (_, line) = HR.sessions_lines(two + [run("ddp", 3, "2026-11-30T01:00:00Z", link="10mbit")])
+    assert "3 sessions" in line and "2026-11-30 01:00-01:00 UTC: ddp (10mbit) 3." in line
+    assert "ddp (loopback) 2, 10" in line
+
+
 def test_speed_seed_summary_charges_the_rounds_a_phased_method_takes():
     """A link's time to target from the seeds' mean rounds is its run's own seconds through those
     rounds (LOFT: cheap pre-training rounds, then dearer fine-tuning ones), not mean round x rounds."""

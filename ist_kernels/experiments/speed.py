@@ -82,7 +82,7 @@ from . import harness as C
 from .harness import link as L
 from .harness.analysis import analyse, link_order, predict, seed_summary
 from .harness.launch import curve, launch, run_over_links
-from .harness.report import baseline_lines, number, runs_lines, summary_lines, tuning_lines
+from .harness.report import baseline_lines, number, runs_lines, sessions_lines, summary_lines, tuning_lines
 from .harness.store import NotStored, run_path
 from .harness.tuning import LR_GRID, TUNE_HOLDOUT, lr_multipliers, tune
 from .harness.workload import METRICS, base_lr, compresses, method_flags, trainer_method, trains
@@ -530,6 +530,7 @@ def markdown(args, runs, scale, skipped, errors, link_note, tuning=None, baselin
     L_ += tuning_lines(tuning or {})
     L_ += summary_lines(seed_summary(runs))
     L_ += runs_lines(runs)
+    L_ += sessions_lines(runs)
     if skipped:
         L_ += ["", "Not run: " + "; ".join(skipped)]
     if errors:

@@ -4,6 +4,7 @@ markdown tables of runs of the trainer: the tuning, the per-seed summary, the ru
 
 The JSON holds only finite numbers: a value that diverged is ``null`` and is listed under
 ``"divergences"`` with what diverged, its seed, learning rate and step."""
+import calendar
 import json
 import math
 import os
@@ -180,6 +181,56 @@ def baseline_lines(baselines: Optional[Dict[str, Any]]) -> List[str]:
             f"{baselines['unigram_bits']:.3f} bits, a byte given the previous one (bigram conditional entropy) "
             f"{baselines['bigram_bits']:.3f} bits.", ""]
 
+
+
+SESSION_GAP_H = 1.0  # kept runs measured further apart than this (hours) are of different sessions
+
+
+def _measured(r: Dict[str, Any]) -> Optional[float]:
+    """A run's ``measured_at`` (a kept run's UTC ISO 8601 time) in seconds since the epoch; None
+    where it has none or it does not parse."""
+    at = r.get("measured_at")
+    try:
+        return calendar.timegm(time.strptime(at, "%Y-%m-%dT%H:%M:%SZ")) if at else None
+    except (TypeError, ValueError):
+        return None
+
+
+def sessions_lines(runs: Sequence[Dict[str, Any]]) -> List[str]:
+    """Where the runs (kept ones, ``measured_at``) were measured in more than one session (more than
+    ``SESSION_GAP_H`` hours between one and the next): a sentence that says so, and which runs each
+    session measured. Seconds a round of runs from different sessions carry the machine's drift
+    between them (a 2-core CPU drifted 0.87x between two sessions of one day, the same final);
+    rounds to target and finals do not. Nothing when every run is of one session or none is kept."""
+    timed = sorted(((t, r) for r in runs if (t := _measured(r)) is not None), key=lambda x: x[0])
+    if not timed:
+        return []
+    groups: List[List[Any]] = [[timed[0]]]
+    for prev, cur in zip(timed, timed[1:]):
+        if cur[0] - prev[0] > SESSION_GAP_H * 3600:
+            groups.append([])
+        groups[-1].append(cur)
+    if len(groups) < 2:
+        return []
+    varies = [k for k in ("config", "workers", "link", "compress") if len({str(r.get(k)) for _, r in timed}) > 1]
+
+    def label(r):
+        where = " ".join(str(r.get(k)) for k in varies)
+        return f"{r['method']}{' (' + where + ')' if where else ''}"
+
+    def hm(t, day=True):
+        return time.strftime("%Y-%m-%d %H:%M" if day else "%H:%M", time.gmtime(t))
+
+    parts = []
+    for g in groups:
+        seeds: Dict[str, List[str]] = {}
+        for _, r in g:
+            seeds.setdefault(label(r), []).append(str(r.get("seed")))
+        what = "; ".join(f"{m} {', '.join(sorted(v, key=lambda x: (len(x), x)))}" for m, v in sorted(seeds.items()))
+        parts.append(f"{hm(g[0][0])}-{hm(g[-1][0], False)} UTC: {what}")
+    return ["", f"The kept runs were measured in {len(groups)} sessions (more than {SESSION_GAP_H:g} h apart); seconds "
+            "a round compared across sessions carry the machine's speed drift between them, rounds to target and "
+            "finals do not. Method and seeds by session: " + " | ".join(parts) + "."]
 
 
 def runs_lines(runs: Sequence[Dict[str, Any]]) -> List[str]:
