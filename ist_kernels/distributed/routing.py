@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..ops.slices.product import UNION_CHUNK, marks, row_groups, union_numels
+from ..ops.slices.product import UNION_CHUNK, cat_lists, marks, row_groups, union_numels
 
 
 @dataclass
@@ -128,7 +128,7 @@ def owner_ids(entries: Sequence[Entry], owners: Sequence[Sequence[Tensor]], num:
                              f"{k // len(entries)} must be a 1-D int64 tensor, got {i.dtype} with shape {tuple(i.shape)}")
     if not idx:
         return mask
-    raw, which, _ = _cat([i.cpu() for i in idx])
+    raw, which, _ = cat_lists([i.cpu() for i in idx])
     if not raw.numel():
         return mask
     lens = torch.tensor([i.numel() for i in idx], dtype=torch.int64)
@@ -285,15 +285,6 @@ def first_held_parts(blocks: Sequence[Sequence[Tuple[Tensor, Tensor]]], shape: T
     return out
 
 
-def _cat(idx: Sequence[Tensor], place: bool = False) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """The index lists one after another, which list each element came from, and (``place``) its
-    place in that list."""
-    lens = torch.tensor([i.numel() for i in idx], dtype=torch.int64)
-    which = torch.repeat_interleave(lens)
-    at = torch.arange(which.numel(), dtype=torch.int64) - (lens.cumsum(0) - lens)[which] if place else None
-    return (torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)), which, at
-
-
 def _stacked(parts: Sequence[Part], axis: int, n: int) -> Tuple[Tensor, Tensor]:
     """[len(parts), n] bool marks of the parts' rows (axis 0) or cols (axis 1) and [len(parts), n]
     int64 positions of each in its part's storage block (-1 where the storage lacks it)."""
@@ -305,7 +296,7 @@ def _stacked(parts: Sequence[Part], axis: int, n: int) -> Tuple[Tensor, Tensor]:
         pos[full] = torch.arange(n, dtype=torch.int64)
     kept = [i for i, st in enumerate(stores) if st is not None]
     if kept:
-        ids, which, place = _cat([stores[i] for i in kept], True)
+        ids, which, place = cat_lists([stores[i] for i in kept], True)
         pos[torch.tensor(kept, dtype=torch.int64)[which], ids] = place
     return marked, pos
 
@@ -325,7 +316,7 @@ def meet_pieces(contrib: Sequence[Part], need: Sequence[Part], shape: Tuple[int,
     for axis in (0, 1):
         n = shape[axis]
         idx = [(a.rows, a.cols)[axis] for a in contrib]
-        ids, owner, place = _cat(idx, True)
+        ids, owner, place = cat_lists(idx, True)
         width = max(i.numel() for i in idx)
         pad = torch.full((A, width), n, dtype=torch.int64)  # contrib i's ids in row i, padded with n
         pad[owner, place] = ids

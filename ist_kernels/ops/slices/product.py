@@ -130,16 +130,23 @@ def _meet(lists: Sequence[Tensor], size: int) -> bool:
 UNION_CHUNK = 1 << 22  # union_numels: column marks per chunk of row groups (~16 MB of float32)
 
 
+def cat_lists(lists: Sequence[Tensor], place: bool = False) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The index lists one after another (on their device), which list each element came from, and
+    (``place``) its place in that list. No host sync."""
+    device = lists[0].device if lists else torch.device("cpu")
+    sizes = [i.numel() for i in lists]
+    lens = torch.tensor(sizes, dtype=torch.int64, device=device)
+    which = torch.repeat_interleave(torch.arange(len(sizes), device=device), lens, output_size=sum(sizes))
+    at = torch.arange(which.numel(), dtype=torch.int64, device=device) - (lens.cumsum(0) - lens)[which] if place else None
+    return (torch.cat(list(lists)) if lists else torch.zeros(0, dtype=torch.int64)), which, at
+
+
 def marks(lists: Sequence[Tensor], n: int, dtype: torch.dtype = torch.bool) -> Tensor:
     """[len(lists), n] on the lists' device: row i marks (True / 1) the indices of ``lists[i]``
     (each in [0, n)). One scatter, no host sync."""
-    device = lists[0].device if lists else torch.device("cpu")
-    out = torch.zeros(len(lists), n, dtype=dtype, device=device)
-    lens = [i.numel() for i in lists]
-    if sum(lens):
-        which = torch.repeat_interleave(torch.arange(len(lists), device=device),
-                                        torch.tensor(lens, device=device), output_size=sum(lens))
-        out[which, torch.cat(list(lists))] = 1
+    out = torch.zeros(len(lists), n, dtype=dtype, device=lists[0].device if lists else torch.device("cpu"))
+    ids, which, _ = cat_lists(lists)
+    out[which, ids] = 1
     return out
 
 
