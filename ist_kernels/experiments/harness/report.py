@@ -14,6 +14,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
 from .analysis import BLOW_UP
+from .store import STORED_AT
 from .tuning import TUNE_RULE
 
 # ---------------------------------------------------------------- outputs
@@ -191,7 +192,7 @@ def _measured(r: Dict[str, Any]) -> Optional[float]:
     where it has none or it does not parse."""
     at = r.get("measured_at")
     try:
-        return calendar.timegm(time.strptime(at, "%Y-%m-%dT%H:%M:%SZ")) if at else None
+        return calendar.timegm(time.strptime(at, STORED_AT)) if at else None
     except (TypeError, ValueError):
         return None
 

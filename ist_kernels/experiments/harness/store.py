@@ -9,6 +9,8 @@ import os
 import time
 from typing import Any, Dict, Optional, Sequence
 
+STORED_AT = "%Y-%m-%dT%H:%M:%SZ"  # a kept run's ``stored_at``: UTC, ISO 8601
+
 #: what makes a stored run the same run (--runs-dir): the trainer's arguments and where it ran
 STORE_VERSION = 1
 
@@ -62,7 +64,7 @@ def keep(store: str, key: Dict[str, Any], run: Dict[str, Any]) -> str:
     """Write ``run`` to ``store`` atomically (a run interrupted while writing leaves no half file);
     returns the time it was stored (UTC, ISO 8601)."""
     os.makedirs(os.path.dirname(os.path.abspath(store)), exist_ok=True)
-    tmp, at = store + f".tmp{os.getpid()}", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    tmp, at = store + f".tmp{os.getpid()}", time.strftime(STORED_AT, time.gmtime())
     with open(tmp, "w") as f:
         json.dump({"key": key, "stored_at": at,
                    "host_cpus": os.cpu_count(), "summary": run["summary"], "metrics": run["metrics"]}, f,
